@@ -1,0 +1,99 @@
+"""Decoder layer, model and causal LM for both families. Reads top-down; no generation logic here."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shard_svc.config import ModelConfig
+from shard_svc.forward_batch import ForwardContext
+from shard_svc.model.attn_res import AttnResMix, BlockCarry
+from shard_svc.model.ffn import MoE, GatedMLP
+from shard_svc.model.kda import KDAttention
+from shard_svc.model.layers import RMSNorm
+from shard_svc.model.mla import MLAttention
+
+MIXERS = {"kda": KDAttention, "mla": MLAttention}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, idx: int, dtype: torch.dtype):
+        super().__init__()
+        d, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.idx = idx
+        self.input_layernorm = RMSNorm(d, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(d, eps, dtype)
+        self.self_attn = MIXERS[cfg.layer_kinds[idx]](cfg, idx, dtype)
+        if cfg.mlp_kinds[idx] == "dense":
+            self.mlp = GatedMLP(cfg, d, cfg.intermediate_size, dtype)
+        else:
+            self.block_sparse_moe = MoE(cfg, dtype)
+        if cfg.attn_res_block_size:
+            self.self_attention_res = AttnResMix(d, eps, dtype)
+            self.mlp_res = AttnResMix(d, eps, dtype)
+
+    def mixer(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.self_attn(self.input_layernorm(x, ctx.ops), ctx)
+
+    def ffn(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        block = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        return block(self.post_attention_layernorm(x, ctx.ops), ctx)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Plain residual path."""
+        h = h + self.mixer(h, ctx)
+        return h + self.ffn(h, ctx)
+
+    def forward_attn_res(self, x: torch.Tensor, carry: BlockCarry, ctx: ForwardContext) -> torch.Tensor:
+        """Block Attention Residuals path (MODELS.md §2, steps 1-8)."""
+        prefix = x
+        if carry.count:
+            x = self.self_attention_res(prefix, carry.filled(), ctx.ops)
+        opens = carry.opens_block(self.idx)
+        if opens:
+            carry.append(prefix)
+        h = self.mixer(x, ctx)
+        prefix = h if opens else prefix + h
+        m = self.mlp_res(prefix, carry.filled(), ctx.ops)
+        return prefix + self.ffn(m, ctx)
+
+
+class KimiModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        if cfg.attn_res_block_size:
+            self.output_attn_res = AttnResMix(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids [T] packed -> final-normed hidden states [T, D]."""
+        h = self.embed_tokens(input_ids)
+        if not self.cfg.attn_res_block_size:
+            for layer in self.layers:
+                h = layer(h, ctx)
+            return self.norm(h, ctx.ops)
+        carry = BlockCarry(self.cfg.num_layers, self.cfg.attn_res_block_size, h)
+        for layer in self.layers:
+            h = layer.forward_attn_res(h, carry, ctx)
+        # Mix, then norm: the order is part of the model (LESSONS.md 1).
+        return self.norm(self.output_attn_res(h, carry.filled(), ctx.ops), ctx.ops)
+
+
+class KimiForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.model = KimiModel(cfg, dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> fp32 logits [N, vocab]."""
+        weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
+        return (hidden @ weight.t()).float()

@@ -1,0 +1,51 @@
+"""MLA mixer without rotary: (optional q-LoRA) queries, a latent KV cache, optional sigmoid output gate."""
+
+import torch
+from torch import nn
+
+from shard_svc.config import ModelConfig
+from shard_svc.forward_batch import ForwardContext
+from shard_svc.model.layers import RMSNorm, linear
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        c = cfg.mla
+        d = cfg.hidden_size
+        self.layer_idx = layer_idx
+        self.nh, self.nope, self.rope, self.v_dim, self.kv_lora = (
+            c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank)
+        self.scale = c.qk_head_dim**-0.5
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.num_heads * c.qk_head_dim, d, dtype)
+        else:
+            self.q_a_proj = linear(c.q_lora_rank, d, dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = linear(c.num_heads * c.qk_head_dim, c.q_lora_rank, dtype)
+        self.kv_a_proj_with_mqa = linear(c.kv_lora_rank + c.qk_rope_head_dim, d, dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = linear(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype)
+        if c.output_gate:
+            self.g_proj = linear(c.num_heads * c.v_head_dim, d, dtype)
+        self.o_proj = linear(d, c.num_heads * c.v_head_dim, dtype)
+
+    def _queries(self, x: torch.Tensor, ops) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), ops))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        ops, batch = ctx.ops, ctx.batch
+        q = self._queries(x, ops).view(t, self.nh, self.nope + self.rope)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        cache = ctx.kv_cache.layer(self.layer_idx)
+        # The cache stores the normed c_kv, so decode never re-normalises old tokens.
+        ops.mla_cache_write(cache, torch.cat([self.kv_a_layernorm(c_kv, ops), k_pe], dim=-1), batch.slot_mapping)
+        attend = ops.mla_decode if batch.is_decode else ops.mla_prefill
+        o = attend(q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
+                   batch.ctx_lens, batch.cu_seqlens, self.scale).reshape(t, self.nh * self.v_dim)
+        if hasattr(self, "g_proj"):
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

@@ -1,0 +1,80 @@
+"""The op dispatch seam: every op the model calls, by name, from one selected backend.
+
+The model file only calls `ops.<name>(...)`; a faster backend (Triton) registers replacements for some names and
+the rest stay eager. Which backend serves each op is logged once at startup, so nothing switches silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import torch
+
+from shard_svc.ops import conv, norm
+from shard_svc.ops.kda import eager as kda_eager
+from shard_svc.ops.mla import eager as mla_eager
+from shard_svc.ops.moe import eager as moe_eager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ops:
+    rms_norm: Callable
+    gated_rms_norm: Callable
+    short_conv: Callable
+    kda_prefill: Callable
+    kda_decode: Callable
+    mla_cache_write: Callable
+    mla_prefill: Callable
+    mla_decode: Callable
+    moe_route: Callable
+    moe_experts: Callable
+    backends: tuple[tuple[str, str], ...] = ()  # (op name, backend that serves it)
+
+
+EAGER: dict[str, Callable] = {
+    "rms_norm": norm.rms_norm,
+    "gated_rms_norm": norm.gated_rms_norm,
+    "short_conv": conv.short_conv,
+    "kda_prefill": kda_eager.kda_prefill,
+    "kda_decode": kda_eager.kda_decode,
+    "mla_cache_write": mla_eager.mla_cache_write,
+    "mla_prefill": mla_eager.mla_attention,
+    "mla_decode": mla_eager.mla_attention,
+    "moe_route": moe_eager.moe_route,
+    "moe_experts": moe_eager.moe_experts,
+}
+
+# backend name -> loader returning {op name: implementation}; loaders import lazily (Triton needs a GPU).
+BACKENDS: dict[str, Callable[[], dict[str, Callable]]] = {"eager": lambda: EAGER}
+
+
+class OpBackendError(RuntimeError):
+    """A requested op backend cannot run on this device."""
+
+
+def select_ops(device: torch.device, backend: str = "auto") -> Ops:
+    """`auto` is eager on the CPU and `triton` on CUDA; an explicitly requested backend that fails raises."""
+    if backend == "auto":
+        backend = "triton" if device.type == "cuda" and "triton" in BACKENDS else "eager"
+    if backend not in BACKENDS:
+        raise OpBackendError(f"unknown op backend {backend!r} (known: {sorted(BACKENDS)})")
+    impls = dict(EAGER)
+    served = {name: "eager" for name in EAGER}
+    if backend != "eager":
+        try:
+            overrides = BACKENDS[backend]()
+        except Exception as e:  # noqa: BLE001 - re-raised as a named error with the cause
+            raise OpBackendError(f"op backend {backend!r} failed to load on {device}: {e}") from e
+        impls.update(overrides)
+        served.update({name: backend for name in overrides})
+    ops = Ops(**impls, backends=tuple(sorted(served.items())))
+    log.info("op backends selected", extra={"device": str(device), "ops": dict(ops.backends)})
+    return ops
+
+
+def op_names() -> list[str]:
+    return [f.name for f in fields(Ops) if f.name != "backends"]

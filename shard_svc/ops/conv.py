@@ -1,0 +1,28 @@
+"""Eager causal depthwise short convolution over packed variable-length sequences, with SiLU.
+
+The conv state of a sequence is its last W-1 inputs (oldest first), kept in a pool slot so a later chunk or
+decode step continues exactly where the previous call stopped.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def short_conv(
+    x: torch.Tensor,  # [T, C] packed new inputs of all sequences
+    weight: torch.Tensor,  # [C, W]
+    conv_state: torch.Tensor,  # [slots, C, W-1] one layer's pool view, updated in place
+    slots: torch.Tensor,  # [B] pool slot of each sequence
+    cu_seqlens: torch.Tensor,  # [B+1] offsets of each sequence in x
+) -> torch.Tensor:
+    """Returns SiLU(conv(x)) [T, C] in x's dtype; writes each sequence's last W-1 inputs back to its slot."""
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu_seqlens.tolist()
+    for b, slot in enumerate(slots.tolist()):
+        start, end = bounds[b], bounds[b + 1]
+        seq = torch.cat([conv_state[slot].to(x.dtype), x[start:end].t()], dim=1)  # [C, W-1+L]
+        y = F.conv1d(seq.unsqueeze(0).float(), weight.float().unsqueeze(1), groups=weight.shape[0])  # [1, C, L]
+        out[start:end] = F.silu(y[0].t()).to(x.dtype)
+        conv_state[slot] = seq[:, seq.shape[1] - (width - 1):].to(conv_state.dtype)
+    return out

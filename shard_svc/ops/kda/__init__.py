@@ -1,0 +1,1 @@
+"""KDA (Kimi Delta Attention) ops: gate, recurrent reference, chunked eager prefill, eager decode."""

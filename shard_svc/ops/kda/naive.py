@@ -1,0 +1,40 @@
+"""Token-by-token KDA recurrence: the reference every faster KDA path is tested against. fp32, explicit loop."""
+
+import torch
+
+from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
+
+
+def naive_recurrent_kda(
+    q: torch.Tensor,  # [L, H, K] fp32, normalised and scaled
+    k: torch.Tensor,  # [L, H, K] fp32, normalised
+    v: torch.Tensor,  # [L, H, V]
+    g: torch.Tensor,  # [L, H, K] fp32 log-decay
+    beta: torch.Tensor,  # [L, H] fp32
+    state: torch.Tensor,  # [H, K, V] fp32 initial state (not modified)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (o [L, H, V] fp32, final state [H, K, V] fp32)."""
+    s = state.float().clone()
+    out = []
+    for t in range(q.shape[0]):
+        s = s * torch.exp(g[t]).unsqueeze(-1)
+        u = beta[t].unsqueeze(-1) * (v[t].float() - torch.einsum("hkv,hk->hv", s, k[t]))
+        s = s + torch.einsum("hk,hv->hkv", k[t], u)
+        out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    return torch.stack(out) if out else v.new_zeros(v.shape, dtype=torch.float32), s
+
+
+def naive_kda_varlen(
+    q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens
+) -> torch.Tensor:
+    """Same contract as the `kda_prefill` op, computed with the token loop (reference for tests)."""
+    g = kda_gate(f, a_log, dt_bias, lower_bound)
+    qn, kn, beta = prepare_qkb(q, k, beta_logits)
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for b, slot in enumerate(slots.tolist()):
+        s, e = bounds[b], bounds[b + 1]
+        o, final = naive_recurrent_kda(qn[s:e], kn[s:e], v[s:e], g[s:e], beta[s:e], state_pool[slot])
+        out[s:e] = o.to(v.dtype)
+        state_pool[slot] = final
+    return out

@@ -1,0 +1,1 @@
+"""MLA (multi-head latent attention, no rotary) ops over the paged latent cache."""

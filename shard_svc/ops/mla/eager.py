@@ -1,0 +1,45 @@
+"""Eager MLA attention over the paged latent KV cache: the reference for the MLA kernels.
+
+The cache holds, per token and MLA layer, `[RMSNorm(c_kv) (kv_lora) | k_pe (rope)]`. New tokens are written first
+(`mla_cache_write`), then each query attends causally to its sequence's cached prefix plus itself.
+"""
+
+import torch
+
+
+def mla_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [blocks, block_size, W] one layer's view; latent [T, W]; slot_mapping [T] flat token positions."""
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = latent.to(kv_cache.dtype)
+
+
+def mla_attention(
+    q_nope: torch.Tensor,  # [T, nh, nope]
+    q_pe: torch.Tensor,  # [T, nh, rope]
+    kv_cache: torch.Tensor,  # [blocks, block_size, kv_lora + rope], already holding the new tokens
+    w_kv_b: torch.Tensor,  # [nh * (nope + v), kv_lora]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    ctx_lens: torch.Tensor,  # [B] tokens cached before this step
+    cu_seqlens: torch.Tensor,  # [B+1] new-token offsets
+    scale: float,
+) -> torch.Tensor:
+    """Returns o [T, nh, v] in q's dtype. Non-absorbed form: expand the latent to per-head K/V, then softmax."""
+    nh, nope = q_nope.shape[1], q_nope.shape[2]
+    kv_lora = w_kv_b.shape[1]
+    v_dim = w_kv_b.shape[0] // nh - nope
+    block_size = kv_cache.shape[1]
+    out = torch.empty(q_nope.shape[0], nh, v_dim, dtype=q_nope.dtype, device=q_nope.device)
+    bounds, ctx = cu_seqlens.tolist(), ctx_lens.tolist()
+    for b in range(len(ctx)):
+        s, e = bounds[b], bounds[b + 1]
+        total = ctx[b] + (e - s)
+        nblocks = -(-total // block_size)
+        lat = kv_cache[block_tables[b, :nblocks].long()].reshape(-1, kv_cache.shape[-1])[:total].float()
+        kv = (lat[:, :kv_lora] @ w_kv_b.float().t()).view(total, nh, nope + v_dim)
+        k_nope, v = kv[..., :nope], kv[..., nope:]
+        scores = torch.einsum("ihd,jhd->hij", q_nope[s:e].float(), k_nope)
+        scores = scores + torch.einsum("ihd,jd->hij", q_pe[s:e].float(), lat[:, kv_lora:])
+        pos = torch.arange(ctx[b], total, device=q_nope.device).unsqueeze(1)  # absolute query positions
+        mask = torch.arange(total, device=q_nope.device).unsqueeze(0) > pos  # [i, j] future keys
+        probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)
+        out[s:e] = torch.einsum("hij,jhd->ihd", probs, v).to(out.dtype)
+    return out

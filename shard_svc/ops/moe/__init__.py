@@ -1,0 +1,1 @@
+"""MoE ops: sigmoid top-k routing and the routed-expert computation."""

@@ -1,0 +1,1 @@
+"""Per-sequence state: KDA recurrent + conv state slots, and the paged MLA latent KV cache."""

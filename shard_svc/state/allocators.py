@@ -1,0 +1,69 @@
+"""Pure-Python slot and block accounting (no tensors): which slot or block belongs to whom."""
+
+from __future__ import annotations
+
+from shard_svc.errors import KVBlocksExhausted, StateSlotsExhausted
+
+
+class SlotAllocator:
+    """Fixed set of state slots; one per live sequence."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._owner: dict[int, str] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, owner: str) -> int:
+        if not self._free:
+            raise StateSlotsExhausted(f"all {self.num_slots} KDA state slots are in use; cannot admit {owner!r}")
+        slot = self._free.pop()
+        self._owner[slot] = owner
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot not in self._owner:
+            raise ValueError(f"state slot {slot} is not allocated")
+        del self._owner[slot]
+        self._free.append(slot)
+
+
+class BlockAllocator:
+    """Fixed pool of KV blocks of `block_size` tokens; a sequence's blocks form its block table."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def extra_blocks_needed(self, owner: str, num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(owner, ())))
+
+    def reserve(self, owner: str, num_tokens: int) -> list[int]:
+        """Grow `owner`'s table to hold `num_tokens`; returns the newly added block ids."""
+        need = self.extra_blocks_needed(owner, num_tokens)
+        if need > len(self._free):
+            raise KVBlocksExhausted(
+                f"{owner!r} needs {need} more KV blocks for {num_tokens} tokens; {len(self._free)} of "
+                f"{self.num_blocks} free"
+            )
+        new = [self._free.pop() for _ in range(need)]
+        self._tables.setdefault(owner, []).extend(new)
+        return new
+
+    def table(self, owner: str) -> list[int]:
+        return self._tables.get(owner, [])
+
+    def release(self, owner: str) -> None:
+        self._free.extend(reversed(self._tables.pop(owner, [])))

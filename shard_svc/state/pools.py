@@ -1,0 +1,66 @@
+"""Fixed-address state pools. One allocation per pool, laid out (layers, slots|blocks, ...), indexed by the
+LayerMap's KDA / MLA indices so per-layer views stay contiguous and a CUDA graph can capture them."""
+
+from __future__ import annotations
+
+import torch
+
+from shard_svc.config import ModelConfig
+from shard_svc.state.allocators import BlockAllocator, SlotAllocator
+
+
+class KDAStatePool:
+    """Recurrent state [num_kda, slots, H, K, V] fp32 and conv state [num_kda, slots, 3*H*K, W-1]."""
+
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device, conv_dtype: torch.dtype):
+        k = cfg.kda
+        n = cfg.layer_map.num_kda
+        self.layer_map = cfg.layer_map
+        self.recurrent = torch.zeros(n, num_slots, k.num_heads, k.head_dim, k.head_dim, dtype=torch.float32,
+                                     device=device)
+        self.conv = torch.zeros(n, num_slots, 3 * k.num_heads * k.head_dim, k.conv_kernel - 1, dtype=conv_dtype,
+                                device=device)
+        self.slots = SlotAllocator(num_slots)
+
+    def layer(self, engine_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent [slots, H, K, V], conv [slots, 3HK, W-1]) views of one KDA layer, by engine layer index."""
+        i = self.layer_map.kda_slot_of(engine_layer)
+        return self.recurrent[i], self.conv[i]
+
+    def allocate(self, owner: str) -> int:
+        """A zeroed slot for a new sequence."""
+        slot = self.slots.allocate(owner)
+        self.recurrent[:, slot].zero_()
+        self.conv[:, slot].zero_()
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.slots.free(slot)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        per = self.recurrent[:, 0].numel() * self.recurrent.element_size()
+        return per + self.conv[:, 0].numel() * self.conv.element_size()
+
+
+class MLAKVCache:
+    """Paged latent cache [num_mla, blocks, block_size, kv_lora + rope] with block tables per sequence."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype):
+        self.layer_map = cfg.layer_map
+        self.kv = torch.zeros(cfg.layer_map.num_mla, num_blocks, block_size, cfg.mla.latent_dim, dtype=dtype,
+                              device=device)
+        self.blocks = BlockAllocator(num_blocks, block_size)
+        self.block_size = block_size
+
+    def layer(self, engine_layer: int) -> torch.Tensor:
+        return self.kv[self.layer_map.mla_slot_of(engine_layer)]
+
+    def reserve(self, owner: str, num_tokens: int) -> None:
+        """Make room for `num_tokens` in total for `owner`; new blocks are zeroed."""
+        for block in self.blocks.reserve(owner, num_tokens):
+            self.kv[:, block].zero_()
+
+    def release(self, owner: str) -> None:
+        self.blocks.release(owner)
