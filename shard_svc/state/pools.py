@@ -27,15 +27,10 @@ class KDAStatePool:
         i = self.layer_map.kda_slot_of(engine_layer)
         return self.recurrent[i], self.conv[i]
 
-    def allocate(self, owner: str) -> int:
-        """A zeroed slot for a new sequence."""
-        slot = self.slots.allocate(owner)
+    def zero_slot(self, slot: int) -> None:
+        """Called when a slot is handed to a new sequence, before its first forward."""
         self.recurrent[:, slot].zero_()
         self.conv[:, slot].zero_()
-        return slot
-
-    def free(self, slot: int) -> None:
-        self.slots.free(slot)
 
     @property
     def bytes_per_slot(self) -> int:

@@ -1,0 +1,1 @@
+"""The serving engine: sequences, a pure-Python scheduler, the model runner, sampling, and the step loop."""

@@ -1,0 +1,162 @@
+"""The engine: requests in, token events out. `step()` runs one prefill pass and one decode pass."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shard_svc.config import ModelConfig
+from shard_svc.engine.runner import ModelRunner
+from shard_svc.engine.sampling import SamplingParams, make_generator, sample
+from shard_svc.engine.scheduler import Scheduler
+from shard_svc.engine.sequence import Sequence
+from shard_svc.errors import ContextTooLong, InvalidRequest, KVBlocksExhausted
+from shard_svc.model import KimiForCausalLM
+from shard_svc.ops import Ops
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_state_slots: int = 16  # concurrent sequences (KDA state pool slots)
+    num_kv_blocks: int = 1024  # MLA latent cache blocks
+    kv_block_size: int = 16  # tokens per block
+    prefill_token_budget: int = 512  # new prompt tokens per prefill pass (bounds decode step time)
+    max_model_len: int | None = None  # None: the model's own context length
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    request_id: str
+    token_id: int | None  # None on a finish without a new token (cancel, error)
+    index: int  # position of the token in the output
+    finish_reason: str | None = None  # set on the last event of a sequence
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class PassStats:
+    kind: str  # "prefill" | "decode"
+    seconds: float
+    sequences: int
+    tokens: int
+
+
+@dataclass
+class StepResult:
+    events: list[TokenEvent] = field(default_factory=list)
+    passes: list[PassStats] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
+                 engine_cfg: EngineConfig = EngineConfig()):
+        self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
+        self.runner = ModelRunner(cfg, model, ops, device, engine_cfg.num_state_slots, engine_cfg.num_kv_blocks,
+                                  engine_cfg.kv_block_size)
+        self.scheduler = Scheduler(self.runner.kda_pool.slots, self.runner.kv_cache.blocks,
+                                   engine_cfg.num_state_slots, engine_cfg.prefill_token_budget)
+        self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position_embeddings,
+                                 cfg.max_position_embeddings)
+        self.sequences: dict[str, Sequence] = {}
+
+    # -- requests ---------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    keep_prompt_logits: bool = False) -> Sequence:
+        """Validates and queues a request; raises InvalidRequest / ContextTooLong / KVBlocksExhausted."""
+        if request_id in self.sequences:
+            raise InvalidRequest(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise InvalidRequest(f"request {request_id!r}: empty prompt")
+        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequest(f"request {request_id!r}: token ids {bad[:8]} outside [0, {self.cfg.vocab_size})")
+        params.validate(self.cfg.vocab_size)
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ContextTooLong(f"request {request_id!r}: prompt {len(prompt)} + max_tokens {params.max_tokens} "
+                                 f"= {total} tokens exceeds the maximum context {self.max_model_len}")
+        blocks = self.scheduler.blocks
+        if blocks.blocks_for(total) > blocks.num_blocks:
+            raise KVBlocksExhausted(f"request {request_id!r} needs {blocks.blocks_for(total)} KV blocks for "
+                                    f"{total} tokens; the cache has {blocks.num_blocks} in all")
+        seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
+                       keep_prompt_logits=keep_prompt_logits)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, request_id: str) -> TokenEvent | None:
+        """Stops a sequence and frees its slot and blocks at once. Returns its final event, or None if unknown."""
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return None
+        return self._finish(seq, "cancelled")
+
+    def has_work(self) -> bool:
+        return bool(self.sequences)
+
+    # -- stepping ---------------------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        plan = self.scheduler.schedule()
+        result = StepResult()
+        if plan.prefill:
+            self._run_pass("prefill", plan.prefill, result)
+        decode = [(s, 1) for s in plan.decode if not s.finished]
+        if decode:
+            self._run_pass("decode", decode, result)
+        return result
+
+    def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult) -> None:
+        start = time.perf_counter()
+        try:
+            logits = self.runner.forward(work, is_decode=kind == "decode")
+        except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
+            log.exception("forward pass failed", extra={"pass": kind,
+                                                        "request_ids": [s.request_id for s, _ in work]})
+            for seq, _ in work:
+                result.events.append(self._finish(seq, "error", error=f"{kind} pass failed: {e}"))
+            return
+        for (seq, _), rows in zip(work, logits):
+            if seq.keep_prompt_logits:
+                (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
+            if not seq.is_prefilling:
+                result.events.append(self._emit(seq, rows[-1]))
+        tokens = sum(n for _, n in work)
+        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens))
+
+    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
+        token = sample(logits, seq.params, seq.generator)
+        if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
+            seq.step_logits.append(logits.cpu().unsqueeze(0))
+        seq.output.append(token)
+        stops = set(seq.params.stop_token_ids)
+        if not seq.params.ignore_eos:
+            stops.update(self.cfg.eos_token_ids)
+        if token in stops:
+            return self._finish(seq, "stop", token=token)
+        if len(seq.output) >= seq.params.max_tokens:
+            return self._finish(seq, "length", token=token)
+        return TokenEvent(seq.request_id, token, len(seq.output) - 1)
+
+    def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None) -> TokenEvent:
+        self.scheduler.finish(seq)
+        seq.finish_reason, seq.error = reason, error
+        self.sequences.pop(seq.request_id, None)
+        index = len(seq.output) - 1 if token is not None else len(seq.output)
+        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error)
+
+    # -- offline ----------------------------------------------------------------------------------------------
+    def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",
+                 keep_prompt_logits: bool = False) -> Sequence:
+        """Runs one request to completion in-process."""
+        seq = self.add_request(request_id, prompt, params, keep_prompt_logits)
+        while not seq.finished:
+            self.step()
+        return seq

@@ -1,0 +1,68 @@
+"""The model runner: turns a step plan into packed tensors, runs the model, returns logits. Owns the pools."""
+
+from __future__ import annotations
+
+import torch
+
+from shard_svc.config import ModelConfig
+from shard_svc.engine.sequence import Sequence
+from shard_svc.forward_batch import ForwardBatch, ForwardContext
+from shard_svc.model import KimiForCausalLM
+from shard_svc.ops import Ops
+from shard_svc.state.pools import KDAStatePool, MLAKVCache
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
+                 num_slots: int, num_blocks: int, block_size: int):
+        self.cfg, self.model, self.ops, self.device = cfg, model, ops, device
+        dtype = next(model.parameters()).dtype
+        self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype)
+        self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
+
+    def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
+        bs = self.kv_cache.block_size
+        ids: list[int] = []
+        cu, ctx, slots, slot_mapping, tables = [0], [], [], [], []
+        for seq, n in work:
+            if seq.num_computed == 0:
+                self.kda_pool.zero_slot(seq.slot)
+            start = seq.num_computed
+            self.kv_cache.reserve(seq.request_id, start + n)
+            table = self.kv_cache.blocks.table(seq.request_id)
+            ids.extend(seq.tokens[start:start + n])
+            cu.append(cu[-1] + n)
+            ctx.append(start)
+            slots.append(seq.slot)
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        batch = ForwardBatch(
+            cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=dev),
+            ctx_lens=torch.tensor(ctx, dtype=torch.int64, device=dev),
+            state_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
+            is_decode=is_decode,
+        )
+        return torch.tensor(ids, dtype=torch.int64, device=dev), batch
+
+    @torch.inference_mode()
+    def forward(self, work: list[tuple[Sequence, int]], is_decode: bool) -> list[torch.Tensor]:
+        """Runs one pass; returns per sequence fp32 logits [n_rows, vocab]: every new position for sequences that
+        keep prompt logits, else only the last one. Advances each sequence's num_computed."""
+        input_ids, batch = self._batch(work, is_decode)
+        ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
+        hidden = self.model(input_ids, ctx)
+        rows, spans = [], []
+        for i, (seq, n) in enumerate(work):
+            end = int(batch.cu_seqlens[i + 1])
+            first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
+            spans.append(end - first)
+            rows.extend(range(first, end))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        for seq, n in work:
+            seq.num_computed += n
+        return list(logits.split(spans))
