@@ -1,6 +1,8 @@
 """K3 Block Attention Residuals: a depth-wise softmax mix over preallocated block summaries."""
 
 import torch
+
+from shard_svc.ops.precision import upcast
 from torch import nn
 
 from shard_svc.model.layers import RMSNorm
@@ -16,11 +18,12 @@ class AttnResMix(nn.Module):
 
     def forward(self, cur: torch.Tensor, blocks: torch.Tensor, ops) -> torch.Tensor:
         """cur [T, D]; blocks [n, T, D] (the filled prefix of the preallocated carry) -> [T, D]."""
-        w, eps = self.norm.weight.float(), self.norm.eps
-        q = self.proj.weight.float().squeeze(0)  # [D] pseudo-query
-        scores = torch.cat([ops.rms_norm(blocks.float(), w, eps) @ q, (ops.rms_norm(cur.float(), w, eps) @ q)[None]])
+        w, eps = upcast(self.norm.weight), self.norm.eps
+        q = upcast(self.proj.weight).squeeze(0)  # [D] pseudo-query
+        keys_b, key_c = ops.rms_norm(upcast(blocks), w, eps), ops.rms_norm(upcast(cur), w, eps)
+        scores = torch.cat([keys_b @ q, (key_c @ q)[None]])
         probs = torch.softmax(scores, dim=0)  # [n+1, T] over sources
-        mixed = torch.einsum("nt,ntd->td", probs[:-1], blocks.float()) + probs[-1].unsqueeze(-1) * cur.float()
+        mixed = torch.einsum("nt,ntd->td", probs[:-1], upcast(blocks)) + probs[-1].unsqueeze(-1) * upcast(cur)
         return mixed.to(cur.dtype)
 
 

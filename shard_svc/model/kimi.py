@@ -12,6 +12,7 @@ from shard_svc.model.ffn import MoE, GatedMLP
 from shard_svc.model.kda import KDAttention
 from shard_svc.model.layers import RMSNorm
 from shard_svc.model.mla import MLAttention
+from shard_svc.ops.precision import upcast
 
 MIXERS = {"kda": KDAttention, "mla": MLAttention}
 
@@ -96,4 +97,4 @@ class KimiForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        return upcast(hidden @ weight.t())

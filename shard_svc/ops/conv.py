@@ -7,6 +7,8 @@ decode step continues exactly where the previous call stopped.
 import torch
 import torch.nn.functional as F
 
+from shard_svc.ops.precision import upcast
+
 
 def short_conv(
     x: torch.Tensor,  # [T, C] packed new inputs of all sequences
@@ -22,7 +24,7 @@ def short_conv(
     for b, slot in enumerate(slots.tolist()):
         start, end = bounds[b], bounds[b + 1]
         seq = torch.cat([conv_state[slot].to(x.dtype), x[start:end].t()], dim=1)  # [C, W-1+L]
-        y = F.conv1d(seq.unsqueeze(0).float(), weight.float().unsqueeze(1), groups=weight.shape[0])  # [1, C, L]
+        y = F.conv1d(upcast(seq.unsqueeze(0)), upcast(weight).unsqueeze(1), groups=weight.shape[0])  # [1, C, L]
         out[start:end] = F.silu(y[0].t()).to(x.dtype)
         conv_state[slot] = seq[:, seq.shape[1] - (width - 1):].to(conv_state.dtype)
     return out

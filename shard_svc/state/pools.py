@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from shard_svc.config import ModelConfig
+from shard_svc.ops.precision import acc_dtype
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
 
 
@@ -16,7 +17,7 @@ class KDAStatePool:
         k = cfg.kda
         n = cfg.layer_map.num_kda
         self.layer_map = cfg.layer_map
-        self.recurrent = torch.zeros(n, num_slots, k.num_heads, k.head_dim, k.head_dim, dtype=torch.float32,
+        self.recurrent = torch.zeros(n, num_slots, k.num_heads, k.head_dim, k.head_dim, dtype=acc_dtype(conv_dtype),
                                      device=device)
         self.conv = torch.zeros(n, num_slots, 3 * k.num_heads * k.head_dim, k.conv_kernel - 1, dtype=conv_dtype,
                                 device=device)

@@ -5,6 +5,8 @@ Both read each sequence's initial state from the pool by slot and write its fina
 
 import torch
 
+from shard_svc.ops.precision import acc_dtype, upcast
+
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
 
 CHUNK = 64
@@ -13,11 +15,11 @@ CHUNK = 64
 def _chunk_kda(q, k, v, g, beta, state):
     """One sequence. q, k, g [L, H, K], v [L, H, V], beta [L, H] (all fp32), state [H, K, V] -> (o, state)."""
     length = q.shape[0]
-    o = torch.empty(length, *v.shape[1:], dtype=torch.float32, device=v.device)
-    s = state.float().clone()
+    o = torch.empty(length, *v.shape[1:], dtype=acc_dtype(v.dtype), device=v.device)
+    s = upcast(state).clone()
     for c0 in range(0, length, CHUNK):
         c1 = min(c0 + CHUNK, length)
-        qc, kc, vc, bc = (x[c0:c1].transpose(0, 1) for x in (q, k, v.float(), beta))  # head-major [H, C, *]
+        qc, kc, vc, bc = (x[c0:c1].transpose(0, 1) for x in (q, k, upcast(v), beta))  # head-major [H, C, *]
         gc = g[c0:c1].transpose(0, 1).cumsum(1)  # [H, C, K] cumulative log-decay inside the chunk
         n = c1 - c0
         # Pairwise decays exp(G_i - G_j) only where j <= i, so every exponent is <= 0 (no overflow).
@@ -68,7 +70,7 @@ def kda_decode(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool,
     g = kda_gate(f, a_log, dt_bias, lower_bound)  # [B, H, K]
     qn, kn, beta = prepare_qkb(q, k, beta_logits)
     s = state_pool[slots] * torch.exp(g).unsqueeze(-1)  # [B, H, K, V]
-    u = beta.unsqueeze(-1) * (v.float() - torch.einsum("bhkv,bhk->bhv", s, kn))
+    u = beta.unsqueeze(-1) * (upcast(v) - torch.einsum("bhkv,bhk->bhv", s, kn))
     s = s + kn.unsqueeze(-1) * u.unsqueeze(-2)
     state_pool[slots] = s
     return torch.einsum("bhkv,bhk->bhv", s, qn).to(v.dtype)

@@ -1,6 +1,8 @@
 """KDA per-channel log-decay and the q/k/beta preprocessing shared by every KDA op."""
 
 import torch
+
+from shard_svc.ops.precision import upcast
 import torch.nn.functional as F
 
 
@@ -15,8 +17,8 @@ def kda_gate(
     Kimi-Linear: g = -exp(A_log) * softplus(f + dt_bias). K3: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)).
     """
     t, h, k = f.shape
-    x = f.float() + dt_bias.float().view(h, k)
-    a = torch.exp(a_log.float()).view(1, h, 1)
+    x = upcast(f) + upcast(dt_bias).view(h, k)
+    a = torch.exp(upcast(a_log)).view(1, h, 1)
     if lower_bound is None:
         return -a * F.softplus(x, beta=1.0, threshold=20.0)
     return lower_bound * torch.sigmoid(a * x)
@@ -24,11 +26,11 @@ def kda_gate(
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps) over the last dim, in fp32."""
-    xf = x.float()
+    xf = upcast(x)
     return xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def prepare_qkb(q: torch.Tensor, k: torch.Tensor, beta_logits: torch.Tensor):
     """fp32 q (L2-normed, scaled by K^-0.5), k (L2-normed) and beta = sigmoid(logits)."""
     head_dim = q.shape[-1]
-    return l2_normalize(q) * head_dim**-0.5, l2_normalize(k), torch.sigmoid(beta_logits.float())
+    return l2_normalize(q) * head_dim**-0.5, l2_normalize(k), torch.sigmoid(upcast(beta_logits))

@@ -2,6 +2,8 @@
 
 import torch
 
+from shard_svc.ops.precision import acc_dtype, upcast
+
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
 
 
@@ -14,14 +16,14 @@ def naive_recurrent_kda(
     state: torch.Tensor,  # [H, K, V] fp32 initial state (not modified)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (o [L, H, V] fp32, final state [H, K, V] fp32)."""
-    s = state.float().clone()
+    s = upcast(state).clone()
     out = []
     for t in range(q.shape[0]):
         s = s * torch.exp(g[t]).unsqueeze(-1)
-        u = beta[t].unsqueeze(-1) * (v[t].float() - torch.einsum("hkv,hk->hv", s, k[t]))
+        u = beta[t].unsqueeze(-1) * (upcast(v[t]) - torch.einsum("hkv,hk->hv", s, k[t]))
         s = s + torch.einsum("hk,hv->hkv", k[t], u)
         out.append(torch.einsum("hkv,hk->hv", s, q[t]))
-    return torch.stack(out) if out else v.new_zeros(v.shape, dtype=torch.float32), s
+    return torch.stack(out) if out else v.new_zeros(v.shape, dtype=acc_dtype(v.dtype)), s
 
 
 def naive_kda_varlen(

@@ -6,6 +6,8 @@ The cache holds, per token and MLA layer, `[RMSNorm(c_kv) (kv_lora) | k_pe (rope
 
 import torch
 
+from shard_svc.ops.precision import upcast
+
 
 def mla_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache [blocks, block_size, W] one layer's view; latent [T, W]; slot_mapping [T] flat token positions."""
@@ -33,11 +35,12 @@ def mla_attention(
         s, e = bounds[b], bounds[b + 1]
         total = ctx[b] + (e - s)
         nblocks = -(-total // block_size)
-        lat = kv_cache[block_tables[b, :nblocks].long()].reshape(-1, kv_cache.shape[-1])[:total].float()
-        kv = (lat[:, :kv_lora] @ w_kv_b.float().t()).view(total, nh, nope + v_dim)
+        lat = kv_cache[block_tables[b, :nblocks].long()].reshape(-1, kv_cache.shape[-1])[:total]
+        lat = upcast(lat)
+        kv = (lat[:, :kv_lora] @ upcast(w_kv_b).t()).view(total, nh, nope + v_dim)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        scores = torch.einsum("ihd,jhd->hij", q_nope[s:e].float(), k_nope)
-        scores = scores + torch.einsum("ihd,jd->hij", q_pe[s:e].float(), lat[:, kv_lora:])
+        scores = torch.einsum("ihd,jhd->hij", upcast(q_nope[s:e]), k_nope)
+        scores = scores + torch.einsum("ihd,jd->hij", upcast(q_pe[s:e]), lat[:, kv_lora:])
         pos = torch.arange(ctx[b], total, device=q_nope.device).unsqueeze(1)  # absolute query positions
         mask = torch.arange(total, device=q_nope.device).unsqueeze(0) > pos  # [i, j] future keys
         probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)

@@ -2,6 +2,8 @@
 
 import torch
 
+from shard_svc.ops.precision import acc_dtype, upcast
+
 from shard_svc.ops.activations import glu
 
 
@@ -17,8 +19,8 @@ def moe_route(
 
     The bias only chooses experts; the weights are the unbiased sigmoid scores of the chosen ones (MODELS.md).
     """
-    scores = torch.sigmoid(x.float() @ gate_weight.float().t())
-    ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1, sorted=True).indices
+    scores = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
+    ids = torch.topk(scores + upcast(correction_bias), top_k, dim=-1, sorted=True).indices
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -36,10 +38,10 @@ def moe_experts(
     situ_betas: tuple[float, float],
 ) -> torch.Tensor:
     """Weighted sum over each token's chosen experts of w2(act(w1 x, w3 x)); [T, Din] in x's dtype."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=acc_dtype(x.dtype), device=x.device)
     for e in torch.unique(ids).tolist():
         token_idx, which = (ids == e).nonzero(as_tuple=True)
         xe = x[token_idx]
         h = glu(xe @ w1[e].t(), xe @ w3[e].t(), activation, situ_betas)
-        out.index_add_(0, token_idx, (h @ w2[e].t()).float() * weights[token_idx, which].unsqueeze(-1))
+        out.index_add_(0, token_idx, upcast(h @ w2[e].t()) * weights[token_idx, which].unsqueeze(-1))
     return out.to(x.dtype)
