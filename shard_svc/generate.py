@@ -1,0 +1,72 @@
+"""`kimiserve generate`: run the engine in-process on one prompt (no services), for checks and parity runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from shard_svc.checkpoint.loader import load_model
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.ops import select_ops
+
+log = logging.getLogger(__name__)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Prompt and sampling flags shared by `generate` and `complete`."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-ids", type=lambda s: [int(t) for t in s.split(",") if t.strip()],
+                     help="comma-separated prompt token ids")
+    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-ids", type=lambda s: [int(t) for t in s.split(",") if t.strip()], default=[])
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object with tokens and usage")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
+                          ignore_eos=args.ignore_eos)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
+    add_sampling_args(p)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--dump-logits", type=Path, default=None,
+                   help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenizer_svc.loading import load_tokenizer  # the same tokenizer the services use
+
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    cfg, model = load_model(args.model, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(args.model) if args.prompt is not None or args.json else None
+    prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
+    engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))
+    seq = engine.generate(prompt, sampling_from_args(args), keep_prompt_logits=args.dump_logits is not None)
+    if args.dump_logits:
+        from safetensors.torch import save_file
+
+        save_file({"prompt_logits": torch.cat(seq.prompt_logits).float().contiguous(),
+                   "step_logits": torch.cat(seq.step_logits).float().contiguous()}, str(args.dump_logits))
+    text = tokenizer.decode(seq.output) if tokenizer is not None else ""
+    result = {"token_ids": seq.output, "text": text, "finish_reason": seq.finish_reason,
+              "usage": {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.output)}}
+    sys.stdout.write((json.dumps(result) if args.json else text) + "\n")
+    return 0 if seq.finish_reason in ("stop", "length") else 1
