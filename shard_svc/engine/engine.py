@@ -46,6 +46,7 @@ class PassStats:
     seconds: float
     sequences: int
     tokens: int
+    request_ids: list[str]
 
 
 @dataclass
@@ -129,7 +130,8 @@ class Engine:
             if not seq.is_prefilling:
                 result.events.append(self._emit(seq, rows[-1]))
         tokens = sum(n for _, n in work)
-        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens))
+        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
+                                       [s.request_id for s, _ in work]))
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
         token = sample(logits, seq.params, seq.generator)
