@@ -1,0 +1,44 @@
+"""Router logic that needs no network: stop strings and shard choice."""
+
+import pytest
+
+from router.balancer import NoHealthyShard, ShardView, pick_shard
+from router.stop_strings import StopStringFilter
+
+
+def run(stops, deltas):
+    f = StopStringFilter(stops)
+    out = "".join(f.feed(d) for d in deltas)
+    return out + f.flush(), f.stopped
+
+
+@pytest.mark.parametrize("stops, deltas, expected, stopped", [
+    (["END"], ["hello ", "wor", "ld"], "hello world", False),
+    (["END"], ["abc E", "N", "D tail"], "abc ", True),
+    (["END"], ["abcEND"], "abc", True),
+    (["\n\n", "###"], ["a\n", "b#", "##c"], "a\nb", True),
+    (["xyz"], ["xy", "a"], "xya", False),
+    ([], ["a", "b"], "ab", False),
+    (["ab", "b"], ["xab"], "x", True),
+])
+def test_stop_strings_cut_before_first_stop(stops, deltas, expected, stopped):
+    assert run(stops, deltas) == (expected, stopped)
+
+
+def test_held_back_text_is_never_emitted_early():
+    f = StopStringFilter(["STOP"])
+    assert f.feed("ST") == ""
+    assert f.feed("O") == ""
+    assert f.feed("x") == "S"  # only the last len("STOP") - 1 characters are held back
+    assert f.flush() == "TOx"
+
+
+def test_pick_shard_prefers_headroom_and_skips_unhealthy():
+    a = ShardView("a", healthy=True, free_slots=4, queued=0)
+    b = ShardView("b", healthy=True, free_slots=8, queued=1)
+    c = ShardView("c", healthy=False, free_slots=100)
+    assert pick_shard([a, b, c]).name == "b"
+    b.sent_since_poll = 5
+    assert pick_shard([a, b, c]).name == "a"
+    with pytest.raises(NoHealthyShard, match="a"):
+        pick_shard([ShardView("a"), c])
