@@ -1,0 +1,115 @@
+"""`kimiserve up`: the whole stack on localhost as child processes (tokenizer, N shards, router).
+
+Waits until every service answers SERVING on grpc.health.v1, prints the router address and metrics URLs, and on
+Ctrl-C / SIGTERM stops the router first (it drains in-flight requests), then the shards and the tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimiserve.health import wait_serving
+from kimiserve.ports import free_port
+
+log = logging.getLogger(__name__)
+DEFAULT_MODEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kimiserve" / "tiny-k3"
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    metrics_url: str
+    proc: subprocess.Popen
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the built-in tiny K3)")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu | cuda (shard i gets cuda:i)")
+    p.add_argument("--port", type=int, default=50051, help="router port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+
+
+def ensure_default_model() -> Path:
+    """Builds the default tiny K3 checkpoint once and reuses it afterwards."""
+    if not (DEFAULT_MODEL_DIR / "config.json").exists():
+        from shard_svc.make_tiny import make_tiny
+
+        log.info("building the default tiny K3 checkpoint", extra={"path": str(DEFAULT_MODEL_DIR)})
+        tmp = DEFAULT_MODEL_DIR.with_name(DEFAULT_MODEL_DIR.name + ".tmp")
+        make_tiny("kimi_k3", tmp, seed=0)
+        tmp.rename(DEFAULT_MODEL_DIR)
+    return DEFAULT_MODEL_DIR
+
+
+def _spawn(name: str, args: list[str], host: str, port: int) -> Child:
+    metrics_port = free_port(host)
+    cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
+           "--metrics-port", str(metrics_port)]
+    proc = subprocess.Popen(cmd)
+    return Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", proc)
+
+
+def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float) -> list[Child]:
+    children: list[Child] = []
+    try:
+        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, free_port(host)))
+        for i in range(shards):
+            dev = f"cuda:{i}" if device == "cuda" else device
+            children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev,
+                                                  "--shard-name", f"shard-{i}"], host, free_port(host)))
+        for child in children:
+            wait_serving(child.address, timeout, alive=lambda c=child: c.proc.poll() is None)
+        shard_addrs = ",".join(c.address for c in children if c.name.startswith("shard-"))
+        router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs], host,
+                        port)
+        children.append(router)
+        wait_serving(router.address, timeout, alive=lambda: router.proc.poll() is None)
+    except BaseException:
+        stop_stack(children)
+        raise
+    return children
+
+
+def stop_stack(children: list[Child], grace_s: float = 30.0) -> None:
+    """Router first so it drains, then the rest; SIGTERM, then SIGKILL after the grace period."""
+    for child in sorted(children, key=lambda c: c.name != "router"):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+            try:
+                child.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("child did not stop in time; killing", extra={"child": child.name})
+                child.proc.kill()
+                child.proc.wait()
+
+
+def run(args: argparse.Namespace) -> int:
+    model = args.model or ensure_default_model()
+    children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout)
+    router = children[-1]
+    lines = [f"kimiserve is up: router at {router.address}  (try: kimiserve chat \"Hello\" --router "
+             f"{router.address})"]
+    lines += [f"  {c.name:<10} {c.address:<22} metrics {c.metrics_url}" for c in children]
+    sys.stdout.write("\n".join(lines) + "\n")
+    sys.stdout.flush()
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    while not done.wait(1.0):
+        dead = [c.name for c in children if c.proc.poll() is not None]
+        if dead:
+            log.error("a service exited; stopping the stack", extra={"services": dead})
+            break
+    stop_stack(children)
+    return 0
