@@ -1,0 +1,24 @@
+"""The tokenizer service's one typed config, built once (by the CLI or `main`) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class TokenizerServerConfig:
+    model_dir: Path  # checkpoint directory: tokenizer files, config.json, optional chat template
+    model_name: str = ""  # name clients put in `model`; empty: the directory's name
+    model_type: str | None = None  # overrides config.json's model_type (e.g. a directory with tokenizer files only)
+    host: str = "127.0.0.1"
+    port: int = 50052
+    metrics_port: int | None = None  # Prometheus /metrics HTTP port; None: no metrics endpoint
+    max_message_chars: int = 1_000_000  # per chat message (content + tool-call arguments)
+    max_text_chars: int = 8_000_000  # per Tokenize text
+    workers: int = 8  # gRPC handler threads
+    grace_s: float = 5.0  # on SIGTERM: how long in-flight RPCs may finish
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or self.model_dir.resolve().name

@@ -1,0 +1,101 @@
+"""The Tokenizer gRPC servicer: validate, translate proto <-> domain, call, encode the reply.
+
+Error mapping and metrics live in tokenizer_svc.rpc; each method here only says what the RPC does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc import metrics
+from tokenizer_svc.chat_template import ChatTemplate, render_chat
+from tokenizer_svc.convert import messages_from_pb, tools_from_pb
+from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tokenizer_svc.errors import InvalidRequest, ModelNotFound
+from tokenizer_svc.loading import LoadedTokenizer
+from tokenizer_svc.rpc import streaming, unary
+
+
+@dataclass(frozen=True)
+class ServedTokenizer:
+    """Everything the servicer serves, loaded once at startup."""
+
+    tokenizer: LoadedTokenizer
+    template: ChatTemplate
+    model_name: str
+    model_type: str
+    max_message_chars: int
+    max_text_chars: int
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
+    def __init__(self, served: ServedTokenizer) -> None:
+        self._s = served
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self._s.model_name:
+            raise ModelNotFound(f"model {model!r} is not served here (this service serves {self._s.model_name!r})")
+
+    @unary("Tokenize")
+    def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: grpc.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
+        self._check_model(request.model)
+        if len(request.text) > self._s.max_text_chars:
+            raise InvalidRequest(f"text: {len(request.text)} characters is over the limit of {self._s.max_text_chars}")
+        ids = self._s.tokenizer.encode(request.text)
+        metrics.TOKENS.labels(rpc="Tokenize").inc(len(ids))
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids)
+
+    @unary("Detokenize")
+    def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.ServicerContext) -> tokenizer_pb2.DetokenizeResponse:
+        self._check_model(request.model)
+        metrics.TOKENS.labels(rpc="Detokenize").inc(len(request.token_ids))
+        text = self._s.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
+        return tokenizer_pb2.DetokenizeResponse(text=text)
+
+    @unary("RenderChat")
+    def RenderChat(self, request: tokenizer_pb2.RenderChatRequest, context: grpc.ServicerContext) -> tokenizer_pb2.RenderChatResponse:
+        self._check_model(request.model)
+        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        prompt = render_chat(
+            self._s.template,
+            messages_from_pb(request.messages),
+            tools_from_pb(request.tools),
+            add_generation_prompt,
+            self._s.max_message_chars,
+        )
+        ids = self._s.tokenizer.encode(prompt)
+        metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
+        return tokenizer_pb2.RenderChatResponse(prompt=prompt, token_ids=ids)
+
+    @streaming("DetokenizeStream")
+    def DetokenizeStream(
+        self, request_iterator: Iterator[tokenizer_pb2.DetokenizeStreamRequest], context: grpc.ServicerContext
+    ) -> Iterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        detok: IncrementalDetokenizer | None = None
+        for request in request_iterator:
+            if detok is None:  # the first message carries the options
+                self._check_model(request.model)
+                detok = IncrementalDetokenizer(self._s.tokenizer, skip_special_tokens=not request.keep_special_tokens)
+            metrics.TOKENS.labels(rpc="DetokenizeStream").inc(len(request.token_ids))
+            yield tokenizer_pb2.DetokenizeStreamResponse(text=detok.add(request.token_ids))
+        yield tokenizer_pb2.DetokenizeStreamResponse(text=detok.flush() if detok else "", final=True)
+
+    @unary("Info")
+    def Info(self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.ServicerContext) -> tokenizer_pb2.TokenizerInfoResponse:
+        self._check_model(request.model)
+        tok = self._s.tokenizer
+        return tokenizer_pb2.TokenizerInfoResponse(
+            model=self._s.model_name,
+            model_type=self._s.model_type,
+            vocab_size=tok.vocab_size,
+            special_tokens=[tokenizer_pb2.SpecialToken(id=i, content=c) for i, c in sorted(tok.special_tokens.items())],
+            eos_token_ids=tok.eos_token_ids,
+            bos_token_id=tok.bos_token_id,
+            chat_template_source=self._s.template.source,
+            chat_template_sha256=self._s.template.sha256,
+            tokenizer_source=tok.source,
+        )
