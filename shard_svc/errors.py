@@ -21,6 +21,34 @@ class CheckpointError(KimiServeError):
     """The checkpoint's tensors do not match what config.json says they must be."""
 
 
+class CheckpointFileError(CheckpointError):
+    """A weights file or the index is missing, truncated, corrupt or ambiguous; the message names the file."""
+
+
+class CheckpointMismatch(CheckpointError):
+    """The tensors in the files differ from what config.json implies.
+
+    One error lists every problem (missing, unexpected, shape, dtype, conflict, index), each with tensor and file;
+    `problems` maps each kind to its full list of lines.
+    """
+
+    def __init__(self, message: str, problems: dict[str, list[str]]):
+        super().__init__(message)
+        self.problems = problems
+
+
+class TensorValueError(CheckpointError):
+    """A tensor's values break its format's rules (e.g. non-zero K3 A_log padding, an MXFP4 value that overflows)."""
+
+
+class NaNScaleError(TensorValueError):
+    """An MXFP4 E8M0 scale byte is 255, which the OCP MX spec defines as NaN."""
+
+
+class UnfilledParameterError(CheckpointError):
+    """A model parameter was not assigned from the checkpoint; it would run on uninitialised memory."""
+
+
 class CapacityError(KimiServeError):
     """A pool or buffer is full. Callers queue and retry; never a short view."""
 
