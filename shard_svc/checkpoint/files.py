@@ -94,7 +94,7 @@ class CheckpointFiles:
             log.info("skipping %d tensors outside %r in %s (e.g. %s)", len(skipped), self.keep_prefix, path,
                      skipped[0])
         for name, info in stored.items():
-            if name in skipped:
+            if not name.startswith(self.keep_prefix):
                 continue
             if name in self.tensors:
                 self.problems.append(f"{name}: stored in both {self.tensors[name].file} and {file}")

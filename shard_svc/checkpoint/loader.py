@@ -42,6 +42,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         params = _materialise(model, fills, files, torch.device(device))
     model.load_state_dict(params, strict=True, assign=True)
     model.requires_grad_(False)  # serving never trains; no autograd bookkeeping on any parameter
+    _check_nothing_on_meta(model)
     log.info("loaded %s (%s, %d tensors) on %s as %s", model_dir, cfg.model_type, sum(files.reads.values()),
              device, dtype)
     return cfg, model.eval()
@@ -81,7 +82,9 @@ def _value(fill: Fill, files: CheckpointFiles, target: torch.Tensor) -> torch.Te
     """The stored tensor(s) of one fill, converted to the target slice's layout and dtype."""
     by_role = {spec.role: name for name, spec in fill.sources}
     if "mxfp4_packed" in by_role:
-        packed, scale = files.read(by_role["mxfp4_packed"]), files.read(by_role["mxfp4_scale"])
+        # Dequantise where the weight will live: on a GPU this keeps the unpacking off the host.
+        packed = files.read(by_role["mxfp4_packed"]).to(target.device)
+        scale = files.read(by_role["mxfp4_scale"]).to(target.device)
         return dequantize_mxfp4(packed, scale, target.dtype, name=_where(fill, files))
     name, spec = fill.sources[0]
     return _CONVERT[spec.role](files.read(name), target.shape, _where(fill, files)).to(target.dtype)
@@ -98,6 +101,13 @@ def _a_log_padded(t: torch.Tensor, shape: torch.Size, where: str) -> torch.Tenso
         raise TensorValueError(f"{where}: A_log stored [{t.shape[0]}] must be zero past its first {heads} entries "
                                f"(one per head), found {t[heads:].tolist()}; refusing to reinterpret")
     return t[:heads]
+
+
+def _check_nothing_on_meta(model: KimiForCausalLM) -> None:
+    """A tensor the state dict does not cover (e.g. a non-persistent buffer) would still be on meta."""
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise UnfilledParameterError(f"{len(left)} model tensors were never materialised: {left[:20]}")
 
 
 def _check_all_filled(meta: dict[str, torch.nn.Parameter], filled: dict[str, set[int | None]],

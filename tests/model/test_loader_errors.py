@@ -201,3 +201,28 @@ def test_weight_packed_outside_the_mxfp4_experts_is_refused(k3):
     with pytest.raises(CheckpointMismatch, match=rf"{packed} \({path.name}\) \[a quantised-weight suffix that "
                                                  r"config.json \(quantization='mxfp4'\) does not declare"):
         load_model(k3)
+
+
+def test_k3_tensors_outside_the_text_model_are_skipped_and_logged(k3, caplog):
+    """The multimodal wrapper's other towers are out of scope: logged, never read, never an error."""
+    name = "vision_tower.patch_embed.weight"
+    edit_file(k3 / "model-00001-of-00004.safetensors", lambda t: t.update({name: torch.ones(3)}))
+    index_path = k3 / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"][name] = "model-00001-of-00004.safetensors"
+    index_path.write_text(json.dumps(index))
+    with caplog.at_level("INFO", logger="shard_svc.checkpoint.files"):
+        load_model(k3)
+    assert "skipping 1 tensors outside 'language_model.'" in caplog.text and name in caplog.text
+
+
+def test_single_file_and_index_together_are_ambiguous(linear):
+    (linear / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+    with pytest.raises(CheckpointFileError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_model(linear)
+
+
+def test_no_weights_at_all(linear):
+    (linear / "model.safetensors").unlink()
+    with pytest.raises(CheckpointFileError, match="holds neither model.safetensors nor"):
+        load_model(linear)
