@@ -21,19 +21,24 @@ from tokenizer_svc.errors import RenderError, TokenizerLoadError
 
 KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
-ROLE_TOKENS = {"system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>"}
+ROLE_TOKENS = {
+    "system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>",
+}
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 GENERATION_PROMPT = f"{ROLE_TOKENS['assistant']}assistant{IM_MIDDLE}"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 BUILTIN_SOURCE = "builtin:kimi"
 
+Messages = Sequence[ChatMessage]
+Tools = Sequence[Mapping[str, Any]]  # OpenAI-style tools[] entries
+
 
 class ChatTemplate(Protocol):
     source: str  # "builtin:kimi", "chat_template.jinja" or "tokenizer_config.json"
     sha256: str  # of the template text (of BUILTIN_SOURCE for the built-in one)
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
         ...
 
 
@@ -47,7 +52,7 @@ class BuiltinKimiTemplate:
     source = BUILTIN_SOURCE
     sha256 = hashlib.sha256(BUILTIN_SOURCE.encode()).hexdigest()
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
         parts: list[str] = []
         if tools:
             declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -88,7 +93,9 @@ class JinjaChatTemplate:
     """A checkpoint's chat template, run in an immutable sandbox (the template is data from the checkpoint)."""
 
     def __init__(self, text: str, source: str, config: Mapping[str, Any]) -> None:
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]  # as transformers renders
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         try:
@@ -98,9 +105,10 @@ class JinjaChatTemplate:
         self.source = source
         self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
         # Templates may refer to the special-token strings by their config names (bos_token, eos_token, ...).
-        self._specials = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        names = ("bos_token", "eos_token", "pad_token", "unk_token")
+        self._specials = {k: _token_content(config.get(k)) for k in names}
 
-    def _render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
         return self._template.render(
             messages=[m.as_openai() for m in messages],
             tools=list(tools) or None,
@@ -108,7 +116,7 @@ class JinjaChatTemplate:
             **self._specials,
         )
 
-    def render(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
         try:
             return self._render(messages, tools, add_generation_prompt)
         except Exception as exc:  # any exception a template raises is this request's render error
@@ -117,7 +125,7 @@ class JinjaChatTemplate:
                 f"messages[{index}]: chat template ({self.source}) raised {type(exc).__name__}: {exc}"
             ) from exc
 
-    def _first_failing_message(self, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]], gen: bool) -> int:
+    def _first_failing_message(self, messages: Messages, tools: Tools, gen: bool) -> int:
         """Index of the last message of the shortest prefix that fails, to point the client at a message."""
         for end in range(1, len(messages)):
             try:
@@ -148,7 +156,7 @@ def load_chat_template(model_dir: Path, config: Mapping[str, Any]) -> ChatTempla
     return BuiltinKimiTemplate()
 
 
-def render_chat(template: ChatTemplate, messages: Sequence[ChatMessage], tools: Sequence[Mapping[str, Any]],
+def render_chat(template: ChatTemplate, messages: Messages, tools: Tools,
                 add_generation_prompt: bool, max_message_chars: int) -> str:
     """Validate, then render. Raises RenderError naming the message index."""
     validate_messages(messages, max_message_chars)

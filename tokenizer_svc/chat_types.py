@@ -64,7 +64,8 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
             try:
                 args = json.loads(call.arguments)
             except json.JSONDecodeError as exc:
-                raise RenderError(f"messages[{i}].tool_calls[{j}] ({call.name}): arguments are not JSON: {exc}") from exc
+                where = f"messages[{i}].tool_calls[{j}] ({call.name})"
+                raise RenderError(f"{where}: arguments are not JSON: {exc}") from exc
             if not isinstance(args, dict):
                 raise RenderError(f"messages[{i}].tool_calls[{j}] ({call.name}): arguments must be a JSON object")
 

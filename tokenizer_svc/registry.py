@@ -41,7 +41,7 @@ def build_registry(modules: Mapping[str, str] = TOKENIZER_MODULES) -> dict[str, 
             log.warning(
                 "tokenizer module %s failed to import (%r); model types %s unavailable",
                 module_name, exc, model_types,
-                extra={"module": module_name, "error": repr(exc), "model_types": model_types},
+                extra={"plugin_module": module_name, "error": repr(exc), "model_types": model_types},
             )
             continue
         registry.update({model_type: factory for model_type in model_types})

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from kimiserve.v1 import tokenizer_pb2 as pb
+from kimiserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import metrics
 from tokenizer_svc.chat_template import ChatTemplate, render_chat
 from tokenizer_svc.convert import messages_from_pb, tools_from_pb
@@ -18,6 +19,8 @@ from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.errors import InvalidRequest, ModelNotFound
 from tokenizer_svc.loading import LoadedTokenizer
 from tokenizer_svc.rpc import streaming, unary
+
+Ctx = grpc.ServicerContext
 
 
 @dataclass(frozen=True)
@@ -41,23 +44,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             raise ModelNotFound(f"model {model!r} is not served here (this service serves {self._s.model_name!r})")
 
     @unary("Tokenize")
-    def Tokenize(self, request: tokenizer_pb2.TokenizeRequest, context: grpc.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
+    def Tokenize(self, request: pb.TokenizeRequest, context: Ctx) -> pb.TokenizeResponse:
         self._check_model(request.model)
         if len(request.text) > self._s.max_text_chars:
             raise InvalidRequest(f"text: {len(request.text)} characters is over the limit of {self._s.max_text_chars}")
         ids = self._s.tokenizer.encode(request.text)
         metrics.TOKENS.labels(rpc="Tokenize").inc(len(ids))
-        return tokenizer_pb2.TokenizeResponse(token_ids=ids)
+        return pb.TokenizeResponse(token_ids=ids)
 
     @unary("Detokenize")
-    def Detokenize(self, request: tokenizer_pb2.DetokenizeRequest, context: grpc.ServicerContext) -> tokenizer_pb2.DetokenizeResponse:
+    def Detokenize(self, request: pb.DetokenizeRequest, context: Ctx) -> pb.DetokenizeResponse:
         self._check_model(request.model)
         metrics.TOKENS.labels(rpc="Detokenize").inc(len(request.token_ids))
         text = self._s.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
-        return tokenizer_pb2.DetokenizeResponse(text=text)
+        return pb.DetokenizeResponse(text=text)
 
     @unary("RenderChat")
-    def RenderChat(self, request: tokenizer_pb2.RenderChatRequest, context: grpc.ServicerContext) -> tokenizer_pb2.RenderChatResponse:
+    def RenderChat(self, request: pb.RenderChatRequest, context: Ctx) -> pb.RenderChatResponse:
         self._check_model(request.model)
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = render_chat(
@@ -69,30 +72,30 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         )
         ids = self._s.tokenizer.encode(prompt)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
-        return tokenizer_pb2.RenderChatResponse(prompt=prompt, token_ids=ids)
+        return pb.RenderChatResponse(prompt=prompt, token_ids=ids)
 
     @streaming("DetokenizeStream")
     def DetokenizeStream(
-        self, request_iterator: Iterator[tokenizer_pb2.DetokenizeStreamRequest], context: grpc.ServicerContext
-    ) -> Iterator[tokenizer_pb2.DetokenizeStreamResponse]:
+        self, request_iterator: Iterator[pb.DetokenizeStreamRequest], context: Ctx
+    ) -> Iterator[pb.DetokenizeStreamResponse]:
         detok: IncrementalDetokenizer | None = None
         for request in request_iterator:
             if detok is None:  # the first message carries the options
                 self._check_model(request.model)
                 detok = IncrementalDetokenizer(self._s.tokenizer, skip_special_tokens=not request.keep_special_tokens)
             metrics.TOKENS.labels(rpc="DetokenizeStream").inc(len(request.token_ids))
-            yield tokenizer_pb2.DetokenizeStreamResponse(text=detok.add(request.token_ids))
-        yield tokenizer_pb2.DetokenizeStreamResponse(text=detok.flush() if detok else "", final=True)
+            yield pb.DetokenizeStreamResponse(text=detok.add(request.token_ids))
+        yield pb.DetokenizeStreamResponse(text=detok.flush() if detok else "", final=True)
 
     @unary("Info")
-    def Info(self, request: tokenizer_pb2.TokenizerInfoRequest, context: grpc.ServicerContext) -> tokenizer_pb2.TokenizerInfoResponse:
+    def Info(self, request: pb.TokenizerInfoRequest, context: Ctx) -> pb.TokenizerInfoResponse:
         self._check_model(request.model)
         tok = self._s.tokenizer
-        return tokenizer_pb2.TokenizerInfoResponse(
+        return pb.TokenizerInfoResponse(
             model=self._s.model_name,
             model_type=self._s.model_type,
             vocab_size=tok.vocab_size,
-            special_tokens=[tokenizer_pb2.SpecialToken(id=i, content=c) for i, c in sorted(tok.special_tokens.items())],
+            special_tokens=[pb.SpecialToken(id=i, content=c) for i, c in sorted(tok.special_tokens.items())],
             eos_token_ids=tok.eos_token_ids,
             bos_token_id=tok.bos_token_id,
             chat_template_source=self._s.template.source,

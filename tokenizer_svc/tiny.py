@@ -99,7 +99,8 @@ def write_tiny_tokenizer(out_dir: Path, seed: int = 0) -> int:
     specials = kimi_special_tokens(NUM_BASE_TOKENS)
     tokenizer = build_bpe_tokenizer(ranks, merges, specials)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    lines = [f"{base64.b64encode(tok).decode('ascii')} {rank}" for tok, rank in sorted(ranks.items(), key=lambda x: x[1])]
+    by_rank = sorted(ranks.items(), key=lambda item: item[1])
+    lines = [f"{base64.b64encode(token).decode('ascii')} {rank}" for token, rank in by_rank]
     (out_dir / "tiktoken.model").write_text("\n".join(lines) + "\n", encoding="ascii")
     config = {
         "added_tokens_decoder": {

@@ -1,0 +1,192 @@
+"""Chat rendering against strings written out by hand from MODELS.md §3, checkpoint templates, render errors,
+and parsing tool calls back out of model output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenizer_svc.chat_template import BuiltinKimiTemplate, load_chat_template, parse_tool_calls, render_chat
+from tokenizer_svc.chat_types import ChatMessage, ToolCall
+from tokenizer_svc.errors import RenderError, TokenizerLoadError
+
+LIMIT = 10_000
+DEFAULT_SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather of a city",
+        "parameters": {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def render(messages: list[ChatMessage], tools: list[dict] | None = None, gen: bool = True) -> str:
+    return render_chat(BuiltinKimiTemplate(), messages, tools or [], gen, LIMIT)
+
+
+def test_default_system_inserted_and_generation_prompt() -> None:
+    got = render([ChatMessage("user", "Hi there")])
+    assert got == (
+        DEFAULT_SYSTEM
+        + "<|im_user|>user<|im_middle|>Hi there<|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|>"
+    )
+
+
+def test_own_system_turn_and_names_and_no_generation_prompt() -> None:
+    got = render(
+        [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi", name="ann"), ChatMessage("assistant", "Hello")],
+        gen=False,
+    )
+    assert got == (
+        "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+        "<|im_user|>ann<|im_middle|>Hi<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>Hello<|im_end|>"
+    )
+
+
+def test_tools_declared_first_with_sorted_keys_then_calls_and_results() -> None:
+    messages = [
+        ChatMessage("user", "Weather in Paris and Rome?"),
+        ChatMessage(
+            "assistant",
+            "Checking.",
+            tool_calls=(
+                ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                ToolCall("", "get_weather", '{"city": "Rome"}'),  # no id: the Kimi form is generated
+            ),
+        ),
+        ChatMessage("tool", "sunny", tool_call_id="functions.get_weather:0"),  # name looked up from the call
+        ChatMessage("tool", "rain", name="get_weather", tool_call_id="functions.get_weather:1"),
+    ]
+    tools_json = (
+        '[{"function":{"description":"Weather of a city","name":"get_weather","parameters":'
+        '{"properties":{"city":{"type":"string"}},"required":["city"],"type":"object"}},"type":"function"}]'
+    )
+    assert render(messages, [WEATHER_TOOL]) == (
+        "<|im_system|>tool_declare<|im_middle|>" + tools_json + "<|im_end|>"
+        + DEFAULT_SYSTEM
+        + "<|im_user|>user<|im_middle|>Weather in Paris and Rome?<|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|>Checking."
+        + "<|tool_calls_section_begin|>"
+        + '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        + '<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+        + "<|tool_calls_section_end|><|im_end|>"
+        + "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>"
+        + "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:1\nrain<|im_end|>"
+        + "<|im_assistant|>assistant<|im_middle|>"
+    )
+
+
+def test_unknown_tool_result_name_falls_back_to_tool() -> None:
+    got = render([ChatMessage("system", "s"), ChatMessage("tool", "42", tool_call_id="call_x")], gen=False)
+    assert got == (
+        "<|im_system|>system<|im_middle|>s<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of call_x\n42<|im_end|>"
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([ChatMessage("user", "a"), ChatMessage("wizard", "b")], r"messages\[1\]: unknown role 'wizard'"),
+        ([ChatMessage("user", "a"), ChatMessage("user", "x" * (LIMIT + 1))], r"messages\[1\]: 10001 characters"),
+        (
+            [
+                ChatMessage("user", "a"),
+                ChatMessage("user", "b"),
+                ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", "{nope"),)),
+            ],
+            r"messages\[2\]\.tool_calls\[0\] \(f\): arguments are not JSON",
+        ),
+        ([ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", "[1]"),))], r"messages\[0\].*JSON object"),
+        ([ChatMessage("user", "a"), ChatMessage("tool", "r")], r"messages\[1\]: a tool message needs the tool_call_id"),
+        ([ChatMessage("user", "a", tool_calls=(ToolCall("", "f", "{}"),))], r"messages\[0\]: role 'user' cannot carry"),
+        ([], r"messages: the conversation is empty"),
+    ],
+    ids=[
+        "unknown-role", "oversized", "args-not-json", "args-not-object", "tool-without-id", "user-tool-calls", "empty",
+    ],
+)
+def test_render_errors_name_the_message(messages: list[ChatMessage], match: str) -> None:
+    with pytest.raises(RenderError, match=match):
+        render(messages)
+
+
+def write_config(model_dir: Path, **extra: object) -> dict:
+    config = {"bos_token": "[BOS]", "eos_token": "[EOS]", **extra}
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    return config
+
+
+def test_checkpoint_template_wins(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}[{{ m.role }}:{{ m.content }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    config = write_config(tmp_path, chat_template=template)
+    loaded = load_chat_template(tmp_path, config)
+    assert loaded.source == "tokenizer_config.json"
+    assert render_chat(loaded, [ChatMessage("user", "hi")], [], True, LIMIT) == "[user:hi]>"
+    # chat_template.jinja beats the config's template; tools and special-token names reach the template.
+    (tmp_path / "chat_template.jinja").write_text("{{ bos_token }}{{ tools | tojson }}|{{ messages[0].content }}")
+    loaded = load_chat_template(tmp_path, config)
+    assert loaded.source == "chat_template.jinja"
+    got = render_chat(loaded, [ChatMessage("user", "hé")], [{"b": 1, "a": "é"}], False, LIMIT)
+    assert got == '[BOS][{"b": 1, "a": "é"}]|hé'
+    assert load_chat_template(tmp_path / "missing", {}).source == "builtin:kimi"
+
+
+def test_template_exception_names_the_message(tmp_path: Path) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and not m.content %}"
+        "{{ raise_exception('assistant turn is empty') }}{% endif %}{{ m.content }}{% endfor %}"
+    )
+    loaded = load_chat_template(tmp_path, write_config(tmp_path, chat_template=template))
+    messages = [
+        ChatMessage("user", "a"), ChatMessage("user", "b"), ChatMessage("assistant", ""), ChatMessage("user", "c"),
+    ]
+    expected = r"messages\[2\]: chat template \(tokenizer_config.json\) raised .*assistant turn is empty"
+    with pytest.raises(RenderError, match=expected):
+        render_chat(loaded, messages, [], True, LIMIT)
+
+
+def test_sandbox_refuses_mutation_and_dunder_access(tmp_path: Path) -> None:
+    mutate = load_chat_template(tmp_path, write_config(tmp_path, chat_template="{{ messages.append(1) }}"))
+    with pytest.raises(RenderError, match="SecurityError"):
+        render_chat(mutate, [ChatMessage("user", "a")], [], True, LIMIT)
+    escape = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    dunder = load_chat_template(tmp_path, write_config(tmp_path, chat_template=escape))
+    with pytest.raises(RenderError, match="SecurityError: access to attribute '__class__'"):
+        render_chat(dunder, [ChatMessage("user", "a")], [], True, LIMIT)
+
+
+def test_template_that_does_not_compile_is_refused_at_load(tmp_path: Path) -> None:
+    with pytest.raises(TokenizerLoadError, match="does not compile"):
+        load_chat_template(tmp_path, write_config(tmp_path, chat_template="{% for %}"))
+
+
+def test_parse_tool_calls() -> None:
+    text = (
+        "Let me check.<|tool_calls_section_begin|>"
+        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+        '<|tool_call_begin|> functions.search.web:1 <|tool_call_argument_begin|> {"q": "a<b"} <|tool_call_end|>'
+        "<|tool_calls_section_end|>"
+    )
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check."
+    assert calls == [
+        ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+        ToolCall("functions.search.web:1", "search.web", '{"q": "a<b"}'),
+    ]
+    assert parse_tool_calls("plain answer") == ("plain answer", [])
+
+
+def test_parse_tool_calls_keeps_an_unfinished_call_as_text() -> None:
+    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+    content, calls = parse_tool_calls(text)
+    assert calls == []
+    assert content == '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
