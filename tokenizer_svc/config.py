@@ -16,7 +16,6 @@ class TokenizerServerConfig:
     metrics_port: int | None = None  # Prometheus /metrics HTTP port; None: no metrics endpoint
     max_message_chars: int = 1_000_000  # per chat message (content + tool-call arguments)
     max_text_chars: int = 8_000_000  # per Tokenize text
-    workers: int = 8  # gRPC handler threads
     grace_s: float = 5.0  # on SIGTERM: how long in-flight RPCs may finish
 
     @property

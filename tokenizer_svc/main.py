@@ -28,7 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port, help="Prometheus /metrics port; default: off")
     p.add_argument("--max-message-chars", type=int, default=d.max_message_chars)
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
-    p.add_argument("--workers", type=int, default=d.workers)
     p.add_argument("--grace-s", type=float, default=d.grace_s)
     p.add_argument("--log-level", default="INFO")
     return p
@@ -44,7 +43,6 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
         metrics_port=args.metrics_port,
         max_message_chars=args.max_message_chars,
         max_text_chars=args.max_text_chars,
-        workers=args.workers,
         grace_s=args.grace_s,
     )
 

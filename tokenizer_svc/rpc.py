@@ -6,10 +6,11 @@ is a bug, logged with its traceback and answered INTERNAL (never a silent succes
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
@@ -24,7 +25,10 @@ _CODES: dict[type[Exception], grpc.StatusCode] = {
     ModelNotFound: grpc.StatusCode.NOT_FOUND,
 }
 
-F = TypeVar("F", bound=Callable[..., Any])
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+UnaryMethod = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+StreamMethod = Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp]]
 
 
 def _status_for(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
@@ -41,44 +45,49 @@ def _observe(rpc: str, code: grpc.StatusCode, start: float) -> None:
     metrics.LATENCY.labels(rpc=rpc).observe(time.perf_counter() - start)
 
 
-def unary(rpc: str) -> Callable[[F], F]:
+def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]]:
     """Wrap a unary servicer method: map errors to status codes, count and time the call."""
 
-    def decorate(method: F) -> F:
+    def decorate(method: UnaryMethod[Req, Resp]) -> UnaryMethod[Req, Resp]:
         @functools.wraps(method)
-        def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
             start, code = time.perf_counter(), grpc.StatusCode.OK
             try:
-                return method(self, request, context)
-            except Exception as exc:
-                code, message = _status_for(rpc, exc)
-                context.abort(code, message)  # raises, ending the RPC with this status
-            finally:
-                _observe(rpc, code, start)
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate
-
-
-def streaming(rpc: str) -> Callable[[F], F]:
-    """As `unary`, for a method that yields its responses."""
-
-    def decorate(method: F) -> F:
-        @functools.wraps(method)
-        def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            start, code = time.perf_counter(), grpc.StatusCode.OK
-            try:
-                yield from method(self, request, context)
-            except GeneratorExit:  # the client went away mid-stream
+                return await method(self, request, context)
+            except asyncio.CancelledError:  # the client went away or its deadline passed
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
                 code, message = _status_for(rpc, exc)
-                context.abort(code, message)
+                await context.abort(code, message)  # raises, ending the RPC with this status
+                raise  # unreachable: abort always raises
             finally:
                 _observe(rpc, code, start)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
+
+    return decorate
+
+
+def streaming(rpc: str) -> Callable[[StreamMethod[Req, Resp]], StreamMethod[Req, Resp]]:
+    """As `unary`, for a method that yields its responses."""
+
+    def decorate(method: StreamMethod[Req, Resp]) -> StreamMethod[Req, Resp]:
+        @functools.wraps(method)
+        async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
+            start, code = time.perf_counter(), grpc.StatusCode.OK
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:
+                code, message = _status_for(rpc, exc)
+                await context.abort(code, message)
+            finally:
+                _observe(rpc, code, start)
+
+        return wrapper
 
     return decorate

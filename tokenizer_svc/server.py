@@ -1,11 +1,10 @@
-"""Build and run the tokenizer gRPC server: the Tokenizer service, grpc.health.v1, reflection and /metrics."""
+"""Build and run the tokenizer gRPC server (asyncio): the Tokenizer service, grpc.health.v1, reflection, /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
-import threading
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -37,41 +36,36 @@ def load_served(cfg: TokenizerServerConfig) -> ServedTokenizer:
     )
 
 
-def build_server(cfg: TokenizerServerConfig, served: ServedTokenizer) -> tuple[grpc.Server, health.HealthServicer, int]:
-    """A started server with all services registered and health SERVING; returns (server, health, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="tokenizer-rpc"))
+async def start_server(
+    cfg: TokenizerServerConfig, served: ServedTokenizer
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
+    server = grpc.aio.server()
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     if port == 0:
         raise OSError(f"cannot bind the tokenizer service to {cfg.host}:{cfg.port}")
-    server.start()
+    await server.start()
     for name in ("", SERVICE_NAME):  # "" is the whole server, as probes ask by default
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, health_servicer, port
 
 
-def serve(cfg: TokenizerServerConfig) -> None:
-    """Load, serve, and block until SIGTERM / SIGINT; then stop gracefully (in-flight RPCs get cfg.grace_s)."""
-    served = load_served(cfg)
-    if cfg.metrics_port is not None:
-        start_http_server(cfg.metrics_port, addr=cfg.host)
-    server, health_servicer, port = build_server(cfg, served)
-    stopping = threading.Event()
+async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> None:
+    """Serve until SIGTERM / SIGINT, then stop gracefully: NOT_SERVING, in-flight RPCs get cfg.grace_s."""
+    server, health_servicer, port = await start_server(cfg, served)
+    stop_requested = asyncio.Event()
 
-    def stop(signum: int, _frame: object) -> None:
-        if stopping.is_set():
-            return
-        stopping.set()
-        log.info("stopping on signal %s", signal.Signals(signum).name, extra={"grace_s": cfg.grace_s})
-        health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish
-        server.stop(cfg.grace_s)
+    def request_stop(sig: signal.Signals) -> None:
+        log.info("stopping on signal %s", sig.name, extra={"grace_s": cfg.grace_s})
+        stop_requested.set()
 
-    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop, sig)
     log.info(
         "tokenizer service serving on %s:%d",
         cfg.host, port,
@@ -79,5 +73,15 @@ def serve(cfg: TokenizerServerConfig) -> None:
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
                "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size},
     )
-    server.wait_for_termination()
+    await stop_requested.wait()
+    await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish
+    await server.stop(cfg.grace_s)
     log.info("tokenizer service stopped")
+
+
+def serve(cfg: TokenizerServerConfig) -> None:
+    """Load, start /metrics, serve; blocks until a stop signal."""
+    served = load_served(cfg)
+    if cfg.metrics_port is not None:
+        start_http_server(cfg.metrics_port, addr=cfg.host)
+    asyncio.run(serve_async(cfg, served))

@@ -1,11 +1,14 @@
 """The Tokenizer gRPC servicer: validate, translate proto <-> domain, call, encode the reply.
 
-Error mapping and metrics live in tokenizer_svc.rpc; each method here only says what the RPC does.
+Error mapping and metrics live in tokenizer_svc.rpc; each method here only says what the RPC does. The server is
+asyncio (an open DetokenizeStream holds no thread); CPU-heavy work (encoding, rendering, decoding a whole sequence)
+runs in worker threads so one long text does not stall every other call.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -20,7 +23,7 @@ from tokenizer_svc.errors import InvalidRequest, ModelNotFound
 from tokenizer_svc.loading import LoadedTokenizer
 from tokenizer_svc.rpc import streaming, unary
 
-Ctx = grpc.ServicerContext
+Ctx = grpc.aio.ServicerContext
 
 
 @dataclass(frozen=True)
@@ -44,42 +47,43 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             raise ModelNotFound(f"model {model!r} is not served here (this service serves {self._s.model_name!r})")
 
     @unary("Tokenize")
-    def Tokenize(self, request: pb.TokenizeRequest, context: Ctx) -> pb.TokenizeResponse:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: Ctx) -> pb.TokenizeResponse:
         self._check_model(request.model)
         if len(request.text) > self._s.max_text_chars:
             raise InvalidRequest(f"text: {len(request.text)} characters is over the limit of {self._s.max_text_chars}")
-        ids = self._s.tokenizer.encode(request.text)
+        ids = await asyncio.to_thread(self._s.tokenizer.encode, request.text)
         metrics.TOKENS.labels(rpc="Tokenize").inc(len(ids))
         return pb.TokenizeResponse(token_ids=ids)
 
     @unary("Detokenize")
-    def Detokenize(self, request: pb.DetokenizeRequest, context: Ctx) -> pb.DetokenizeResponse:
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: Ctx) -> pb.DetokenizeResponse:
         self._check_model(request.model)
         metrics.TOKENS.labels(rpc="Detokenize").inc(len(request.token_ids))
-        text = self._s.tokenizer.decode(request.token_ids, skip_special_tokens=not request.keep_special_tokens)
+        text = await asyncio.to_thread(self._s.tokenizer.decode, request.token_ids, not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     @unary("RenderChat")
-    def RenderChat(self, request: pb.RenderChatRequest, context: Ctx) -> pb.RenderChatResponse:
+    async def RenderChat(self, request: pb.RenderChatRequest, context: Ctx) -> pb.RenderChatResponse:
         self._check_model(request.model)
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-        prompt = render_chat(
+        prompt = await asyncio.to_thread(
+            render_chat,
             self._s.template,
             messages_from_pb(request.messages),
             tools_from_pb(request.tools),
             add_generation_prompt,
             self._s.max_message_chars,
         )
-        ids = self._s.tokenizer.encode(prompt)
+        ids = await asyncio.to_thread(self._s.tokenizer.encode, prompt)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
         return pb.RenderChatResponse(prompt=prompt, token_ids=ids)
 
     @streaming("DetokenizeStream")
-    def DetokenizeStream(
-        self, request_iterator: Iterator[pb.DetokenizeStreamRequest], context: Ctx
-    ) -> Iterator[pb.DetokenizeStreamResponse]:
+    async def DetokenizeStream(
+        self, request_iterator: AsyncIterator[pb.DetokenizeStreamRequest], context: Ctx
+    ) -> AsyncIterator[pb.DetokenizeStreamResponse]:
         detok: IncrementalDetokenizer | None = None
-        for request in request_iterator:
+        async for request in request_iterator:
             if detok is None:  # the first message carries the options
                 self._check_model(request.model)
                 detok = IncrementalDetokenizer(self._s.tokenizer, skip_special_tokens=not request.keep_special_tokens)
@@ -88,7 +92,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         yield pb.DetokenizeStreamResponse(text=detok.flush() if detok else "", final=True)
 
     @unary("Info")
-    def Info(self, request: pb.TokenizerInfoRequest, context: Ctx) -> pb.TokenizerInfoResponse:
+    async def Info(self, request: pb.TokenizerInfoRequest, context: Ctx) -> pb.TokenizerInfoResponse:
         self._check_model(request.model)
         tok = self._s.tokenizer
         return pb.TokenizerInfoResponse(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import socket
@@ -34,6 +35,7 @@ def free_port() -> int:
 @dataclass
 class Running:
     proc: subprocess.Popen[bytes]
+    address: str
     channel: grpc.Channel
     stub: tokenizer_pb2_grpc.TokenizerStub
     metrics_port: int
@@ -65,7 +67,8 @@ def start_server(model_dir: Path, log_path: Path) -> Running:
             proc.kill()
             raise AssertionError(f"tokenizer service not SERVING after 30 s:\n{log_path.read_text()}")
         time.sleep(0.1)
-    return Running(proc, channel, tokenizer_pb2_grpc.TokenizerStub(channel), metrics_port, log_path)
+    stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+    return Running(proc, f"127.0.0.1:{port}", channel, stub, metrics_port, log_path)
 
 
 def stop_server(server: Running) -> int:
@@ -128,6 +131,25 @@ def test_detokenize_stream(server: Running) -> None:
     assert len(replies) == len(ids) + 1 and replies[-1].final and not any(r.final for r in replies[:-1])
     assert all("\ufffd" not in r.text for r in replies)
     assert "".join(r.text for r in replies) == "Hi 你好 😀!"
+
+
+def test_many_streams_open_at_once(server: Running) -> None:
+    """Open DetokenizeStreams hold no server thread: 64 at once all answer before any of them closes."""
+    ids = list(server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="Hi 你好")).token_ids)
+
+    async def run() -> list[str]:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerStub(channel)
+            calls = [stub.DetokenizeStream() for _ in range(64)]
+            for call in calls:
+                await call.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids))
+            texts = [(await asyncio.wait_for(call.read(), 10)).text for call in calls]
+            for call in calls:
+                await call.done_writing()
+                assert (await call.read()).final
+            return texts
+
+    assert asyncio.run(run()) == ["Hi 你好"] * 64
 
 
 def test_health_and_reflection(server: Running) -> None:
