@@ -7,6 +7,11 @@ from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
 from shard_svc.model.layers import RMSNorm, linear
 
+# q_a_layernorm / kv_a_layernorm use the RMSNorm default 1e-6, not rms_norm_eps: Moonshot's modeling code (Kimi-Linear
+# remote code, K3) and transformers' kimi_linear build them without an eps (as DeepSeek-V3 does). vLLM passes
+# rms_norm_eps; the choice moves a latent by about (1e-5 - 1e-6) / (2 * its mean square), relative.
+LATENT_NORM_EPS = 1e-6
+
 
 class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
@@ -21,10 +26,10 @@ class MLAttention(nn.Module):
             self.q_proj = linear(c.num_heads * c.qk_head_dim, d, dtype)
         else:
             self.q_a_proj = linear(c.q_lora_rank, d, dtype)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, dtype)
             self.q_b_proj = linear(c.num_heads * c.qk_head_dim, c.q_lora_rank, dtype)
         self.kv_a_proj_with_mqa = linear(c.kv_lora_rank + c.qk_rope_head_dim, d, dtype)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = linear(c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank, dtype)
         if c.output_gate:
             self.g_proj = linear(c.num_heads * c.v_head_dim, d, dtype)
