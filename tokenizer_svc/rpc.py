@@ -59,8 +59,7 @@ def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]
                 raise
             except Exception as exc:
                 code, message = _status_for(rpc, exc)
-                await context.abort(code, message)  # raises, ending the RPC with this status
-                raise  # unreachable: abort always raises
+                await context.abort(code, message)  # raises (NoReturn), ending the RPC with this status
             finally:
                 _observe(rpc, code, start)
 
