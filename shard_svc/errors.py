@@ -67,3 +67,7 @@ class ContextTooLong(KimiServeError):
 
 class InvalidRequest(KimiServeError):
     """A request's parameters are invalid (empty prompt, bad sampling values, token id out of range...)."""
+
+
+class DuplicateRequest(InvalidRequest):
+    """A request id that is already live on this engine."""

@@ -10,28 +10,13 @@ from pathlib import Path
 
 import torch
 
+from kimiserve.sampling_args import add_sampling_args
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 
 log = logging.getLogger(__name__)
-
-
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    """Prompt and sampling flags shared by `generate` and `complete`."""
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt-ids", type=lambda s: [int(t) for t in s.split(",") if t.strip()],
-                     help="comma-separated prompt token ids")
-    src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop-token-ids", type=lambda s: [int(t) for t in s.split(",") if t.strip()], default=[])
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object with tokens and usage")
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

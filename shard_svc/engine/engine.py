@@ -13,7 +13,7 @@ from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.sampling import SamplingParams, make_generator, sample
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import Sequence
-from shard_svc.errors import ContextTooLong, InvalidRequest, KVBlocksExhausted
+from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest, KVBlocksExhausted
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
 
@@ -38,6 +38,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    logprob: float | None = None
 
 
 @dataclass
@@ -72,7 +73,7 @@ class Engine:
                     keep_prompt_logits: bool = False) -> Sequence:
         """Validates and queues a request; raises InvalidRequest / ContextTooLong / KVBlocksExhausted."""
         if request_id in self.sequences:
-            raise InvalidRequest(f"request id {request_id!r} is already running")
+            raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -134,7 +135,8 @@ class Engine:
                                        [s.request_id for s, _ in work]))
 
     def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
-        token = sample(logits, seq.params, seq.generator)
+        token, logprob = sample(logits, seq.params, seq.generator)
+        lp = logprob if seq.params.logprobs else None
         if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
             seq.step_logits.append(logits.cpu().unsqueeze(0))
         seq.output.append(token)
@@ -142,17 +144,18 @@ class Engine:
         if not seq.params.ignore_eos:
             stops.update(self.cfg.eos_token_ids)
         if token in stops:
-            return self._finish(seq, "stop", token=token)
+            return self._finish(seq, "stop", token=token, logprob=lp)
         if len(seq.output) >= seq.params.max_tokens:
-            return self._finish(seq, "length", token=token)
-        return TokenEvent(seq.request_id, token, len(seq.output) - 1)
+            return self._finish(seq, "length", token=token, logprob=lp)
+        return TokenEvent(seq.request_id, token, len(seq.output) - 1, logprob=lp)
 
-    def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None) -> TokenEvent:
+    def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
+                logprob: float | None = None) -> TokenEvent:
         self.scheduler.finish(seq)
         seq.finish_reason, seq.error = reason, error
         self.sequences.pop(seq.request_id, None)
         index = len(seq.output) - 1 if token is not None else len(seq.output)
-        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error)
+        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob)
 
     # -- offline ----------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",

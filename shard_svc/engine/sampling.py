@@ -19,6 +19,7 @@ class SamplingParams:
     seed: int | None = None  # same seed, same prompt, same model -> same tokens, whatever the batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: bool = False  # report log p(token) under the sampling distribution
 
     def validate(self, vocab_size: int) -> None:
         if self.max_tokens < 1:
@@ -42,10 +43,14 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of fp32 logits [vocab]. Depends only on this row and this sequence's generator."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
+    """(token, its natural-log probability) from one row of fp32 logits [vocab].
+
+    Depends only on this row and this sequence's generator, never on batch neighbours.
+    """
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        token = int(torch.argmax(logits))
+        return token, float(torch.log_softmax(logits.float(), -1)[token]) if params.logprobs else 0.0
     scaled = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
@@ -57,4 +62,5 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = (cum - torch.softmax(sorted_logits, -1)) >= params.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(scaled, -1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    token = int(torch.multinomial(probs, 1, generator=generator))
+    return token, float(torch.log(probs[token])) if params.logprobs else 0.0

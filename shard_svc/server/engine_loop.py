@@ -7,15 +7,19 @@ bounded by the prefill token budget, so a submit waits at most one step for the 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.server.metrics import ShardMetrics
 
 log = logging.getLogger(__name__)
+
+
+class ShuttingDown(RuntimeError):
+    """The shard is draining and takes no new sequences."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class EngineLoop:
     def __init__(self, engine: Engine, metrics: ShardMetrics):
         self.engine, self.metrics = engine, metrics
         self._lock = threading.Condition()
-        self._queues: dict[str, queue.Queue[TokenEvent]] = {}
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -41,16 +45,17 @@ class EngineLoop:
         self._publish_occupancy()
         self._thread.start()
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> "queue.Queue[TokenEvent]":
-        """Queues a sequence; raises the engine's named errors (InvalidRequest, ContextTooLong, ...) at once."""
-        events: queue.Queue[TokenEvent] = queue.Queue()
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+               sink: Callable[[TokenEvent], None]) -> None:
+        """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
+
+        Raises the engine's named errors (InvalidRequest, ContextTooLong, ...) at once, or ShuttingDown."""
         with self._lock:
             if self._stopping:
-                raise RuntimeError("shard is shutting down")
+                raise ShuttingDown(f"shard is draining; request {request_id!r} refused")
             self.engine.add_request(request_id, prompt, params)
-            self._queues[request_id] = events
+            self._sinks[request_id] = sink
             self._lock.notify()
-        return events
 
     def cancel(self, request_id: str) -> bool:
         with self._lock:
@@ -85,13 +90,13 @@ class EngineLoop:
             self._record(result)
 
     def _route(self, event: TokenEvent) -> None:
-        events = self._queues.get(event.request_id)
-        if events is None:
+        sink = self._sinks.get(event.request_id)
+        if sink is None:
             log.error("event for unknown request id", extra={"request_id": event.request_id})
             return
-        events.put(event)
+        sink(event)
         if event.finish_reason is not None:
-            del self._queues[event.request_id]
+            del self._sinks[event.request_id]
             self.metrics.sequence_finished(event.finish_reason)
 
     def _record(self, result: StepResult) -> None:

@@ -1,0 +1,147 @@
+"""One request's life in the router: validate, admit, choose a shard, stream tokens with text deltas, apply stop
+strings, and report exact usage. Shared by Generate and Chat."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from kimiserve.v1 import common_pb2, shard_pb2
+from router.admission import Admission
+from router.balancer import NoHealthyShard, pick_shard
+from router.errors import InvalidArgument, ShardUnavailable
+from router.metrics import RouterMetrics
+from router.shard_client import ShardClient
+from router.stop_strings import StopStringFilter
+from router.tokenizer_client import TokenizerClient
+
+log = logging.getLogger(__name__)
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class Chunk:
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage | None = None
+    error_message: str = ""
+
+
+def validate_sampling(s: common_pb2.SamplingParams) -> None:
+    problems = []
+    if s.HasField("max_tokens") and s.max_tokens <= 0:
+        problems.append(f"max_tokens must be >= 1, got {s.max_tokens}")
+    if s.HasField("temperature") and not s.temperature >= 0:
+        problems.append(f"temperature must be >= 0, got {s.temperature}")
+    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < 0:
+        problems.append(f"top_k must be >= 0, got {s.top_k}")
+    if len(s.stop) > MAX_STOP_STRINGS:
+        problems.append(f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
+    if problems:
+        raise InvalidArgument("; ".join(problems))
+
+
+class Generation:
+    """The router's engine-facing half: everything between a validated prompt and a stream of chunks."""
+
+    def __init__(self, shards: list[ShardClient], tokenizer: TokenizerClient, admission: Admission,
+                 metrics: RouterMetrics, default_max_tokens: int):
+        self.shards, self.tokenizer, self.admission = shards, tokenizer, admission
+        self.metrics, self.default_max_tokens = metrics, default_max_tokens
+
+    def model_info(self) -> shard_pb2.ShardInfoResponse:
+        for shard in self.shards:
+            if shard.info is not None:
+                return shard.info
+        raise ShardUnavailable("no shard has answered Info yet")
+
+    def _budget(self, prompt: list[int], s: common_pb2.SamplingParams) -> int:
+        info = self.model_info()
+        if not prompt:
+            raise InvalidArgument("empty prompt")
+        bad = [t for t in prompt if t >= info.vocab_size]
+        if bad:
+            raise InvalidArgument(f"token ids {bad[:8]} are >= the model's vocab size {info.vocab_size}")
+        room = info.capacity.max_context_tokens - len(prompt)
+        if room < 1:
+            raise InvalidArgument(f"prompt of {len(prompt)} tokens leaves no room in the maximum context of "
+                                  f"{info.capacity.max_context_tokens} tokens")
+        wanted = s.max_tokens if s.HasField("max_tokens") else self.default_max_tokens
+        return min(wanted, room)
+
+    async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
+                  keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
+                  ) -> AsyncIterator[Chunk]:
+        """Yields chunks; the last one has finish_reason and usage. Raises RouterError subclasses.
+
+        `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
+        validate_sampling(s)
+        max_tokens = self._budget(prompt, s)
+        arrival = time.monotonic()
+        async with self.admission.slot(request_id):
+            self.metrics.queue_time.labels(method).observe(time.monotonic() - arrival)
+            try:
+                shard = pick_shard([c.view for c in self.shards])
+            except NoHealthyShard as e:
+                raise ShardUnavailable(str(e)) from e
+            shard_client = next(c for c in self.shards if c.view is shard)
+            submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
+                                                   max_tokens=max_tokens)
+            log.info("request routed", extra={"request_id": request_id, "shard": shard.name,
+                                              "prompt_tokens": len(prompt), "max_tokens": max_tokens})
+            events = await shard_client.submit(submit)
+            async for chunk in self._stream(method, request_id, shard_client, events, prompt, s,
+                                            keep_special_tokens, hidden_ids, arrival):
+                yield chunk
+
+    async def _stream(self, method, request_id, shard, events, prompt, s, keep_special, hidden_ids, arrival):
+        detok = self.tokenizer.detokenizer(keep_special)
+        stops = StopStringFilter(list(s.stop))
+        generated: list[int] = []
+        first_at = None
+        finished = False
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Exception):
+                    raise event
+                kind = event.WhichOneof("kind")
+                if kind == "token":
+                    token = event.token.token_id
+                    generated.append(token)
+                    first_at = first_at or time.monotonic()
+                    delta = "" if token in hidden_ids else await detok.add([token])
+                    text = stops.feed(delta)
+                    if stops.stopped:
+                        finished = True
+                        await shard.cancel(request_id)
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage)
+                        break
+                    yield Chunk([token], text)
+                elif kind == "finished":
+                    finished = True
+                    tail = stops.feed(await detok.finish()) + stops.flush()
+                    f = event.finished
+                    yield Chunk([], tail, f.finish_reason, f.usage, f.error_message)
+                    break
+        finally:
+            detok.cancel()  # a no-op once the stream has ended
+            if not finished:
+                await shard.cancel(request_id)  # client cancelled, deadline passed, or the stream failed
+            self._observe(method, arrival, first_at, len(prompt), len(generated))
+
+    def _observe(self, method, arrival, first_at, prompt_tokens, completion_tokens) -> None:
+        now = time.monotonic()
+        self.metrics.e2e.labels(method).observe(now - arrival)
+        if first_at is not None:
+            self.metrics.ttft.labels(method).observe(first_at - arrival)
+            if completion_tokens > 1:
+                self.metrics.tpot.labels(method).observe((now - first_at) / (completion_tokens - 1))
+        self.metrics.prompt_tokens.labels(method).inc(prompt_tokens)
+        self.metrics.generation_tokens.labels(method).inc(completion_tokens)

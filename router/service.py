@@ -1,0 +1,109 @@
+"""The public Router servicer (grpc.aio): request ids, validation, error mapping; the work is in generation.py."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.errors import InvalidArgument, RouterError
+from router.generation import Generation
+from tokenizer_svc.chat_template import SECTION_BEGIN, parse_tool_calls
+
+log = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def request_id_of(request, context) -> str:
+    """The client's id (field, then `x-request-id` metadata), else a generated one. Always logged whole."""
+    if request.HasField("request_id") and request.request_id:
+        return request.request_id
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_HEADER and value:
+            return value
+    return f"req-{uuid.uuid4().hex}"
+
+
+# Special tokens a chat reply shows: the tool-call markers (parsed into tool_calls) and the thinking markers.
+CHAT_VISIBLE_SPECIALS = frozenset({"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                   "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                                   "<think>", "</think>"})
+
+
+def chat_hidden_ids(info) -> frozenset[int]:
+    """Ids returned in token_ids but never shown as text in a chat reply (end of turn, reserved tokens)."""
+    return frozenset(t.id for t in info.special_tokens if t.content not in CHAT_VISIBLE_SPECIALS)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, generation: Generation):
+        self.gen = generation
+
+    async def _fail(self, context, method: str, request_id: str, e: Exception):
+        code = e.code if isinstance(e, RouterError) else grpc.StatusCode.INTERNAL
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("request failed", extra={"request_id": request_id, "method": method})
+        else:
+            log.info("request refused", extra={"request_id": request_id, "method": method,
+                                               "status": code.name, "error": str(e)})
+        self.gen.metrics.requests.labels(method, code.name).inc()
+        await context.abort(code, f"{e} (request_id={request_id})")
+
+    async def Generate(self, request, context):
+        request_id = request_id_of(request, context)
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        try:
+            if request.WhichOneof("prompt") == "text":
+                if not request.text:
+                    raise InvalidArgument("empty prompt text")
+                prompt = await self.gen.tokenizer.tokenize(request.text)
+            elif request.WhichOneof("prompt") == "prompt_token_ids":
+                prompt = list(request.prompt_token_ids.ids)
+            else:
+                raise InvalidArgument("set either text or prompt_token_ids")
+            async for chunk in self.gen.run("Generate", request_id, prompt, request.sampling):
+                yield router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
+                                                  text=chunk.text, finish_reason=chunk.finish_reason,
+                                                  usage=chunk.usage, error_message=chunk.error_message)
+        except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
+            await self._fail(context, "Generate", request_id, e)
+            return
+        self.gen.metrics.requests.labels("Generate", "OK").inc()
+
+    async def Chat(self, request, context):
+        request_id = request_id_of(request, context)
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        try:
+            if not request.messages:
+                raise InvalidArgument("messages is empty")
+            prompt = await self.gen.tokenizer.render_chat(request.messages, request.tools)
+            hidden = chat_hidden_ids(self.gen.tokenizer.info)
+            raw, shown = "", 0
+            async for chunk in self.gen.run("Chat", request_id, prompt, request.sampling, keep_special_tokens=True,
+                                            hidden_ids=hidden):
+                raw += chunk.text
+                final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+                # Stream only the content before a tool-call section; the section becomes tool_calls at the end.
+                content, calls = parse_tool_calls(raw) if final else (raw.split(SECTION_BEGIN, 1)[0], [])
+                delta, shown = content[shown:], max(shown, len(content))
+                reply = router_pb2.ChatResponse(request_id=request_id, token_ids=chunk.token_ids, text=delta,
+                                                finish_reason=chunk.finish_reason, usage=chunk.usage,
+                                                error_message=chunk.error_message)
+                reply.tool_calls.extend(common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                        for c in calls)
+                yield reply
+        except Exception as e:  # noqa: BLE001
+            await self._fail(context, "Chat", request_id, e)
+            return
+        self.gen.metrics.requests.labels("Chat", "OK").inc()
+
+    async def ListModels(self, request, context):
+        try:
+            info = self.gen.model_info()
+        except RouterError as e:
+            await context.abort(e.code, str(e))
+        return router_pb2.ListModelsResponse(models=[router_pb2.ModelCard(
+            name=info.model_name, model_type=info.model_type,
+            max_context_tokens=info.capacity.max_context_tokens, vocab_size=info.vocab_size)])

@@ -1,0 +1,139 @@
+"""One shard as the router sees it: a long-lived Stream multiplexing sequences by request id, a poller for Load
+and health, and the shard's slice of the balancer's view.
+
+When the stream breaks or health fails, every in-flight request on the shard fails with UNAVAILABLE and the shard
+leaves rotation; the poller keeps probing and puts it back once it is SERVING again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kimiserve.v1 import shard_pb2, shard_pb2_grpc
+from router.balancer import ShardView
+from router.errors import AlreadyExists, InvalidArgument, Overloaded, RouterError, ShardUnavailable
+
+log = logging.getLogger(__name__)
+ERROR_CODES = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
+               shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS: AlreadyExists,
+               shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded}
+
+
+class ShardClient:
+    def __init__(self, address: str, poll_interval_s: float = 0.5):
+        self.address = address
+        self.view = ShardView(address)
+        self.info: shard_pb2.ShardInfoResponse | None = None
+        self._poll_interval = poll_interval_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = shard_pb2_grpc.ShardStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._outbox: asyncio.Queue[shard_pb2.ShardRequest] | None = None
+        self._inflight: dict[str, asyncio.Queue] = {}
+        self._stream_task: asyncio.Task | None = None
+        self._poll_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._poll_task = asyncio.create_task(self._poll(), name=f"poll {self.address}")
+
+    async def close(self) -> None:
+        for task in (self._poll_task, self._stream_task):
+            if task:
+                task.cancel()
+        await self._channel.close()
+
+    # -- sequences ---------------------------------------------------------------------------------------------
+    async def submit(self, submit: shard_pb2.ShardRequest.Submit) -> asyncio.Queue:
+        """Sends a sequence; its ShardEvents (or a RouterError) arrive on the returned queue."""
+        if not self.view.healthy or self._outbox is None:
+            raise ShardUnavailable(f"shard {self.address} is not in rotation")
+        events: asyncio.Queue = asyncio.Queue()
+        self._inflight[submit.request_id] = events
+        self.view.in_flight += 1
+        self.view.sent_since_poll += 1
+        await self._outbox.put(shard_pb2.ShardRequest(submit=submit))
+        return events
+
+    async def cancel(self, request_id: str) -> None:
+        if self._outbox is not None and request_id in self._inflight:
+            await self._outbox.put(shard_pb2.ShardRequest(cancel=shard_pb2.ShardRequest.Cancel(request_id=request_id)))
+
+    def forget(self, request_id: str) -> None:
+        if self._inflight.pop(request_id, None) is not None:
+            self.view.in_flight -= 1
+
+    # -- stream ------------------------------------------------------------------------------------------------
+    async def _requests(self, outbox: asyncio.Queue):
+        while True:
+            yield await outbox.get()
+
+    async def _run_stream(self, outbox: asyncio.Queue) -> None:
+        try:
+            async for event in self._stub.Stream(self._requests(outbox)):
+                self._dispatch(event)
+            reason = "the shard closed its stream"
+        except grpc.aio.AioRpcError as e:
+            reason = f"stream broke: {e.code().name} {e.details()}"
+        except asyncio.CancelledError:
+            return
+        self._mark_down(reason)
+
+    def _dispatch(self, event: shard_pb2.ShardEvent) -> None:
+        events = self._inflight.get(event.request_id)
+        if events is None:
+            log.error("shard event for an unknown request id", extra={"shard": self.address,
+                                                                     "request_id": event.request_id,
+                                                                     "kind": event.WhichOneof("kind")})
+            return
+        if event.WhichOneof("kind") == "error":
+            cls = ERROR_CODES.get(event.error.code, RouterError)
+            events.put_nowait(cls(event.error.message))
+            self.forget(event.request_id)
+            return
+        events.put_nowait(event)
+        if event.WhichOneof("kind") == "finished":
+            self.forget(event.request_id)
+
+    def _mark_down(self, reason: str) -> None:
+        if self.view.healthy:
+            log.warning("shard left rotation", extra={"shard": self.address, "reason": reason,
+                                                      "failed_request_ids": list(self._inflight)})
+        self.view.healthy = False
+        self._outbox = None
+        for rid, events in list(self._inflight.items()):
+            events.put_nowait(ShardUnavailable(f"shard {self.address} failed while serving {rid!r}: {reason}"))
+            self.forget(rid)
+
+    # -- polling -----------------------------------------------------------------------------------------------
+    async def _probe(self) -> bool:
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return False
+        if self.info is None:
+            self.info = await self._stub.Info(shard_pb2.ShardInfoRequest(), timeout=2.0)
+        load = await self._stub.Load(shard_pb2.ShardLoadRequest(), timeout=2.0)
+        self.view.free_slots, self.view.queued, self.view.sent_since_poll = (
+            load.free_state_slots, load.queued_seqs, 0)
+        return True
+
+    async def _poll(self) -> None:
+        while True:
+            try:
+                ok = await self._probe()
+                reason = "health is not SERVING"
+            except grpc.aio.AioRpcError as e:
+                ok, reason = False, f"{e.code().name} {e.details()}"
+            if ok and not self.view.healthy:
+                self._outbox = asyncio.Queue()
+                self._stream_task = asyncio.create_task(self._run_stream(self._outbox))
+                self.view.healthy = True
+                log.info("shard in rotation", extra={"shard": self.address})
+            elif not ok and self.view.healthy:
+                if self._stream_task:
+                    self._stream_task.cancel()
+                self._mark_down(reason)
+            await asyncio.sleep(self._poll_interval)

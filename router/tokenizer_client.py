@@ -1,0 +1,82 @@
+"""The router's view of the tokenizer service: tokenize, render chat, and per-request incremental detokenizing."""
+
+from __future__ import annotations
+
+import grpc
+
+from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailable
+
+_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
+           grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
+
+
+def _translate(e: grpc.aio.AioRpcError) -> RouterError:
+    return _STATUS.get(e.code(), RouterError)(f"tokenizer service: {e.details()}")
+
+
+class TokenizerClient:
+    def __init__(self, address: str, timeout_s: float = 30.0):
+        self.address, self.timeout = address, timeout_s
+        self._channel = grpc.aio.insecure_channel(address)
+        self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
+        self.info: tokenizer_pb2.TokenizerInfoResponse | None = None
+
+    async def load_info(self) -> tokenizer_pb2.TokenizerInfoResponse:
+        self.info = await self.stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=self.timeout)
+        return self.info
+
+    async def tokenize(self, text: str) -> list[int]:
+        try:
+            reply = await self.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        return list(reply.token_ids)
+
+    async def render_chat(self, messages, tools) -> list[int]:
+        try:
+            reply = await self.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools),
+                                               timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        return list(reply.token_ids)
+
+    def detokenizer(self, keep_special_tokens: bool) -> "StreamingDetokenizer":
+        return StreamingDetokenizer(self.stub, keep_special_tokens)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class StreamingDetokenizer:
+    """One DetokenizeStream call per request: ids in, text deltas out, in order."""
+
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, keep_special_tokens: bool):
+        self._call = stub.DetokenizeStream()
+        self._first = True
+        self._keep = keep_special_tokens
+
+    async def add(self, ids: list[int]) -> str:
+        req = tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids)
+        if self._first:
+            req.keep_special_tokens, self._first = self._keep, False
+        try:
+            await self._call.write(req)
+            reply = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        return reply.text
+
+    async def finish(self) -> str:
+        """Half-closes; the service answers with the held-back tail in a final message."""
+        try:
+            await self._call.done_writing()
+            text = ""
+            while (reply := await self._call.read()) is not grpc.aio.EOF:
+                text += reply.text
+            return text
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+
+    def cancel(self) -> None:
+        self._call.cancel()

@@ -1,0 +1,119 @@
+"""`kimiserve shard`: load a checkpoint onto one device and serve it over gRPC, with Prometheus metrics."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kimiserve.v1 import shard_pb2, shard_pb2_grpc
+from shard_svc.checkpoint.loader import load_model
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.ops import select_ops
+from shard_svc.server.engine_loop import EngineLoop
+from shard_svc.server.metrics import ShardMetrics
+from shard_svc.server.service import ShardService
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = shard_pb2.DESCRIPTOR.services_by_name["Shard"].full_name
+
+
+@dataclass(frozen=True)
+class ShardServerConfig:
+    model_dir: Path
+    shard_name: str
+    device: str
+    dtype: str | None
+    host: str
+    port: int
+    metrics_port: int
+    engine: EngineConfig
+    op_backend: str = "auto"
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path)
+    p.add_argument("--shard-name", default="shard-0")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50061)
+    p.add_argument("--metrics-port", type=int, default=9101)
+    p.add_argument("--num-state-slots", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=1024)
+    p.add_argument("--kv-block-size", type=int, default=16)
+    p.add_argument("--prefill-token-budget", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
+    p.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
+
+
+def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
+    engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
+                          args.max_model_len)
+    return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
+                             args.metrics_port, engine, args.op_backend)
+
+
+def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
+    device = torch.device(cfg.device)
+    dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    model_cfg, model = load_model(cfg.model_dir, device=device, dtype=dtype)
+    engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
+    metrics = ShardMetrics(cfg.shard_name)
+    loop = EngineLoop(engine, metrics)
+    info = shard_pb2.ShardInfoResponse(
+        model_name=cfg.model_dir.name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
+        eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
+        capacity=shard_pb2.ShardCapacity(
+            state_slots=cfg.engine.num_state_slots, kv_blocks=cfg.engine.num_kv_blocks,
+            kv_block_size=cfg.engine.kv_block_size, max_context_tokens=engine.max_model_len,
+            max_step_tokens=cfg.engine.prefill_token_budget + cfg.engine.num_state_slots))
+    health_servicer = health.HealthServicer()
+
+    def on_device_fault(detail: str) -> None:
+        log.error("device fault; reporting NOT_SERVING", extra={"device": str(device), "detail": detail})
+        for name in ("", SERVICE_NAME):
+            health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
+    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    return server, loop, health_servicer
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if torch.device(cfg.device).type == "cpu":
+        torch.set_num_threads(args.cpu_threads)
+    server, loop, health_servicer = build_server(cfg)
+    loop.start()
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("shard serving", extra={"address": f"{cfg.host}:{cfg.port}", "shard": cfg.shard_name,
+                                     "device": cfg.device, "metrics_port": cfg.metrics_port})
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("shard draining", extra={"shard": cfg.shard_name})
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    loop.stop(timeout=60)
+    server.stop(grace=5).wait()
+    return 0

@@ -1,0 +1,143 @@
+"""The Shard gRPC servicer: thin translation between kimiserve.v1 messages and the engine loop."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+import torch
+
+from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
+from shard_svc.engine.engine import TokenEvent
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
+from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
+
+log = logging.getLogger(__name__)
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+          "cancelled": common_pb2.FINISH_REASON_CANCELLED, "error": common_pb2.FINISH_REASON_ERROR}
+_END = object()
+
+
+def error_code(e: Exception) -> int:
+    """Named engine errors -> the ShardErrorCode the router maps to a gRPC status."""
+    if isinstance(e, DuplicateRequest):
+        return shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS
+    if isinstance(e, InvalidRequest | ContextTooLong | ValueError):
+        return shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT
+    if isinstance(e, CapacityError | ShuttingDown):
+        return shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED
+    return shard_pb2.SHARD_ERROR_CODE_INTERNAL
+
+
+def sampling_from_pb(submit: shard_pb2.ShardRequest.Submit) -> SamplingParams:
+    s = submit.sampling
+    return SamplingParams(
+        max_tokens=submit.max_tokens,
+        temperature=s.temperature if s.HasField("temperature") else 1.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )
+
+
+def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
+    """A TokenEvent is a Token, a Finished, or a Token followed by Finished (the last token of a sequence)."""
+    out = []
+    if event.token_id is not None:
+        token = shard_pb2.ShardEvent.Token(token_id=event.token_id, index=event.index)
+        if event.logprob is not None:
+            token.logprob = event.logprob
+        out.append(shard_pb2.ShardEvent(request_id=event.request_id, token=token))
+    if event.finish_reason is not None:
+        usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+        out.append(shard_pb2.ShardEvent(request_id=event.request_id, finished=shard_pb2.ShardEvent.Finished(
+            finish_reason=FINISH[event.finish_reason], usage=usage, error_message=event.error or "")))
+    return out
+
+
+class ShardService(shard_pb2_grpc.ShardServicer):
+    def __init__(self, loop: EngineLoop, info: shard_pb2.ShardInfoResponse, device: torch.device,
+                 on_device_fault):
+        self.loop, self.info, self.device, self.on_device_fault = loop, info, device, on_device_fault
+
+    def Stream(self, request_iterator, context):
+        out: queue.Queue = queue.Queue()
+        live: set[str] = set()
+        lock = threading.Lock()
+
+        def sink(event: TokenEvent) -> None:
+            if event.finish_reason is not None:
+                with lock:
+                    live.discard(event.request_id)
+            for msg in event_to_pb(event):
+                out.put(msg)
+
+        def read() -> None:
+            try:
+                for req in request_iterator:
+                    self._handle(req, sink, out, live, lock)
+            except grpc.RpcError:
+                pass  # the router went away; cancelled below
+            finally:
+                with lock:
+                    orphans = list(live)
+                for rid in orphans:
+                    self.loop.cancel(rid)
+                out.put(_END)
+
+        threading.Thread(target=read, name="shard-stream-reader", daemon=True).start()
+        while (msg := out.get()) is not _END:
+            yield msg
+
+    def _handle(self, req, sink, out, live, lock) -> None:
+        kind = req.WhichOneof("kind")
+        if kind == "cancel":
+            self.loop.cancel(req.cancel.request_id)
+            return
+        if kind != "submit":
+            out.put(shard_pb2.ShardEvent(error=shard_pb2.ShardEvent.Error(
+                code=shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT, message="ShardRequest with no submit or cancel")))
+            return
+        sub = req.submit
+        try:
+            with lock:
+                live.add(sub.request_id)
+            self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink)
+        except (KimiServeError, ShuttingDown, ValueError) as e:
+            with lock:
+                live.discard(sub.request_id)
+            log.info("submit refused", extra={"request_id": sub.request_id, "error": str(e)})
+            out.put(shard_pb2.ShardEvent(request_id=sub.request_id, error=shard_pb2.ShardEvent.Error(
+                code=error_code(e), message=str(e))))
+
+    def Info(self, request, context):
+        return self.info
+
+    def Load(self, request, context):
+        load = self.loop.load()
+        return shard_pb2.ShardLoadResponse(queued_tokens=load.queued_tokens, running_seqs=load.running,
+                                           queued_seqs=load.queued, free_state_slots=load.free_slots,
+                                           free_kv_blocks=load.free_blocks)
+
+    def Health(self, request, context):
+        start = time.perf_counter()
+        try:
+            x = torch.ones(8, device=self.device)
+            ok = float((x + x).sum()) == 16.0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - any device failure means the shard cannot serve
+            ok, detail = False, repr(e)
+        else:
+            detail = "" if ok else "device arithmetic returned a wrong value"
+        if not ok:
+            self.on_device_fault(detail)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"device {self.device} failed its health op: {detail}")
+        return shard_pb2.ShardHealthResponse(device_op_ms=(time.perf_counter() - start) * 1e3)
