@@ -29,6 +29,11 @@ class Child:
     address: str
     metrics_url: str
     proc: subprocess.Popen
+    cmd: list[str]
+
+    def restart(self) -> None:
+        """Starts the same command again (same ports), e.g. after the process died."""
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,23 +61,26 @@ def _spawn(name: str, args: list[str], host: str, port: int) -> Child:
     metrics_port = free_port(host)
     cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port)]
-    proc = subprocess.Popen(cmd)
-    return Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", proc)
+    # A session of its own: a terminal's Ctrl-C reaches only `up`, which stops the router first so it drains.
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    return Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", proc, cmd)
 
 
-def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float) -> list[Child]:
+def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float,
+                shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> list[Child]:
+    """Starts tokenizer, shards, then the router; returns them with the router last."""
     children: list[Child] = []
     try:
         children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, free_port(host)))
         for i in range(shards):
             dev = f"cuda:{i}" if device == "cuda" else device
             children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev,
-                                                  "--shard-name", f"shard-{i}"], host, free_port(host)))
+                                                  "--shard-name", f"shard-{i}", *shard_args], host, free_port(host)))
         for child in children:
             wait_serving(child.address, timeout, alive=lambda c=child: c.proc.poll() is None)
         shard_addrs = ",".join(c.address for c in children if c.name.startswith("shard-"))
-        router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs], host,
-                        port)
+        router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs,
+                                   *router_args], host, port)
         children.append(router)
         wait_serving(router.address, timeout, alive=lambda: router.proc.poll() is None)
     except BaseException:
