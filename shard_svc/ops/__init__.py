@@ -50,6 +50,7 @@ EAGER: dict[str, Callable] = {
 
 # backend name -> loader returning {op name: implementation}; loaders import lazily (Triton needs a GPU).
 BACKENDS: dict[str, Callable[[], dict[str, Callable]]] = {"eager": lambda: EAGER}
+BACKENDS["triton"] = lambda: __import__("shard_svc.ops.triton", fromlist=["load"]).load()
 
 
 class OpBackendError(RuntimeError):

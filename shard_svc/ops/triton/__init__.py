@@ -1,0 +1,34 @@
+"""Triton kernels behind the op seam (`BACKENDS["triton"]`), selected automatically on CUDA.
+
+One file per kernel family, each next to the eager reference it is tested against:
+`kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
+in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py). Ops not listed in `load()` stay eager.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from shard_svc.ops.triton.common import TritonKernelError, interpreting
+
+__all__ = ["load", "TritonKernelError"]
+
+
+def load() -> dict[str, Callable]:
+    """{op name: Triton implementation}; raises if Triton cannot run here (no CUDA device and no interpreter)."""
+    import torch
+
+    if not torch.cuda.is_available() and not interpreting():
+        raise TritonKernelError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+    from shard_svc.ops.triton.kda_decode import kda_decode
+    from shard_svc.ops.triton.norm import gated_rms_norm, rms_norm
+    from shard_svc.ops.triton.short_conv import short_conv
+
+    return {
+        "kda_prefill": kda_prefill,
+        "kda_decode": kda_decode,
+        "short_conv": short_conv,
+        "gated_rms_norm": gated_rms_norm,
+        "rms_norm": rms_norm,
+    }

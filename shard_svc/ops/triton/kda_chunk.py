@@ -1,0 +1,298 @@
+"""KDA chunked prefill over packed variable-length sequences (chunk 64), state read from and written to the pool.
+
+Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (the UT/WY chunk form of MODELS.md section 1) and the token
+loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
+
+1. `_kda_chunk_intra_kernel`, one program per (chunk, head), all chunks in parallel. Fuses the gate, its
+   cumulative sum G inside the chunk (log2 units), the q/k L2 norm and beta = sigmoid, then builds
+       A_qk[i, j] = sum_c q_ic k_jc 2^(G_ic - G_jc)             (j <= i)
+       A_kk[i, j] = beta_i sum_c k_ic k_jc 2^(G_ic - G_jc)      (j <  i)
+   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v), q 2^G,
+   k 2^(G_last - G), A_qk and 2^G_last.
+2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
+       v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
+   starting from the pool slot's state and writing the final state back to it.
+
+Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per step) and is unbounded with the
+softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^(x) with x <= 0:
+- pairs inside one 16-row sub-block: the exact pairwise difference G_i - G_j, element by element;
+- pairs across sub-blocks: split through a reference row r with j < r <= i, 2^(G_i - G_r) * 2^(G_r - G_j),
+  both factors <= 1, so the product is a matrix product on the tensor cores (levels of 32 and 64 rows);
+- (I + A_kk)^-1: forward substitution inside the 16-row blocks, then block merges
+  [[X11, 0], [-X22 A21 X11, X22]] at 32 and 64 rows, which only multiply already-bounded blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from shard_svc.ops.triton.common import TritonKernelError, check, check_index, interpreting, pow2_at_least
+from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
+
+CHUNK = 64  # BT: rows per chunk
+SUB = 16  # BC: rows per sub-block whose pairs are computed element by element
+
+
+@triton.jit
+def _straddle(b_G, b_q, b_k, BT: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
+    """A_qk and (unscaled) A_kk for pairs inside one S-row block with i in its second half and j in its first.
+
+    The reference is the first row r of the second half: 2^(G_i - G_r) (i >= r) and 2^(G_r - G_j) (j < r) are
+    both <= 1. Rows and columns outside the pair set are zeroed, and the block mask removes cross-block products.
+    """
+    HALF: tl.constexpr = S // 2
+    NS: tl.constexpr = BT // S
+    o_t = tl.arange(0, BT)
+    G3 = tl.reshape(b_G, [NS, S, BK])
+    g_ref = tl.sum(tl.where(tl.arange(0, S)[None, :, None] == HALF, G3, 0.0), 1)  # [NS, BK]
+    g_ref = tl.reshape(tl.broadcast_to(g_ref[:, None, :], [NS, S, BK]), [BT, BK])
+    second = ((o_t % S) >= HALF)[:, None]
+    e = tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G))
+    q_s = tl.where(second, b_q * e, 0.0)
+    k_s = tl.where(second, b_k * e, 0.0)
+    k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+    same = (o_t[:, None] // S) == (o_t[None, :] // S)
+    return tl.where(same, tl.dot(q_s, k_f), 0.0), tl.where(same, tl.dot(k_s, k_f), 0.0)
+
+
+@triton.jit
+def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
+    """[NB, BC, BC] blocks -> the [BT, BT] block-diagonal matrix holding them."""
+    a = tl.arange(0, NB)[:, None, None, None]
+    b = tl.arange(0, NB)[None, None, :, None]
+    return tl.reshape(tl.where(a == b, d[:, :, None, :], 0.0), [BT, BT])
+
+
+@triton.jit
+def _kda_chunk_intra_kernel(
+    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+    w, u, qg, kg, aqk, decay,
+    stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
+    n_seqs, scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    # The sequence owning global chunk i_c: chunk_offsets[n] <= i_c < chunk_offsets[n + 1] (binary search, so
+    # the grid needs no host copy of the sequence lengths).
+    lo = i_c * 0
+    hi = lo + n_seqs
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
+        right = i_c >= end
+        active = lo < hi
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
+        return
+    bos = tl.load(cu_seqlens + lo).to(tl.int64)
+    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT
+
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    tok = t0 + o_t
+    m_t = tok < eos
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & (o_v < V)[None, :]
+
+    b_q = tl.load(q + tok[:, None] * stride_q + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_k = tl.load(k + tok[:, None] * stride_k + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_f = tl.load(f + tok[:, None] * stride_f + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + tok[:, None] * stride_v + i_h * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    b_bl = tl.load(beta_logits + tok * stride_b + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
+
+    # Padded rows and columns get g = 0, so G stays flat past the end and G[BT-1] is the last real row's.
+    b_g = tl.where(m_tk, kda_gate_log2(b_f, b_dt[None, :], b_a, lower_bound, USE_LOWER_BOUND), 0.0)
+    b_G = tl.cumsum(b_g, axis=0)  # [BT, BK] <= 0, non-increasing down the rows
+    b_q = b_q * (l2_rnorm(b_q, 1) * scale)[:, None]
+    b_k = b_k * l2_rnorm(b_k, 1)[:, None]
+    b_beta = tl.where(m_t, tl.sigmoid(b_bl), 0.0)
+
+    b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BK]
+    b_eg = tl.exp2(b_G)
+    p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+    tl.store(qg + p_tk, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_tk)
+    tl.store(kg + p_tk, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
+    tl.store(decay + (i_c * H + i_h) * K + o_k, tl.exp2(b_glast), mask=m_k)
+
+    # Pairs in different 16-row sub-blocks: straddle levels of 64, 32 rows (tensor cores).
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    a_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    for lvl in tl.static_range(LEVELS):
+        x_qk, x_kk = _straddle(b_G, b_q, b_k, BT, BK, BT >> lvl)
+        a_qk += x_qk
+        a_kk += x_kk
+
+    # Pairs inside a sub-block: exact pairwise differences, one column j of every sub-block per step.
+    q3 = tl.reshape(b_q, [NB, BC, BK])
+    k3 = tl.reshape(b_k, [NB, BC, BK])
+    g3 = tl.reshape(b_G, [NB, BC, BK])
+    ri = tl.arange(0, BC)[None, :, None]
+    cj = tl.arange(0, BC)[None, None, :]
+    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for jj in tl.static_range(BC):
+        sel = ri == jj
+        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)  # [NB, BK]
+        k_j = tl.sum(tl.where(sel, k3, 0.0), 1)
+        ke = tl.exp2(tl.where(ri >= jj, g3 - g_j[:, None, :], float("-inf"))) * k_j[:, None, :]
+        d_qk = tl.where(cj == jj, tl.sum(q3 * ke, 2)[:, :, None], d_qk)
+        d_kk = tl.where(cj == jj, tl.sum(k3 * ke, 2)[:, :, None], d_kk)
+    d_kk = tl.where(ri > cj, d_kk, 0.0) * tl.reshape(b_beta, [NB, BC])[:, :, None]
+    a_qk += _block_diag(d_qk, NB, BC, BT)
+    a_kk = a_kk * b_beta[:, None] + _block_diag(d_kk, NB, BC, BT)
+    tl.store(aqk + (tok[:, None] * H + i_h) * BT + o_t[None, :], a_qk.to(aqk.dtype.element_ty),
+             mask=m_t[:, None])
+
+    # (I + A_kk)^-1. Diagonal 16-blocks by forward substitution: row s = e_s - sum_{m<s} A[s, m] X[m, :].
+    x_d = tl.where(ri == cj, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for s in tl.static_range(1, BC):
+        a_s = tl.sum(tl.where(ri == s, d_kk, 0.0), 1)  # [NB, BC] row s (columns m)
+        r_s = tl.sum(a_s[:, :, None] * x_d, 1)  # [NB, BC]
+        x_d = tl.where(ri == s, tl.where(cj == s, 1.0, 0.0) - r_s[:, None, :], x_d)
+    # Merge blocks upwards: X = X - X (A21 X) with A21 the lower-left quadrant of each doubled block.
+    b_x = _block_diag(x_d, NB, BC, BT)
+    o_i = o_t[:, None]
+    o_j = o_t[None, :]
+    for lvl in tl.static_range(LEVELS):
+        span = BC * (2 << lvl)
+        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
+        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
+
+    b_w = tl.dot(b_x, b_k * (b_beta[:, None] * b_eg))
+    b_u = tl.dot(b_x, b_v * b_beta[:, None])
+    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
+    tl.store(u + (tok[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _kda_chunk_state_kernel(
+    w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets,
+    stride_s_slot, stride_s_h, stride_s_k,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_n = i_bh // H
+    i_h = i_bh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    slot = tl.load(slots + i_n).to(tl.int64)
+
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < V
+    p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+    # Products in the intermediates' dtype (bf16 on the tensor cores, as fla). Triton's CPU interpreter
+    # multiplies bf16 dot operands wrongly, so under it they are widened to fp32 (DOT_FP32).
+    dt: tl.constexpr = tl.float32 if DOT_FP32 else w.dtype.element_ty
+
+    for i_t in range(0, tl.cdiv(eos - bos, BT)):
+        tok = bos + i_t * BT + o_t
+        m_t = tok < eos
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
+        b_kgt = tl.load(kg + (tok[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                        other=0.0)  # [BK, BT]
+        b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_a = tl.load(aqk + (tok[:, None] * H + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+        b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+
+        b_sb = b_s.to(dt)
+        b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb)).to(dt)  # [BT, BV]
+        b_o = tl.dot(b_qg.to(dt), b_sb) + tl.dot(b_a.to(dt), b_vn)
+        tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn)
+
+    tl.store(p_s, b_s, mask=m_s)
+
+
+def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens):
+    t, heads, dk = q.shape
+    dv = v.shape[-1]
+    for name, x, shape in (("q", q, (t, heads, dk)), ("k", k, (t, heads, dk)), ("v", v, (t, heads, dv)),
+                           ("f", f, (t, heads, dk))):
+        check(op, name, x, dims=3)
+        if tuple(x.shape) != shape or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+            raise TritonKernelError(f"{op}: {name} {tuple(x.shape)} strides {x.stride()} must be {shape} with "
+                                    "contiguous heads")
+    check(op, "beta_logits", beta_logits, dims=2)
+    if tuple(beta_logits.shape) != (t, heads):
+        raise TritonKernelError(f"{op}: beta_logits {tuple(beta_logits.shape)} must be [{t}, {heads}]")
+    check(op, "state_pool", state_pool, dtypes=(torch.float32,), dims=4)
+    check(op, "a_log", a_log, dtypes=(torch.float32,), dims=1)
+    check(op, "dt_bias", dt_bias, dtypes=(torch.float32,), dims=1)
+    if tuple(state_pool.shape[1:]) != (heads, dk, dv) or a_log.shape[0] < heads or dt_bias.shape[0] != heads * dk:
+        raise TritonKernelError(f"{op}: state_pool {tuple(state_pool.shape)}, a_log {tuple(a_log.shape)}, dt_bias "
+                                f"{tuple(dt_bias.shape)} do not match H={heads} K={dk} V={dv}")
+    if dk > 256 or dv > 256:
+        raise TritonKernelError(f"{op}: head dims K={dk} V={dv} above 256 are not supported (register tiles)")
+    check_index(op, "slots", slots, slots.shape[0])
+    check_index(op, "cu_seqlens", cu_seqlens, slots.shape[0] + 1)
+
+
+def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                block_v: int | None = None, state_warps: int = 4, state_stages: int = 2,
+                intra_warps: int = 8) -> torch.Tensor:
+    """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype."""
+    op = "kda_prefill"
+    _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
+    t, heads, dk = q.shape
+    dv = v.shape[-1]
+    n = slots.shape[0]
+    o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
+    if t == 0 or n == 0:
+        return o
+    # Chunk offsets of each sequence, on the device: no host sync, so the call can be graph-captured.
+    lens = cu_seqlens[1:] - cu_seqlens[:-1]
+    chunk_offsets = torch.zeros(n + 1, dtype=torch.int64, device=q.device)
+    torch.cumsum((lens + CHUNK - 1) // CHUNK, 0, out=chunk_offsets[1:])
+    max_chunks = t // CHUNK + n  # sum of ceil(len / 64) <= floor(T / 64) + B
+    inter = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    w = torch.empty(t, heads, dk, dtype=inter, device=q.device)
+    qg = torch.empty_like(w)
+    kg = torch.empty_like(w)
+    u = torch.empty(t, heads, dv, dtype=inter, device=q.device)
+    aqk = torch.empty(t, heads, CHUNK, dtype=inter, device=q.device)
+    decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
+    bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
+    lb = float(lower_bound) if lower_bound is not None else 0.0
+    _kda_chunk_intra_kernel[(max_chunks, heads)](
+        q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+        w, u, qg, kg, aqk, decay,
+        q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
+        n, dk**-0.5, lb,
+        H=heads, K=dk, V=dv, BK=bk, BV=bvp, BT=CHUNK, BC=SUB, LEVELS=int(math.log2(CHUNK // SUB)),
+        SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
+        num_warps=intra_warps,
+    )
+    bv = block_v or min(bvp, 32)
+    _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
+        w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=CHUNK, DOT_FP32=interpreting(),
+        num_warps=state_warps, num_stages=state_stages,
+    )
+    return o

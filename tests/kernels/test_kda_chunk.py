@@ -1,0 +1,120 @@
+"""Triton chunked KDA prefill against the token-loop reference (float64) and the eager chunked op.
+
+Varlen batches with boundaries off the 64-row chunk grid, odd and empty sequences, head counts that are not powers
+of two, both gate forms, extreme decays, and a NaN-poisoned state pool whose unused slots must stay untouched.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard_svc.ops.kda import eager
+from shard_svc.ops.kda.naive import naive_kda_varlen
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, assert_unused_untouched, cu_seqlens, poisoned_pool
+
+# (lens, H, K, V, lower_bound, dtype, flavour)
+CASES = {
+    "one-130-H2-K32-V16-softplus": ([130], 2, 32, 16, None, torch.float32, "plain"),
+    "varlen-70,5,64-H3-K16-V32-softplus": ([70, 5, 64], 3, 16, 32, None, torch.float32, "plain"),
+    "varlen-1,2,63,65-H3-K16-lower-bound": ([1, 2, 63, 65], 3, 16, 16, -5.0, torch.float32, "plain"),
+    "varlen-3,0,67-H1-K8-V8-tiny-head": ([3, 0, 67], 1, 8, 8, None, torch.float32, "plain"),
+    "varlen-65,63-H2-K32-bf16": ([65, 63], 2, 32, 32, None, torch.bfloat16, "plain"),
+    "one-128-H2-huge-decay": ([128], 2, 16, 16, None, torch.float32, "huge_decay"),
+    "one-96-H2-identical-keys": ([96], 2, 16, 16, None, torch.float32, "same_keys"),
+    "one-128-H2-lower-bound-saturated": ([128], 2, 16, 16, -5.0, torch.float32, "lb_saturated"),
+}
+GPU_CASES = {
+    "gpu-varlen-1000,3000,96-H32-K128-bf16": ([1000, 3000, 96], 32, 128, 128, None, torch.bfloat16, "plain"),
+    "gpu-varlen-777,2048-H32-K128-bf16-lower-bound": ([777, 2048], 32, 128, 128, -5.0, torch.bfloat16, "plain"),
+    "gpu-one-4096-H6-K128-fp32": ([4096], 6, 128, 128, None, torch.float32, "plain"),
+}
+
+
+def make_inputs(lens, heads, dk, dv, dtype, flavour, num_slots=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+    q, k, v = rnd(t, heads, dk), rnd(t, heads, dk), rnd(t, heads, dv)
+    f, beta_logits = rnd(t, heads, dk), rnd(t, heads)
+    a_log = torch.log(torch.rand(heads, generator=g) * 15 + 1).to(DEVICE)
+    dt_bias = rnd(heads * dk, scale=0.1)
+    if flavour == "huge_decay":  # per-step decays down to e^-500: any split through exp(-G) would overflow
+        f, a_log, beta_logits = f * 3, torch.full_like(a_log, 4.0), beta_logits * 3
+    elif flavour == "same_keys":  # (I + A) with all-ones lower triangle: a badly conditioned Neumann series
+        k = k[:1].expand_as(k).contiguous()
+        f, a_log, beta_logits = torch.full_like(f, -30.0), torch.full_like(a_log, -8.0), torch.full_like(beta_logits, 8.0)
+    elif flavour == "lb_saturated":  # every step at the lower bound: a chunk decays by e^-320
+        f = torch.full_like(f, 30.0)
+    slots = torch.randperm(num_slots, generator=g)[: len(lens)].to(DEVICE)
+    return [x.to(dtype) for x in (q, k, v, f, beta_logits)] + [a_log, dt_bias], slots
+
+
+def run_case(lens, heads, dk, dv, lb, dtype, flavour, tol):
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, heads, dk, dv, dtype, flavour)
+    cu = cu_seqlens(lens)
+    pool = poisoned_pool((7, heads, dk, dv), slots)
+    ours_pool = pool.clone()
+    o = kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, ours_pool, slots, cu)
+    assert o.dtype == v.dtype and o.shape == v.shape
+    assert_unused_untouched("kda_prefill state", ours_pool, slots)
+
+    # float64 token loop on the same (rounded) inputs: the independent reference
+    ref_pool = pool.double()
+    ref = naive_kda_varlen(*(x.double() for x in (q, k, v, f, bl, a_log, dt_bias)), lb, ref_pool, slots, cu)
+    assert_close("o vs token loop", o, ref, tol)
+    assert_close("state vs token loop", ours_pool[slots], ref_pool[slots], tol)
+
+    # the eager chunked op at the inputs' own precision
+    eager_pool = pool.clone()
+    ref_e = eager.kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, eager_pool, slots, cu)
+    assert_close("o vs eager", o, ref_e, tol)
+    assert_close("state vs eager", ours_pool[slots], eager_pool[slots], tol)
+
+
+def _tol(dtype):
+    if dtype != torch.float32:
+        return 2e-2  # bf16 inputs, bf16 intermediates (as fla)
+    return 5e-3 if ON_GPU else 1e-4  # the GPU's fp32 dots are tf32
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_kda_prefill_matches_reference(case):
+    lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real Kimi-Linear shapes run on the GPU only (the interpreter is too slow)")
+@pytest.mark.parametrize("case", list(GPU_CASES), ids=list(GPU_CASES))
+def test_kda_prefill_real_shapes(case):
+    lens, heads, dk, dv, lb, dtype, flavour = GPU_CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype))
+
+
+def test_kda_prefill_continues_from_state():
+    """Two prefill calls (split off the chunk grid) give the same output and state as one call."""
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs([100], 2, 16, 16, torch.float32, "plain")
+    pool = poisoned_pool((7, 2, 16, 16), slots)
+    whole_pool, split_pool = pool.clone(), pool.clone()
+    whole = kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, whole_pool, slots, cu_seqlens([100]))
+    parts = [kda_prefill(*(x[a:b] for x in (q, k, v, f, bl)), a_log, dt_bias, None, split_pool, slots,
+                         cu_seqlens([b - a])) for a, b in ((0, 37), (37, 100))]
+    assert_close("o split vs whole", torch.cat(parts), whole, _tol(torch.float32))
+    assert_close("state split vs whole", split_pool[slots], whole_pool[slots], _tol(torch.float32))
+
+
+def test_kda_prefill_rejects_fp64_state():
+    from shard_svc.ops.triton.common import TritonKernelError
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs([10], 1, 16, 16, torch.float32, "plain")
+    pool = torch.zeros(7, 1, 16, 16, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(TritonKernelError, match="state_pool"):
+        kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu_seqlens([10]))
