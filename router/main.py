@@ -13,8 +13,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from kimiserve import security
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
+from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
 from router.generation import Generation
 from router.metrics import RouterMetrics
 from router.service import RouterService
@@ -36,6 +38,13 @@ class RouterConfig:
     max_queued: int
     default_max_tokens: int
     drain_timeout_s: float
+    # -- deployment: shard discovery and security (kimiserve/security.py, router/discovery.py) --
+    shards_dns: str | None = None  # NAME:PORT re-resolved every discovery_interval_s (a headless Service)
+    discovery_interval_s: float = 5.0
+    tls: security.ServerTls | None = None  # TLS (and with a client CA, mTLS) on the public port
+    upstream_tls: security.UpstreamTls | None = None  # TLS / mTLS to the tokenizer and the shards
+    api_keys_file: str | None = None  # keys for `authorization: Bearer`; None: no API-key check
+    health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -43,42 +52,69 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9100)
     p.add_argument("--tokenizer", required=True, help="tokenizer service address host:port")
-    p.add_argument("--shards", required=True, help="comma-separated shard addresses host:port")
+    p.add_argument("--shards", default="", help="comma-separated shard addresses host:port")
+    p.add_argument("--shards-dns", default=None, metavar="NAME:PORT",
+                   help="find shards by resolving NAME (e.g. a headless Service) every --discovery-interval")
+    p.add_argument("--discovery-interval", type=float, default=5.0, help="seconds between --shards-dns lookups")
     p.add_argument("--max-in-flight", type=int, default=256, help="requests at the shards at once")
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond that; then refused")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--api-keys-file", default=None,
+                   help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
+    security.add_server_tls_args(p)
+    security.add_upstream_tls_args(p)
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
     shards = tuple(s.strip() for s in a.shards.split(",") if s.strip())
+    if not shards and not a.shards_dns:
+        raise SystemExit("kimiserve router: give --shards host:port,... and/or --shards-dns NAME:PORT")
+    if a.shards_dns:
+        split_host_port(a.shards_dns)  # refuses a malformed NAME:PORT at startup
     return RouterConfig(a.host, a.port, a.metrics_port, a.tokenizer, shards, a.max_in_flight, a.max_queued,
-                        a.default_max_tokens, a.drain_timeout)
+                        a.default_max_tokens, a.drain_timeout, a.shards_dns, a.discovery_interval,
+                        security.server_tls_from_args(a), security.upstream_tls_from_args(a), a.api_keys_file,
+                        a.health_port)
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
-    tokenizer = TokenizerClient(cfg.tokenizer)
+    tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(cfg.tokenizer, cfg.upstream_tls))
     await tokenizer.load_info()
-    shards = [ShardClient(addr) for addr in cfg.shards]
-    for shard in shards:
-        shard.start()
+    shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
+    discovery = ShardDiscovery(
+        shards, [static_resolver(cfg.shards)] + ([dns_resolver(cfg.shards_dns)] if cfg.shards_dns else []),
+        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls)),
+        interval_s=cfg.discovery_interval_s, drain_timeout_s=cfg.drain_timeout_s,
+        on_removed=lambda addr: _forget_shard_metrics(metrics, addr))
+    await discovery.refresh()
+    discovery.start()
     generation = Generation(shards, tokenizer, Admission(cfg.max_in_flight, cfg.max_queued, metrics), metrics,
                             cfg.default_max_tokens)
-    server = grpc.aio.server()
+    interceptors = [security.ApiKeyInterceptor(security.ApiKeys(cfg.api_keys_file))] if cfg.api_keys_file else []
+    server = grpc.aio.server(interceptors=interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(RouterService(generation), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
+    health_server = (security.health_only_server_aio(health_servicer, cfg.host, cfg.health_port)
+                     if cfg.health_port is not None else None)
     start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     while not any(s.view.healthy for s in shards):  # SERVING only once a request could be served
         await asyncio.sleep(0.1)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("router serving", extra={"address": f"{cfg.host}:{cfg.port}", "shards": list(cfg.shards),
-                                      "tokenizer": cfg.tokenizer, "metrics_port": cfg.metrics_port})
+    log.info("router serving", extra={"address": f"{cfg.host}:{cfg.port}", "shards": discovery.addresses,
+                                      "shards_dns": cfg.shards_dns, "tokenizer": cfg.tokenizer,
+                                      "metrics_port": cfg.metrics_port, "tls": cfg.tls is not None,
+                                      "mtls_clients": bool(cfg.tls and cfg.tls.client_ca),
+                                      "upstream_tls": cfg.upstream_tls is not None,
+                                      "api_keys": cfg.api_keys_file is not None, "health_port": cfg.health_port})
     watcher = asyncio.create_task(_export_shard_health(shards, metrics))
     await stop.wait()
     log.info("router draining", extra={"timeout_s": cfg.drain_timeout_s})
@@ -86,6 +122,9 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.stop(grace=cfg.drain_timeout_s)
     watcher.cancel()
+    await discovery.stop()
+    if health_server is not None:
+        await health_server.stop(None)
     for shard in shards:
         await shard.close()
     await tokenizer.close()
@@ -96,6 +135,14 @@ async def _export_shard_health(shards: list[ShardClient], metrics: RouterMetrics
         for shard in shards:
             metrics.shard_healthy.labels(shard.address).set(1 if shard.view.healthy else 0)
         await asyncio.sleep(0.5)
+
+
+def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
+    """A shard that left discovery stops being exported, so it does not read as a shard that is down."""
+    try:
+        metrics.shard_healthy.remove(address)
+    except KeyError:
+        pass
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,12 +24,12 @@ ERROR_CODES = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
 
 
 class ShardClient:
-    def __init__(self, address: str, poll_interval_s: float = 0.5):
+    def __init__(self, address: str, poll_interval_s: float = 0.5, channel: grpc.aio.Channel | None = None):
         self.address = address
         self.view = ShardView(address)
         self.info: shard_pb2.ShardInfoResponse | None = None
         self._poll_interval = poll_interval_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel or grpc.aio.insecure_channel(address)  # a TLS channel: kimiserve.security
         self._stub = shard_pb2_grpc.ShardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outbox: asyncio.Queue[shard_pb2.ShardRequest] | None = None

@@ -16,9 +16,9 @@ def _translate(e: grpc.aio.AioRpcError) -> RouterError:
 
 
 class TokenizerClient:
-    def __init__(self, address: str, timeout_s: float = 30.0):
+    def __init__(self, address: str, timeout_s: float = 30.0, channel: grpc.aio.Channel | None = None):
         self.address, self.timeout = address, timeout_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = channel or grpc.aio.insecure_channel(address)  # a TLS channel: kimiserve.security
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.info: tokenizer_pb2.TokenizerInfoResponse | None = None
 

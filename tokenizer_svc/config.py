@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimiserve.security import ServerTls
+
 
 @dataclass(frozen=True)
 class TokenizerServerConfig:
@@ -17,6 +19,8 @@ class TokenizerServerConfig:
     max_message_chars: int = 1_000_000  # per chat message (content + tool-call arguments)
     max_text_chars: int = 8_000_000  # per Tokenize text
     grace_s: float = 5.0  # on SIGTERM: how long in-flight RPCs may finish
+    tls: ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
+    health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
 
     @property
     def served_name(self) -> str:

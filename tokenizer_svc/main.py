@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
+from kimiserve import security
 from kimiserve.logs import setup_logging
 from tokenizer_svc.config import TokenizerServerConfig
 from tokenizer_svc.errors import TokenizerServiceError
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
     p.add_argument("--grace-s", type=float, default=d.grace_s)
     p.add_argument("--log-level", default="INFO")
+    security.add_server_tls_args(p)
     return p
 
 
@@ -44,6 +46,8 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
         max_message_chars=args.max_message_chars,
         max_text_chars=args.max_text_chars,
         grace_s=args.grace_s,
+        tls=security.server_tls_from_args(args),
+        health_port=args.health_port,
     )
 
 
@@ -55,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         serve(config_from_args(args))
-    except (TokenizerServiceError, OSError) as exc:
+    except (TokenizerServiceError, security.SecurityConfigError, OSError) as exc:
         log.error("tokenizer service failed to start: %s", exc, extra={"error_type": type(exc).__name__})
         return 1
     return 0

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from kimiserve import security
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import load_chat_template
 from tokenizer_svc.config import TokenizerServerConfig
@@ -45,9 +46,7 @@ async def start_server(
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    if port == 0:
-        raise OSError(f"cannot bind the tokenizer service to {cfg.host}:{cfg.port}")
+    port = security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)  # raises OSError if it cannot bind
     await server.start()
     for name in ("", SERVICE_NAME):  # "" is the whole server, as probes ask by default
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -57,6 +56,10 @@ async def start_server(
 async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> None:
     """Serve until SIGTERM / SIGINT, then stop gracefully: NOT_SERVING, in-flight RPCs get cfg.grace_s."""
     server, health_servicer, port = await start_server(cfg, served)
+    health_server = (security.health_only_server_aio(health_servicer, cfg.host, cfg.health_port)
+                     if cfg.health_port is not None else None)
+    if health_server is not None:
+        await health_server.start()
     stop_requested = asyncio.Event()
 
     def request_stop(sig: signal.Signals) -> None:
@@ -71,11 +74,15 @@ async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> No
         cfg.host, port,
         extra={"address": f"{cfg.host}:{port}", "model": served.model_name, "model_type": served.model_type,
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
-               "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size},
+               "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size,
+               "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
+               "health_port": cfg.health_port},
     )
     await stop_requested.wait()
     await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish
     await server.stop(cfg.grace_s)
+    if health_server is not None:
+        await health_server.stop(None)
     log.info("tokenizer service stopped")
 
 

@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from kimiserve import security
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -39,6 +40,8 @@ class ShardServerConfig:
     metrics_port: int
     engine: EngineConfig
     op_backend: str = "auto"
+    tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
+    health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -57,13 +60,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
+    security.add_server_tls_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
                           args.max_model_len)
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
-                             args.metrics_port, engine, args.op_backend)
+                             args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
+                             args.health_port)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
@@ -92,7 +97,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
-    server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     return server, loop, health_servicer
 
 
@@ -103,10 +108,16 @@ def run(args: argparse.Namespace) -> int:
     server, loop, health_servicer = build_server(cfg)
     loop.start()
     server.start()
+    health_server = (security.health_only_server(health_servicer, cfg.host, cfg.health_port)
+                     if cfg.health_port is not None else None)
+    if health_server is not None:
+        health_server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("shard serving", extra={"address": f"{cfg.host}:{cfg.port}", "shard": cfg.shard_name,
-                                     "device": cfg.device, "metrics_port": cfg.metrics_port})
+                                     "device": cfg.device, "metrics_port": cfg.metrics_port,
+                                     "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
+                                     "health_port": cfg.health_port})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -116,4 +127,6 @@ def run(args: argparse.Namespace) -> int:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loop.stop(timeout=60)
     server.stop(grace=5).wait()
+    if health_server is not None:
+        health_server.stop(None)
     return 0

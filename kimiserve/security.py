@@ -1,0 +1,239 @@
+"""Transport security and API keys, shared by the three services.
+
+- TLS on a gRPC port (cert + key files, e.g. from a Kubernetes Secret); with a client CA the port requires client
+  certificates signed by it (mTLS between router, tokenizer and shards).
+- Client credentials for the router's connections to the tokenizer and the shards (`UpstreamTls`).
+- API keys on the router: `authorization: Bearer <key>` metadata checked by a server interceptor against keys read
+  from a file (one per line, `#` comments). Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs
+  the method and the reason, plus a short SHA-256 prefix of a presented key so that two clients can be told apart
+  without revealing either key.
+- A plaintext health-only port (`--health-port`): kubelet's native gRPC probes cannot speak TLS, so with TLS on the
+  probes ask grpc.health.v1 there. It serves nothing but health.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import logging
+import os
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+AUTH_HEADER = "authorization"
+# Services reachable without an API key: kubelet probes and load balancers cannot send one.
+OPEN_SERVICES = frozenset({health.SERVICE_NAME})
+
+
+class SecurityConfigError(ValueError):
+    """A TLS or API-key setting is incomplete or unreadable (named flag and file in the message)."""
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as e:
+        raise SecurityConfigError(f"cannot read the {what} {path}: {e.strerror}") from e
+
+
+# -- server side -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServerTls:
+    cert: Path  # PEM certificate chain served on the port
+    key: Path  # PEM private key of that certificate
+    client_ca: Path | None = None  # PEM CA bundle; set: clients must present a certificate it signed (mTLS)
+
+    def credentials(self) -> grpc.ServerCredentials:
+        ca = _read(self.client_ca, "client CA (--client-ca)") if self.client_ca else None
+        return grpc.ssl_server_credentials([(_read(self.key, "TLS key (--tls-key)"),
+                                             _read(self.cert, "TLS certificate (--tls-cert)"))],
+                                           root_certificates=ca, require_client_auth=ca is not None)
+
+
+def add_server_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("transport security")
+    g.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve the gRPC port over TLS")
+    g.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    g.add_argument("--client-ca", type=Path, default=None,
+                   help="PEM CA bundle: require client certificates signed by it (mTLS); needs --tls-cert")
+    g.add_argument("--health-port", type=int, default=None,
+                   help="also serve grpc.health.v1 alone, in plaintext, on this port (for kubelet probes)")
+
+
+def server_tls_from_args(a: argparse.Namespace) -> ServerTls | None:
+    if a.tls_cert is None and a.tls_key is None:
+        if a.client_ca is not None:
+            raise SecurityConfigError("--client-ca needs --tls-cert and --tls-key (mTLS is TLS with client certs)")
+        return None
+    if a.tls_cert is None or a.tls_key is None:
+        raise SecurityConfigError("--tls-cert and --tls-key go together; got only "
+                                  f"{'--tls-cert' if a.tls_cert else '--tls-key'}")
+    return ServerTls(a.tls_cert, a.tls_key, a.client_ca)
+
+
+def bind(server, address: str, tls: ServerTls | None) -> int:
+    """Adds a TLS or plaintext port to a sync or aio server; returns the bound port, raising if binding failed."""
+    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind {address}")
+    return port
+
+
+def health_only_server_aio(servicer: health.aio.HealthServicer, host: str, port: int) -> grpc.aio.Server:
+    """An aio server serving only grpc.health.v1 (plaintext) on host:port; the caller starts and stops it."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bind(server, f"{host}:{port}", None)
+    return server
+
+
+def health_only_server(servicer: health.HealthServicer, host: str, port: int) -> grpc.Server:
+    """A sync server serving only grpc.health.v1 (plaintext) on host:port; the caller starts and stops it."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    bind(server, f"{host}:{port}", None)
+    return server
+
+
+# -- client side (router → tokenizer, shards) ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class UpstreamTls:
+    ca: Path  # PEM CA that signed the tokenizer's and shards' certificates
+    cert: Path | None = None  # PEM client certificate presented to them (mTLS)
+    key: Path | None = None
+    server_name: str | None = None  # name to verify in their certificates instead of the dialled host (pod IPs)
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca, "upstream CA (--upstream-ca)"),
+            private_key=_read(self.key, "upstream client key (--upstream-key)") if self.key else None,
+            certificate_chain=_read(self.cert, "upstream client certificate (--upstream-cert)") if self.cert else None)
+
+
+def add_upstream_tls_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("TLS to the tokenizer and shards")
+    g.add_argument("--upstream-ca", type=Path, default=None,
+                   help="PEM CA: connect to the tokenizer and shards over TLS, verifying their certificates")
+    g.add_argument("--upstream-cert", type=Path, default=None, help="PEM client certificate for mTLS")
+    g.add_argument("--upstream-key", type=Path, default=None, help="PEM private key of --upstream-cert")
+    g.add_argument("--upstream-server-name", default=None,
+                   help="name their certificates carry (needed when shards are dialled by pod IP)")
+
+
+def upstream_tls_from_args(a: argparse.Namespace) -> UpstreamTls | None:
+    if a.upstream_ca is None:
+        if a.upstream_cert or a.upstream_key or a.upstream_server_name:
+            raise SecurityConfigError("--upstream-cert/--upstream-key/--upstream-server-name need --upstream-ca")
+        return None
+    if (a.upstream_cert is None) != (a.upstream_key is None):
+        raise SecurityConfigError("--upstream-cert and --upstream-key go together")
+    return UpstreamTls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name)
+
+
+def aio_channel(address: str, tls: UpstreamTls | None) -> grpc.aio.Channel:
+    if tls is None:
+        return grpc.aio.insecure_channel(address)
+    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else None
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
+# -- API keys ------------------------------------------------------------------------------------------------------
+def key_fingerprint(key: str) -> str:
+    """A short, non-reversible tag for a presented key (logs only ever carry this)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+class ApiKeys:
+    """Keys from a file, one per line (blank lines and `#` comments ignored). The file is re-read when its
+    modification time changes (a rotated Kubernetes Secret), at most once per `recheck_s`."""
+
+    def __init__(self, path: Path, recheck_s: float = 2.0):
+        self.path, self._recheck_s = Path(path), recheck_s
+        self._mtime: float | None = None
+        self._checked_at = 0.0
+        self._keys: tuple[bytes, ...] = ()
+        self._load(initial=True)
+
+    def _load(self, initial: bool = False) -> None:
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError as e:
+            if initial:
+                raise SecurityConfigError(f"cannot read the API keys file {self.path}: {e.strerror}") from e
+            log.error("API keys file unreadable; keeping the keys loaded before", extra={"path": str(self.path)})
+            return
+        if mtime == self._mtime:
+            return
+        lines = _read(self.path, "API keys file (--api-keys-file)").decode().splitlines()
+        keys = tuple(k.encode() for k in (line.split("#", 1)[0].strip() for line in lines) if k)
+        if not keys:
+            raise SecurityConfigError(f"the API keys file {self.path} holds no key")
+        self._keys, self._mtime = keys, mtime
+        log.info("API keys loaded", extra={"path": str(self.path), "keys": len(keys)})
+
+    def valid(self, presented: str) -> bool:
+        now = time.monotonic()
+        if now - self._checked_at >= self._recheck_s:
+            self._checked_at = now
+            try:
+                self._load()
+            except SecurityConfigError as e:
+                log.error("API keys file not reloaded: %s", e)
+        token = presented.encode()
+        # Compare against every key (no early exit), in constant time per key.
+        return sum(hmac.compare_digest(token, k) for k in self._keys) > 0
+
+
+def bearer_token(metadata) -> str | None:
+    for key, value in metadata or ():
+        if key == AUTH_HEADER:
+            scheme, _, token = value.partition(" ")
+            return token.strip() if scheme.lower() == "bearer" else ""
+    return None
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    async def abort(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(request_or_iterator, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - makes this an async generator, as streaming handlers are
+
+    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(abort, **kw)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(abort, **kw)
+    return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <key>` on every RPC except those of OPEN_SERVICES."""
+
+    def __init__(self, keys: ApiKeys, open_services: frozenset[str] = OPEN_SERVICES):
+        self.keys, self.open_services = keys, open_services
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        service = details.method.lstrip("/").rsplit("/", 1)[0]
+        if handler is None or service in self.open_services:
+            return handler
+        token = bearer_token(details.invocation_metadata)
+        if token and self.keys.valid(token):
+            return handler
+        reason = "missing" if token is None else ("malformed" if not token else "wrong")
+        log.warning("request refused: %s API key", reason,
+                    extra={"method": details.method, "reason": reason,
+                           "key_sha256_prefix": key_fingerprint(token) if token else None})
+        hint = ("send metadata `authorization: Bearer <key>`" if reason != "wrong" else "the key is not accepted")
+        return _deny(handler, f"{reason} API key: {hint}")
