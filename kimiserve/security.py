@@ -137,10 +137,13 @@ def upstream_tls_from_args(a: argparse.Namespace) -> UpstreamTls | None:
     return UpstreamTls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name)
 
 
-def aio_channel(address: str, tls: UpstreamTls | None) -> grpc.aio.Channel:
+def aio_channel(address: str, tls: UpstreamTls | None, options: list[tuple[str, object]] = ()
+                ) -> grpc.aio.Channel:
+    options = list(options)
     if tls is None:
-        return grpc.aio.insecure_channel(address)
-    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else None
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
     return grpc.aio.secure_channel(address, tls.credentials(), options=options)
 
 

@@ -51,7 +51,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--metrics-port", type=int, default=9100)
-    p.add_argument("--tokenizer", required=True, help="tokenizer service address host:port")
+    p.add_argument("--tokenizer", required=True,
+                   help="tokenizer service address host:port, or dns:///NAME:PORT to spread over all its pods")
     p.add_argument("--shards", default="", help="comma-separated shard addresses host:port")
     p.add_argument("--shards-dns", default=None, metavar="NAME:PORT",
                    help="find shards by resolving NAME (e.g. a headless Service) every --discovery-interval")
@@ -80,7 +81,9 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
-    tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(cfg.tokenizer, cfg.upstream_tls))
+    # round_robin: with `dns:///NAME:PORT` (a headless Service) requests spread over every tokenizer pod.
+    tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(
+        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin")]))
     await tokenizer.load_info()
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     discovery = ShardDiscovery(
