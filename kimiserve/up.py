@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimiserve.health import wait_serving
-from kimiserve.ports import free_port
+from kimiserve.ports import free_ports
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kimiserve" / "tiny-k3"
@@ -57,8 +57,7 @@ def ensure_default_model() -> Path:
     return DEFAULT_MODEL_DIR
 
 
-def _spawn(name: str, args: list[str], host: str, port: int) -> Child:
-    metrics_port = free_port(host)
+def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int) -> Child:
     cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port)]
     # A session of its own: a terminal's Ctrl-C reaches only `up`, which stops the router first so it drains.
@@ -70,17 +69,20 @@ def start_stack(model: Path, shards: int, device: str, host: str, port: int, tim
                 shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> list[Child]:
     """Starts tokenizer, shards, then the router; returns them with the router last."""
     children: list[Child] = []
+    ports = iter(p for p in free_ports(2 * shards + 4, host) if p != port)
     try:
-        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, free_port(host)))
+        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, next(ports),
+                               next(ports)))
         for i in range(shards):
             dev = f"cuda:{i}" if device == "cuda" else device
             children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev,
-                                                  "--shard-name", f"shard-{i}", *shard_args], host, free_port(host)))
+                                                  "--shard-name", f"shard-{i}", *shard_args], host, next(ports),
+                                   next(ports)))
         for child in children:
             wait_serving(child.address, timeout, alive=lambda c=child: c.proc.poll() is None)
         shard_addrs = ",".join(c.address for c in children if c.name.startswith("shard-"))
         router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs,
-                                   *router_args], host, port)
+                                   *router_args], host, port, next(ports))
         children.append(router)
         wait_serving(router.address, timeout, alive=lambda: router.proc.poll() is None)
     except BaseException:
