@@ -1,0 +1,254 @@
+"""One source of truth for kimiserve's Grafana dashboard and Prometheus alerts.
+
+Writes dashboards/kimiserve.json (a ConfigMap labelled grafana_dashboard: "1" in the chart) and
+rules/kimiserve-alerts.yaml (a plain Prometheus rules file; the chart's PrometheusRule embeds the same groups).
+Run `python helm/kimiserve/dashboards/generate.py` after editing; tests/deploy fail when the committed files are stale,
+when an expression names a metric the services do not export, and when an expression returns no data from a real
+Prometheus scraping a running stack.
+
+Series carry the target labels `namespace` and `model` (the chart's ServiceMonitors set `model`); the dashboard is
+templated on both. Aggregation across shards and routers is done here, in the queries (LESSONS.md 10).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+CHART = Path(__file__).resolve().parents[1]
+DASHBOARD = CHART / "dashboards" / "kimiserve.json"
+RULES = CHART / "rules" / "kimiserve-alerts.yaml"
+
+SEL = 'namespace=~"$namespace", model=~"$model"'
+RATE = "$__rate_interval"
+# gRPC statuses that are the service's fault (or its overload), for the error-ratio alert.
+SERVER_ERRORS = "INTERNAL|UNAVAILABLE|UNKNOWN|DEADLINE_EXCEEDED|DATA_LOSS|RESOURCE_EXHAUSTED"
+NON_TERMINAL_BATCH = "validating|in_progress|finalizing|cancelling"
+
+# Alert thresholds: edit here, regenerate.
+TTFT_P99_SECONDS = 10
+ERROR_RATIO = 0.05
+SLOT_SATURATION = 0.95
+BATCH_TRANSITION_MINUTES = 30  # validating / finalizing / cancelling should take minutes, not this long
+BATCH_IDLE_MINUTES = 15  # batches in progress while no batch request finished for this long
+
+
+def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
+    group = f"{by}, le" if by else "le"
+    legend = f"{{{{{by}}}}} p" if by else "p"
+    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{{{SEL}}}[{RATE}])))",
+             f"{legend}{round(q * 100)}") for q in qs]
+
+
+def usage(used: str, total: str) -> list[tuple[str, str]]:
+    return [(f"sum by (shard) ({used}{{{SEL}}}) / sum by (shard) ({total}{{{SEL}}})", "{{shard}}")]
+
+
+# (row title, [(panel title, unit, [(expr, legend)], description)])
+ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
+    ("Requests", [
+        ("Request rate by status", "reqps",
+         [(f"sum by (method, status) (rate(kimiserve_router_requests_total{{{SEL}}}[{RATE}]))",
+           "{{method}} {{status}}")],
+         "Finished requests per second by method and gRPC status, all routers."),
+        ("Non-OK ratio", "percentunit",
+         [(f'sum(rate(kimiserve_router_requests_total{{{SEL}, status!="OK"}}[{RATE}])) / '
+           f"sum(rate(kimiserve_router_requests_total{{{SEL}}}[{RATE}]))", "non-OK")],
+         "Share of requests that did not finish OK (client errors included; the alert counts server errors)."),
+        ("Time to first token", "s", quantiles("kimiserve_router_time_to_first_token_seconds"),
+         "Arrival at the router to the first token, quantiles over all routers."),
+        ("Time per output token", "s", quantiles("kimiserve_router_time_per_output_token_seconds"),
+         "Mean gap between output tokens of a request after the first."),
+        ("End-to-end latency", "s", quantiles("kimiserve_router_request_duration_seconds"),
+         "Arrival at the router to the last chunk."),
+        ("Router queue time", "s", quantiles("kimiserve_router_queue_seconds"),
+         "Wait for router admission (backpressure)."),
+        ("Tokens per second", "short",
+         [(f"sum(rate(kimiserve_router_prompt_tokens_total{{{SEL}}}[{RATE}]))", "prompt"),
+          (f"sum(rate(kimiserve_router_generation_tokens_total{{{SEL}}}[{RATE}]))", "generation")],
+         "Prompt and generated tokens of finished requests per second."),
+        ("Queue depth", "short",
+         [(f"sum(kimiserve_router_queued_requests{{{SEL}}})", "router queued"),
+          (f"sum(kimiserve_router_in_flight_requests{{{SEL}}})", "router in flight"),
+          (f"sum by (shard) (kimiserve_shard_queued_sequences{{{SEL}}})", "{{shard}} queued")],
+         "Requests waiting for router admission, at the shards, and sequences queued on each shard."),
+    ]),
+    ("Shards", [
+        ("Prefill pass duration per shard", "s",
+         quantiles("kimiserve_shard_prefill_pass_seconds", "shard", (0.5, 0.99)),
+         "Wall time of one prefill pass on each shard."),
+        ("Prefill pass p99, max over shards", "s",
+         [(f"max(histogram_quantile(0.99, sum by (shard, le) "
+           f"(rate(kimiserve_shard_prefill_pass_seconds_bucket{{{SEL}}}[{RATE}]))))", "max p99")],
+         "The slowest shard's p99 prefill pass."),
+        ("Decode step time per shard", "s",
+         quantiles("kimiserve_shard_decode_step_seconds", "shard", (0.5, 0.99)),
+         "Wall time of one batched decode step on each shard."),
+        ("Shard tokens per second", "short",
+         [(f"sum by (shard) (rate(kimiserve_shard_prefill_tokens_total{{{SEL}}}[{RATE}]))", "{{shard}} prefill"),
+          (f"sum by (shard) (rate(kimiserve_shard_decode_tokens_total{{{SEL}}}[{RATE}]))", "{{shard}} decode")],
+         "Prompt tokens prefilled and tokens decoded per second on each shard."),
+        ("State-slot usage per shard", "percentunit",
+         usage("kimiserve_shard_state_slots_used", "kimiserve_shard_state_slots_total"),
+         "KDA state slots in use / in the pool."),
+        ("KV-block usage per shard", "percentunit",
+         usage("kimiserve_shard_kv_blocks_used", "kimiserve_shard_kv_blocks_total"),
+         "MLA KV-cache blocks in use / in the pool."),
+        ("Running sequences per shard", "short",
+         [(f"sum by (shard) (kimiserve_shard_running_sequences{{{SEL}}})", "{{shard}}")],
+         "Sequences holding a state slot."),
+        ("Shard health (as routers see it)", "short",
+         [(f"min by (shard) (kimiserve_router_shard_healthy{{{SEL}}})", "{{shard}}")],
+         "1: in rotation on every router; 0: out of rotation on at least one."),
+        ("Sequences finished per second", "short",
+         [(f"sum by (reason) (rate(kimiserve_shard_sequences_finished_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
+         "Sequences finished on the shards, by finish reason."),
+    ]),
+    ("Tokenizer", [
+        ("Tokenizer RPC rate", "reqps",
+         [(f"sum by (rpc, code) (rate(kimiserve_tokenizer_requests_total{{{SEL}}}[{RATE}]))", "{{rpc}} {{code}}")],
+         "Tokenizer RPCs finished per second by rpc and status."),
+        ("Tokenizer RPC p99", "s",
+         [(f"histogram_quantile(0.99, sum by (rpc, le) "
+           f"(rate(kimiserve_tokenizer_request_duration_seconds_bucket{{{SEL}}}[{RATE}])))", "{{rpc}}")],
+         "Handler wall time per rpc."),
+    ]),
+    ("Batch", [
+        ("Batch jobs by status", "short",
+         [(f"max by (status) (kimiserve_router_batches{{{SEL}}})", "{{status}}")],
+         "Batches in the store by status (routers sharing a store report the same counts: max, not sum)."),
+        ("Batch requests", "short",
+         [(f"sum(kimiserve_router_batch_queue_depth{{{SEL}}})", "queued"),
+          (f"sum(kimiserve_router_batch_running_requests{{{SEL}}})", "running")],
+         "Batch requests waiting and running on the routers."),
+        ("Batch throughput", "short",
+         [(f"sum(kimiserve_router_batch_throughput_tokens_per_second{{{SEL}}})", "generated tokens/s")],
+         "Generated tokens per second of batch responses."),
+    ]),
+]
+
+ALERTS: list[dict] = [
+    {"alert": "KimiserveShardDown", "for": "2m", "severity": "warning",
+     "expr": "kimiserve_router_shard_healthy == 0",
+     "summary": "Shard {{ $labels.shard }} is out of the router's rotation",
+     "description": "Router {{ $labels.instance }} has not been able to use shard {{ $labels.shard }} for 2 minutes "
+                    "(health not SERVING or its stream broke)."},
+    {"alert": "KimiserveNoHealthyShard", "for": "1m", "severity": "critical",
+     "expr": "kimiserve_router_queued_requests unless on (namespace, instance) (kimiserve_router_shard_healthy == 1)",
+     "summary": "Router {{ $labels.instance }} has no healthy shard",
+     "description": "Every request to this router fails with UNAVAILABLE: no shard is discovered or in rotation."},
+    {"alert": "KimiserveRouterQueueGrowing", "for": "10m", "severity": "warning",
+     "expr": "kimiserve_router_queued_requests > 0 and deriv(kimiserve_router_queued_requests[10m]) > 0",
+     "summary": "Router {{ $labels.instance }} admission queue keeps growing",
+     "description": "{{ $value }} requests wait for admission and the queue has grown for 10 minutes: add shards."},
+    {"alert": "KimiserveShardQueueGrowing", "for": "10m", "severity": "warning",
+     "expr": "kimiserve_shard_queued_sequences > 0 and deriv(kimiserve_shard_queued_sequences[10m]) > 0",
+     "summary": "Shard {{ $labels.shard }} queue keeps growing",
+     "description": "{{ $value }} sequences wait for a state slot or KV blocks on {{ $labels.shard }}."},
+    {"alert": "KimiserveTTFTHigh", "for": "10m", "severity": "warning",
+     "expr": f"histogram_quantile(0.99, sum by (namespace, model, le) "
+             f"(rate(kimiserve_router_time_to_first_token_seconds_bucket[5m]))) > {TTFT_P99_SECONDS}",
+     "summary": f"TTFT p99 of {{{{ $labels.model }}}} is over {TTFT_P99_SECONDS} s",
+     "description": "Time to first token p99 is {{ $value | humanizeDuration }} over the last 5 minutes."},
+    {"alert": "KimiserveErrorRatioHigh", "for": "5m", "severity": "critical",
+     "expr": f'sum by (namespace, model) (rate(kimiserve_router_requests_total{{status=~"{SERVER_ERRORS}"}}[5m])) / '
+             f"sum by (namespace, model) (rate(kimiserve_router_requests_total[5m])) > {ERROR_RATIO}",
+     "summary": f"More than {ERROR_RATIO:.0%} of {{{{ $labels.model }}}} requests fail",
+     "description": "{{ $value | humanizePercentage }} of requests ended with a server-side status ("
+                    + SERVER_ERRORS.replace("|", ", ") + ")."},
+    {"alert": "KimiserveStateSlotsSaturated", "for": "15m", "severity": "warning",
+     "expr": f"kimiserve_shard_state_slots_used / kimiserve_shard_state_slots_total >= {SLOT_SATURATION} "
+             f"and kimiserve_shard_queued_sequences > 0",
+     "summary": "Shard {{ $labels.shard }} has no free state slots",
+     "description": f"At least {SLOT_SATURATION:.0%} of the KDA state slots are in use and sequences queue: "
+                    "raise shard.numStateSlots or add shards."},
+    {"alert": "KimiserveBatchStuckInTransition", "for": "5m", "severity": "warning",
+     "expr": f'min_over_time(kimiserve_router_batches{{status=~"validating|finalizing|cancelling"}}'
+             f"[{BATCH_TRANSITION_MINUTES}m]) > 0",
+     "summary": "Batches have been {{ $labels.status }} for over " + f"{BATCH_TRANSITION_MINUTES} minutes",
+     "description": "{{ $value }} batch(es) stayed in a transitional status without interruption; "
+                    "every batch must reach a terminal status (LESSONS.md 5)."},
+    {"alert": "KimiserveBatchStalled", "for": f"{BATCH_IDLE_MINUTES}m", "severity": "warning",
+     "expr": f'max by (namespace, model) (kimiserve_router_batches{{status="in_progress"}}) > 0 '
+             f"unless on (namespace, model) "
+             f"(sum by (namespace, model) (increase(kimiserve_router_batch_requests_total[{BATCH_IDLE_MINUTES}m])) > 0)",
+     "summary": "Batches are in_progress but none of their requests finished in "
+                f"{BATCH_IDLE_MINUTES} minutes",
+     "description": "{{ $value }} batch(es) in_progress with no progress: a stuck non-terminal batch."},
+]
+assert {a["alert"] for a in ALERTS} >= {"KimiserveShardDown", "KimiserveNoHealthyShard", "KimiserveTTFTHigh"}
+
+
+def _variable(name: str, label: str, query: str) -> dict:
+    return {"name": name, "label": label, "type": "query", "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "query": {"query": query, "refId": f"{name}-var"}, "definition": query, "refresh": 2, "sort": 1,
+            "includeAll": True, "multi": True, "allValue": ".*",
+            "current": {"selected": True, "text": ["All"], "value": ["$__all"]}}
+
+
+def dashboard() -> dict:
+    panels, y, pid = [], 0, 1
+    for row_title, row_panels in ROWS:
+        panels.append({"type": "row", "title": row_title, "id": pid, "collapsed": False, "panels": [],
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}})
+        pid, y = pid + 1, y + 1
+        for i, (title, unit, targets, description) in enumerate(row_panels):
+            panels.append({
+                "type": "timeseries", "title": title, "description": description, "id": pid,
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": y + 8 * (i // 2)},
+                "fieldConfig": {"defaults": {"unit": unit, "custom": {"lineWidth": 1, "fillOpacity": 10}},
+                                "overrides": []},
+                "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                            "tooltip": {"mode": "multi", "sort": "desc"}},
+                "targets": [{"refId": chr(ord("A") + j), "expr": expr, "legendFormat": legend,
+                             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                            for j, (expr, legend) in enumerate(targets)],
+            })
+            pid += 1
+        y += 8 * ((len(row_panels) + 1) // 2)
+    templating = [
+        {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
+         "current": {}, "hide": 0},
+        _variable("namespace", "Namespace", "label_values(kimiserve_router_queued_requests, namespace)"),
+        _variable("model", "Model",
+                  'label_values(kimiserve_router_queued_requests{namespace=~"$namespace"}, model)'),
+    ]
+    return {"title": "kimiserve", "uid": "kimiserve-overview", "description": "Router, shards, tokenizer and "
+            "batch jobs of kimiserve (generated by helm/kimiserve/dashboards/generate.py)",
+            "tags": ["kimiserve"], "editable": True, "schemaVersion": 39, "version": 1, "refresh": "30s",
+            "time": {"from": "now-1h", "to": "now"}, "timezone": "browser", "graphTooltip": 1,
+            "templating": {"list": templating}, "annotations": {"list": []}, "panels": panels}
+
+
+def rules() -> dict:
+    out = []
+    for a in ALERTS:
+        out.append({"alert": a["alert"], "expr": a["expr"], "for": a["for"],
+                    "labels": {"severity": a["severity"]},
+                    "annotations": {"summary": a["summary"], "description": a["description"]}})
+    return {"groups": [{"name": "kimiserve", "rules": out}]}
+
+
+def dashboard_json() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def rules_yaml() -> str:
+    header = "# Generated by helm/kimiserve/dashboards/generate.py; do not edit by hand.\n"
+    return header + yaml.safe_dump(rules(), sort_keys=False, width=120)
+
+
+def panel_expressions() -> list[tuple[str, str]]:
+    """(panel title, expr) for every target of every panel."""
+    return [(title, expr) for _, row in ROWS for title, _, targets, _ in row for expr, _ in targets]
+
+
+if __name__ == "__main__":
+    RULES.parent.mkdir(exist_ok=True)
+    DASHBOARD.write_text(dashboard_json())
+    RULES.write_text(rules_yaml())
+    sys.stdout.write(f"wrote {DASHBOARD} and {RULES}\n")
