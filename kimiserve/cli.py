@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "shard": ("shard_svc.server.main", "add_args", "run", "serve one model shard on one device"),
     "chat": ("kimiserve.client", "add_chat_args", "run_chat", "chat with a running router (streams the reply)"),
     "complete": ("kimiserve.client", "add_complete_args", "run_complete", "complete a prompt via the router"),
+    "batch": ("kimiserve.batch_cli", "add_args", "run", "submit, inspect, fetch or cancel batch jobs on a router"),
 }
 # Commands that own their whole argument parser: `kimiserve tokenizer ARGS...` calls main(ARGS).
 PASSTHROUGH: dict[str, tuple[str, str]] = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from prometheus_client import start_http_server
 from kimiserve import security
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
+from router.batch.runner import BatchConfig  # batch jobs (router/batch)
+from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
 from router.generation import Generation
 from router.metrics import RouterMetrics
@@ -45,6 +48,7 @@ class RouterConfig:
     upstream_tls: security.UpstreamTls | None = None  # TLS / mTLS to the tokenizer and the shards
     api_keys_file: str | None = None  # keys for `authorization: Bearer`; None: no API-key check
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
+    batch: BatchConfig | None = None  # batch jobs (router/batch/setup.py); None: defaults, db in the cache dir
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +69,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
     security.add_server_tls_args(p)
     security.add_upstream_tls_args(p)
+    add_batch_args(p)
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
@@ -97,7 +102,12 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                             cfg.default_max_tokens)
     interceptors = [security.ApiKeyInterceptor(security.ApiKeys(cfg.api_keys_file))] if cfg.api_keys_file else []
     server = grpc.aio.server(interceptors=interceptors)
-    router_pb2_grpc.add_RouterServicer_to_server(RouterService(generation), server)
+    servicer = RouterService(generation)
+    # -- batch jobs (router/batch): SQLite store, runner, and the batch RPCs on the same Router service --
+    batches = BatchWiring(cfg.batch or BatchConfig(default_db_path(), owner=f"{cfg.host}:{cfg.port}"),
+                          generation, metrics)
+    batches.attach(servicer)
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -112,6 +122,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
         await asyncio.sleep(0.1)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    batches.start()  # resumes the batches left unfinished by an earlier run
     log.info("router serving", extra={"address": f"{cfg.host}:{cfg.port}", "shards": discovery.addresses,
                                       "shards_dns": cfg.shards_dns, "tokenizer": cfg.tokenizer,
                                       "metrics_port": cfg.metrics_port, "tls": cfg.tls is not None,
@@ -123,7 +134,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     log.info("router draining", extra={"timeout_s": cfg.drain_timeout_s})
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace=cfg.drain_timeout_s)
+    await asyncio.gather(server.stop(grace=cfg.drain_timeout_s), batches.stop(cfg.drain_timeout_s))
     watcher.cancel()
     await discovery.stop()
     if health_server is not None:
@@ -149,7 +160,7 @@ def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
+    cfg = dataclasses.replace(config_from_args(args), batch=batch_config_from_args(args))
 
     async def main() -> None:
         stop = asyncio.Event()

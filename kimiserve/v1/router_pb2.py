@@ -25,13 +25,19 @@ _sym_db = _symbol_database.Default()
 from kimiserve.v1 import common_pb2 as kimiserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kimiserve/v1/router.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\"\xc6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kimiserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_id\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x06 \x01(\t\"\xc4\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.ChatMessage\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.kimiserve.v1.Tool\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_request_id\"\xdd\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.kimiserve.v1.ToolCall\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"]\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.kimiserve.v1.ModelCard2\xe7\x01\n\x06Router\x12K\n\x08Generate\x12\x1d.kimiserve.v1.GenerateRequest\x1a\x1e.kimiserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x19.kimiserve.v1.ChatRequest\x1a\x1a.kimiserve.v1.ChatResponse0\x01\x12O\n\nListModels\x12\x1f.kimiserve.v1.ListModelsRequest\x1a .kimiserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kimiserve/v1/router.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\"\xc6\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x32\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x16.kimiserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_id\"\xb5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x06 \x01(\t\"\xc4\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.ChatMessage\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.kimiserve.v1.Tool\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x05 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_request_id\"\xdd\x01\n\x0c\x43hatResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.kimiserve.v1.ToolCall\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x07 \x01(\t\"\x13\n\x11ListModelsRequest\"]\n\tModelCard\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x1a\n\x12max_context_tokens\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.kimiserve.v1.ModelCard\"\x8e\x01\n\x10\x42\x61tchRequestItem\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12\x31\n\x08generate\x18\x02 \x01(\x0b\x32\x1d.kimiserve.v1.GenerateRequestH\x00\x12)\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x19.kimiserve.v1.ChatRequestH\x00\x42\t\n\x07request\"G\n\x13\x42\x61tchInlineRequests\x12\x30\n\x08requests\x18\x01 \x03(\x0b\x32\x1e.kimiserve.v1.BatchRequestItem\"\x8c\x02\n\x12\x43reateBatchRequest\x12\x33\n\x06inline\x18\x01 \x01(\x0b\x32!.kimiserve.v1.BatchInlineRequestsH\x00\x12\x0f\n\x05jsonl\x18\x02 \x01(\tH\x00\x12@\n\x08metadata\x18\x03 \x03(\x0b\x32..kimiserve.v1.CreateBatchRequest.MetadataEntry\x12\x1b\n\x13\x63ompletion_window_s\x18\x04 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\x05 \x01(\r\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x07\n\x05input\"F\n\x12\x42\x61tchRequestCounts\x12\r\n\x05total\x18\x01 \x01(\r\x12\x11\n\tcompleted\x18\x02 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x03 \x01(\r\">\n\nBatchUsage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x04\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x04\"9\n\nBatchError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x0c\n\x04line\x18\x03 \x01(\r\"\xf1\x05\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\t\x12)\n\x06status\x18\x02 \x01(\x0e\x32\x19.kimiserve.v1.BatchStatus\x12\x38\n\x0erequest_counts\x18\x03 \x01(\x0b\x32 .kimiserve.v1.BatchRequestCounts\x12\'\n\x05usage\x18\x04 \x01(\x0b\x32\x18.kimiserve.v1.BatchUsage\x12\x33\n\x08metadata\x18\x05 \x03(\x0b\x32!.kimiserve.v1.Batch.MetadataEntry\x12(\n\x06\x65rrors\x18\x06 \x03(\x0b\x32\x18.kimiserve.v1.BatchError\x12\x1b\n\x13\x63ompletion_window_s\x18\x07 \x01(\r\x12\x17\n\x0fmax_concurrency\x18\x08 \x01(\r\x12\x15\n\rcreated_at_ms\x18\t \x01(\x03\x12\x15\n\rexpires_at_ms\x18\n \x01(\x03\x12\x1e\n\x11in_progress_at_ms\x18\x0b \x01(\x03H\x00\x88\x01\x01\x12\x1d\n\x10\x66inalizing_at_ms\x18\x0c \x01(\x03H\x01\x88\x01\x01\x12\x1c\n\x0f\x63ompleted_at_ms\x18\r \x01(\x03H\x02\x88\x01\x01\x12\x19\n\x0c\x66\x61iled_at_ms\x18\x0e \x01(\x03H\x03\x88\x01\x01\x12\x1a\n\rexpired_at_ms\x18\x0f \x01(\x03H\x04\x88\x01\x01\x12\x1d\n\x10\x63\x61ncelling_at_ms\x18\x10 \x01(\x03H\x05\x88\x01\x01\x12\x1c\n\x0f\x63\x61ncelled_at_ms\x18\x11 \x01(\x03H\x06\x88\x01\x01\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x14\n\x12_in_progress_at_msB\x13\n\x11_finalizing_at_msB\x12\n\x10_completed_at_msB\x0f\n\r_failed_at_msB\x10\n\x0e_expired_at_msB\x13\n\x11_cancelling_at_msB\x12\n\x10_cancelled_at_ms\"#\n\x0fGetBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\";\n\x12ListBatchesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"T\n\x13ListBatchesResponse\x12$\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x13.kimiserve.v1.Batch\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"&\n\x12\x43\x61ncelBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\"M\n\x16GetBatchResultsRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\t\x12\x11\n\tafter_seq\x18\x02 \x01(\x04\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"\xb3\x01\n\rBatchResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12*\n\ntool_calls\x18\x05 \x03(\x0b\x32\x16.kimiserve.v1.ToolCall\"2\n\x11\x42\x61tchRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xaf\x01\n\x0b\x42\x61tchResult\x12\x11\n\tcustom_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12/\n\x08response\x18\x03 \x01(\x0b\x32\x1b.kimiserve.v1.BatchResponseH\x00\x12\x30\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1f.kimiserve.v1.BatchRequestErrorH\x00\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\t\n\x07outcome*\x8b\x02\n\x0b\x42\x61tchStatus\x12\x1c\n\x18\x42\x41TCH_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x42\x41TCH_STATUS_VALIDATING\x10\x01\x12\x1c\n\x18\x42\x41TCH_STATUS_IN_PROGRESS\x10\x02\x12\x1b\n\x17\x42\x41TCH_STATUS_FINALIZING\x10\x03\x12\x1a\n\x16\x42\x41TCH_STATUS_COMPLETED\x10\x04\x12\x17\n\x13\x42\x41TCH_STATUS_FAILED\x10\x05\x12\x18\n\x14\x42\x41TCH_STATUS_EXPIRED\x10\x06\x12\x1b\n\x17\x42\x41TCH_STATUS_CANCELLING\x10\x07\x12\x1a\n\x16\x42\x41TCH_STATUS_CANCELLED\x10\x08\x32\xdd\x04\n\x06Router\x12K\n\x08Generate\x12\x1d.kimiserve.v1.GenerateRequest\x1a\x1e.kimiserve.v1.GenerateResponse0\x01\x12?\n\x04\x43hat\x12\x19.kimiserve.v1.ChatRequest\x1a\x1a.kimiserve.v1.ChatResponse0\x01\x12O\n\nListModels\x12\x1f.kimiserve.v1.ListModelsRequest\x1a .kimiserve.v1.ListModelsResponse\x12\x44\n\x0b\x43reateBatch\x12 .kimiserve.v1.CreateBatchRequest\x1a\x13.kimiserve.v1.Batch\x12>\n\x08GetBatch\x12\x1d.kimiserve.v1.GetBatchRequest\x1a\x13.kimiserve.v1.Batch\x12R\n\x0bListBatches\x12 .kimiserve.v1.ListBatchesRequest\x1a!.kimiserve.v1.ListBatchesResponse\x12\x44\n\x0b\x43\x61ncelBatch\x12 .kimiserve.v1.CancelBatchRequest\x1a\x13.kimiserve.v1.Batch\x12T\n\x0fGetBatchResults\x12$.kimiserve.v1.GetBatchResultsRequest\x1a\x19.kimiserve.v1.BatchResult0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kimiserve.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_CREATEBATCHREQUEST_METADATAENTRY']._loaded_options = None
+  _globals['_CREATEBATCHREQUEST_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_BATCH_METADATAENTRY']._loaded_options = None
+  _globals['_BATCH_METADATAENTRY']._serialized_options = b'8\001'
+  _globals['_BATCHSTATUS']._serialized_start=3213
+  _globals['_BATCHSTATUS']._serialized_end=3480
   _globals['_GENERATEREQUEST']._serialized_start=71
   _globals['_GENERATEREQUEST']._serialized_end=269
   _globals['_GENERATERESPONSE']._serialized_start=272
@@ -46,6 +52,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELCARD']._serialized_end=992
   _globals['_LISTMODELSRESPONSE']._serialized_start=994
   _globals['_LISTMODELSRESPONSE']._serialized_end=1055
-  _globals['_ROUTER']._serialized_start=1058
-  _globals['_ROUTER']._serialized_end=1289
+  _globals['_BATCHREQUESTITEM']._serialized_start=1058
+  _globals['_BATCHREQUESTITEM']._serialized_end=1200
+  _globals['_BATCHINLINEREQUESTS']._serialized_start=1202
+  _globals['_BATCHINLINEREQUESTS']._serialized_end=1273
+  _globals['_CREATEBATCHREQUEST']._serialized_start=1276
+  _globals['_CREATEBATCHREQUEST']._serialized_end=1544
+  _globals['_CREATEBATCHREQUEST_METADATAENTRY']._serialized_start=1488
+  _globals['_CREATEBATCHREQUEST_METADATAENTRY']._serialized_end=1535
+  _globals['_BATCHREQUESTCOUNTS']._serialized_start=1546
+  _globals['_BATCHREQUESTCOUNTS']._serialized_end=1616
+  _globals['_BATCHUSAGE']._serialized_start=1618
+  _globals['_BATCHUSAGE']._serialized_end=1680
+  _globals['_BATCHERROR']._serialized_start=1682
+  _globals['_BATCHERROR']._serialized_end=1739
+  _globals['_BATCH']._serialized_start=1742
+  _globals['_BATCH']._serialized_end=2495
+  _globals['_BATCH_METADATAENTRY']._serialized_start=1488
+  _globals['_BATCH_METADATAENTRY']._serialized_end=1535
+  _globals['_GETBATCHREQUEST']._serialized_start=2497
+  _globals['_GETBATCHREQUEST']._serialized_end=2532
+  _globals['_LISTBATCHESREQUEST']._serialized_start=2534
+  _globals['_LISTBATCHESREQUEST']._serialized_end=2593
+  _globals['_LISTBATCHESRESPONSE']._serialized_start=2595
+  _globals['_LISTBATCHESRESPONSE']._serialized_end=2679
+  _globals['_CANCELBATCHREQUEST']._serialized_start=2681
+  _globals['_CANCELBATCHREQUEST']._serialized_end=2719
+  _globals['_GETBATCHRESULTSREQUEST']._serialized_start=2721
+  _globals['_GETBATCHRESULTSREQUEST']._serialized_end=2798
+  _globals['_BATCHRESPONSE']._serialized_start=2801
+  _globals['_BATCHRESPONSE']._serialized_end=2980
+  _globals['_BATCHREQUESTERROR']._serialized_start=2982
+  _globals['_BATCHREQUESTERROR']._serialized_end=3032
+  _globals['_BATCHRESULT']._serialized_start=3035
+  _globals['_BATCHRESULT']._serialized_end=3210
+  _globals['_ROUTER']._serialized_start=3483
+  _globals['_ROUTER']._serialized_end=4088
 # @@protoc_insertion_point(module_scope)

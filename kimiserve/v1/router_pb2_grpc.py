@@ -49,6 +49,31 @@ class RouterStub:
                 request_serializer=kimiserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=kimiserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.CreateBatch = channel.unary_unary(
+                '/kimiserve.v1.Router/CreateBatch',
+                request_serializer=kimiserve_dot_v1_dot_router__pb2.CreateBatchRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.GetBatch = channel.unary_unary(
+                '/kimiserve.v1.Router/GetBatch',
+                request_serializer=kimiserve_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.ListBatches = channel.unary_unary(
+                '/kimiserve.v1.Router/ListBatches',
+                request_serializer=kimiserve_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
+                _registered_method=True)
+        self.CancelBatch = channel.unary_unary(
+                '/kimiserve.v1.Router/CancelBatch',
+                request_serializer=kimiserve_dot_v1_dot_router__pb2.CancelBatchRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+                _registered_method=True)
+        self.GetBatchResults = channel.unary_stream(
+                '/kimiserve.v1.Router/GetBatchResults',
+                request_serializer=kimiserve_dot_v1_dot_router__pb2.GetBatchResultsRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_router__pb2.BatchResult.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -72,8 +97,52 @@ class RouterServicer:
 
     def ListModels(self, request, context):
         """The models this router serves.
-        Reserved: batch RPCs (create, get, list and cancel a batch of Generate / Chat requests) are added here by a
-        later issue. Their messages will get new names; nothing above changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateBatch(self, request, context):
+        """---- Batch jobs: many Generate / Chat requests run as one durable job (SQLite on the router), each with its own
+        result. A batch runs on capacity interactive traffic leaves free. Statuses and their order: see BatchStatus.
+
+        Create a batch from inline requests or the content of an OpenAI-format JSONL file. Returns at once with status
+        VALIDATING; the router then parses the input in the background (GetBatch to follow it). INVALID_ARGUMENT only
+        when the CreateBatchRequest itself is unusable (no input, completion_window_s or max_concurrency out of range);
+        problems inside the input are reported on the batch (status FAILED with errors) or per request (error results).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatch(self, request, context):
+        """One batch's current state. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListBatches(self, request, context):
+        """Batches, newest first, one page at a time.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelBatch(self, request, context):
+        """Cancel a batch: it goes to CANCELLING, its running requests are cancelled on the shards, every request without a
+        result gets an error result with code "batch_cancelled", then it goes to CANCELLED. Results recorded before
+        the cancel are kept. Cancelling a CANCELLING or CANCELLED batch returns it unchanged; cancelling a COMPLETED,
+        FAILED or EXPIRED batch is FAILED_PRECONDITION. NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBatchResults(self, request, context):
+        """The batch's results in the order they were recorded (BatchResult.seq 1, 2, ...), each custom_id exactly once.
+        Without `follow` the stream ends after the results recorded so far; with it, the stream stays open and ends
+        once the batch is terminal and every result has been sent. NOT_FOUND for an unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +165,31 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=kimiserve_dot_v1_dot_router__pb2.ListModelsRequest.FromString,
                     response_serializer=kimiserve_dot_v1_dot_router__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'CreateBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateBatch,
+                    request_deserializer=kimiserve_dot_v1_dot_router__pb2.CreateBatchRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'GetBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBatch,
+                    request_deserializer=kimiserve_dot_v1_dot_router__pb2.GetBatchRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'ListBatches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListBatches,
+                    request_deserializer=kimiserve_dot_v1_dot_router__pb2.ListBatchesRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_router__pb2.ListBatchesResponse.SerializeToString,
+            ),
+            'CancelBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelBatch,
+                    request_deserializer=kimiserve_dot_v1_dot_router__pb2.CancelBatchRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_router__pb2.Batch.SerializeToString,
+            ),
+            'GetBatchResults': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetBatchResults,
+                    request_deserializer=kimiserve_dot_v1_dot_router__pb2.GetBatchResultsRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_router__pb2.BatchResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +273,141 @@ class Router:
             '/kimiserve.v1.Router/ListModels',
             kimiserve_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
             kimiserve_dot_v1_dot_router__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kimiserve.v1.Router/CreateBatch',
+            kimiserve_dot_v1_dot_router__pb2.CreateBatchRequest.SerializeToString,
+            kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kimiserve.v1.Router/GetBatch',
+            kimiserve_dot_v1_dot_router__pb2.GetBatchRequest.SerializeToString,
+            kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListBatches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kimiserve.v1.Router/ListBatches',
+            kimiserve_dot_v1_dot_router__pb2.ListBatchesRequest.SerializeToString,
+            kimiserve_dot_v1_dot_router__pb2.ListBatchesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kimiserve.v1.Router/CancelBatch',
+            kimiserve_dot_v1_dot_router__pb2.CancelBatchRequest.SerializeToString,
+            kimiserve_dot_v1_dot_router__pb2.Batch.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBatchResults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kimiserve.v1.Router/GetBatchResults',
+            kimiserve_dot_v1_dot_router__pb2.GetBatchResultsRequest.SerializeToString,
+            kimiserve_dot_v1_dot_router__pb2.BatchResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,99 @@
+"""Batch input parsing: which problems fail the whole batch and which fail one request (no network)."""
+
+import json
+
+import pytest
+
+from kimiserve.v1 import common_pb2, router_pb2
+from router.batch.parse import CHAT, GENERATE, INVALID, parse_inline, parse_jsonl
+
+
+def line(custom_id, url="/v1/completions", body=None, **extra):
+    obj = {"custom_id": custom_id, "method": "POST", "url": url,
+           "body": body if body is not None else {"prompt": "hi", "max_tokens": 3}}
+    obj.update(extra)
+    return json.dumps(obj)
+
+
+def test_completion_and_chat_lines_become_requests():
+    text = "\n".join([
+        line("a", body={"prompt": "Hello", "max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+                        "seed": 7, "stop": "\n", "stop_token_ids": [3], "ignore_eos": True, "n": 1}),
+        "",
+        line("b", "/v1/chat/completions", {"messages": [{"role": "system", "content": "be brief"},
+                                                        {"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                                           "tools": [{"type": "function", "function": {"name": "f"}}],
+                                           "max_completion_tokens": 2, "stream": False, "user": None}),
+        line("c", body={"prompt": [1, 2, 3]}),
+    ])
+    parsed = parse_jsonl(text)
+    assert parsed.issues == []
+    a, b, c = parsed.requests
+    assert (a.idx, a.custom_id, a.line, a.kind) == (0, "a", 1, GENERATE)
+    ga = router_pb2.GenerateRequest.FromString(a.payload)
+    assert ga.text == "Hello"
+    assert ga.sampling == common_pb2.SamplingParams(max_tokens=4, temperature=0.5, top_p=0.9, top_k=5, seed=7,
+                                                    stop=["\n"], stop_token_ids=[3], ignore_eos=True)
+    assert (b.line, b.kind) == (3, CHAT)
+    chat = router_pb2.ChatRequest.FromString(b.payload)
+    assert [m.role for m in chat.messages] == ["system", "user"] and chat.messages[1].content == "x"
+    assert json.loads(chat.tools[0].json)["function"]["name"] == "f"
+    assert chat.sampling.max_tokens == 2
+    assert list(router_pb2.GenerateRequest.FromString(c.payload).prompt_token_ids.ids) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("body_line, fragment", [
+    (line("x", "/v1/embeddings"), "unknown url '/v1/embeddings'"),
+    (line("x", method="GET"), "method must be POST"),
+    (line("x", body={"prompt": ""}), "prompt must be a non-empty string"),
+    (line("x", body={"prompt": ["a", "b"]}), "one prompt per request"),
+    (line("x", body={"prompt": "p", "temperature": "hot"}), "temperature must be a number"),
+    (line("x", body={"prompt": "p", "max_tokens": 2.5}), "max_tokens must be an integer"),
+    (line("x", body={"prompt": "p", "n": 3}), "unsupported body field(s) ['n=3']"),
+    (line("x", body={"prompt": "p", "frobnicate": 1}), "unsupported body field(s) ['frobnicate']"),
+    (line("x", "/v1/chat/completions", {"messages": []}), "messages must be a non-empty list"),
+    (line("x", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}), "content must be"),
+    (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": "text"}), "body must be a JSON object"),
+])
+def test_a_bad_request_fails_alone(body_line, fragment):
+    parsed = parse_jsonl(line("ok") + "\n" + body_line + "\n" + line("ok2"))
+    assert parsed.issues == []
+    ok, bad, ok2 = parsed.requests
+    assert ok.kind == ok2.kind == GENERATE
+    assert bad.kind == INVALID and bad.error[0] == "invalid_request"
+    assert fragment in bad.error[1] and "'x'" in bad.error[1] and "line 2" in bad.error[1]
+
+
+@pytest.mark.parametrize("text, code, line_no", [
+    (line("a") + "\n{not json\n", "invalid_json", 2),
+    ("[1, 2]\n", "invalid_line", 1),
+    (json.dumps({"url": "/v1/completions", "body": {}}), "missing_custom_id", 1),
+    (json.dumps({"custom_id": 12, "body": {}}), "missing_custom_id", 1),
+    (line("a") + "\n" + line("b") + "\n" + line("a"), "duplicate_custom_id", 3),
+    ("\n  \n", "empty_input", 0),
+])
+def test_an_unusable_input_fails_the_batch(text, code, line_no):
+    parsed = parse_jsonl(text)
+    assert [i.code for i in parsed.issues] == [code]
+    assert parsed.issues[0].line == line_no
+
+
+def test_duplicate_message_names_both_lines():
+    parsed = parse_jsonl("\n".join([line("dup-7"), line("b"), line("dup-7")]))
+    assert "'dup-7' on line 3 was already used on line 1" in parsed.issues[0].message
+
+
+def test_inline_requests():
+    items = [router_pb2.BatchRequestItem(custom_id="g", generate=router_pb2.GenerateRequest(text="hi",
+                                                                                           request_id="mine")),
+             router_pb2.BatchRequestItem(custom_id="c", chat=router_pb2.ChatRequest(
+                 messages=[common_pb2.ChatMessage(role="user", content="x")])),
+             router_pb2.BatchRequestItem(custom_id="none")]
+    parsed = parse_inline(items)
+    g, c, none = parsed.requests
+    assert (g.kind, c.kind, none.kind) == (GENERATE, CHAT, INVALID)
+    assert not router_pb2.GenerateRequest.FromString(g.payload).HasField("request_id")
+    assert none.error[0] == "invalid_request"
+    dup = parse_inline(items + [router_pb2.BatchRequestItem(custom_id="g")])
+    assert [i.code for i in dup.issues] == ["duplicate_custom_id"] and dup.issues[0].line == 4
+    assert [i.code for i in parse_inline([router_pb2.BatchRequestItem()]).issues] == ["missing_custom_id"]

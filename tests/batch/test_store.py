@@ -1,0 +1,110 @@
+"""The SQLite store on its own: WAL, transitions, exactly one result per request, paging, leases."""
+
+import sqlite3
+
+import pytest
+
+from kimiserve.v1 import router_pb2
+from router.batch import states
+from router.batch.errors import DuplicateResult
+from router.batch.parse import parse_jsonl
+from router.batch.store import BatchStore, NewResult
+
+
+def jsonl(n, bad=()):
+    lines = []
+    for i in range(n):
+        url = "/v1/nope" if i in bad else "/v1/completions"
+        lines.append(f'{{"custom_id": "r{i}", "url": "{url}", "body": {{"prompt": "p{i}"}}}}')
+    return "\n".join(lines)
+
+
+def payload_of(custom_id, code=None):
+    def make(seq):
+        r = router_pb2.BatchResult(custom_id=custom_id, seq=seq)
+        if code:
+            r.error.code = code
+        else:
+            r.response.text = "x"
+        return r.SerializeToString()
+    return make
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = BatchStore(tmp_path / "sub" / "b.sqlite3")
+    yield s
+    s.close()
+
+
+def new_batch(store, batch_id="batch_a", n=4, bad=(), owner="r1", now=1000):
+    store.create(batch_id, "jsonl", jsonl(n, bad).encode(), {"k": "v"}, 60, 2, owner, now, now + 30_000)
+    parsed = parse_jsonl(jsonl(n, bad))
+
+    def invalid(r, seq):
+        return payload_of(r.custom_id, r.error[0])(seq)
+
+    assert store.start(batch_id, parsed.requests, invalid, now + 1)
+    return parsed
+
+
+def test_wal_and_lifecycle(store, tmp_path):
+    assert sqlite3.connect(tmp_path / "sub" / "b.sqlite3").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    row = store.create("batch_a", "jsonl", b"{}", {"k": "v"}, 60, 2, "r1", 1000, 31_000)
+    assert (row.status, row.expires_at_ms, row.metadata, row.reached_ms) == (states.VALIDATING, 61_000, {"k": "v"},
+                                                                            {states.VALIDATING: 1000})
+    assert store.transition("batch_a", {states.VALIDATING}, states.CANCELLING, 1500)
+    assert not store.transition("batch_a", {states.VALIDATING}, states.CANCELLING, 1600)  # not validating anymore
+    assert store.transition("batch_a", {states.CANCELLING}, states.CANCELLED, 1700)
+    row = store.get("batch_a")
+    assert row.terminal and row.reached_ms == {"validating": 1000, "cancelling": 1500, "cancelled": 1700}
+    with pytest.raises(ValueError, match="cannot move"):
+        store.transition("batch_a", {states.CANCELLED}, states.IN_PROGRESS, 1800)
+
+
+def test_start_records_invalid_requests_and_pending_excludes_them(store):
+    new_batch(store, n=5, bad=(1, 3))
+    row = store.get("batch_a")
+    assert (row.status, row.total, row.completed, row.failed) == (states.IN_PROGRESS, 5, 0, 2)
+    assert [r.custom_id for r in store.pending("batch_a", -1, 10)] == ["r0", "r2", "r4"]
+    assert [r.custom_id for r in store.pending("batch_a", 0, 10)] == ["r2", "r4"]
+    blobs = [router_pb2.BatchResult.FromString(b) for b in store.results("batch_a", 0, 10)]
+    assert [(b.seq, b.custom_id, b.error.code) for b in blobs] == [(1, "r1", "invalid_request"),
+                                                                   (2, "r3", "invalid_request")]
+
+
+def test_exactly_one_result_per_request(store):
+    new_batch(store, n=3)
+    assert store.record("batch_a", [NewResult(0, True, 5, 7, payload_of("r0"))]) == [1]
+    with pytest.raises(DuplicateResult, match="index 0 already has a result"):
+        store.record("batch_a", [NewResult(0, True, 5, 7, payload_of("r0"))])
+    row = store.get("batch_a")  # the refused duplicate changed nothing
+    assert (row.completed, row.failed, row.prompt_tokens, row.completion_tokens) == (1, 0, 5, 7)
+    assert store.record("batch_a", [NewResult(2, False, 0, 0, payload_of("r2", "x")),
+                                    NewResult(1, True, 1, 1, payload_of("r1"))]) == [2, 3]
+    assert store.unfinished("batch_a") == [] and store.result_count("batch_a") == 3
+    assert [router_pb2.BatchResult.FromString(b).seq for b in store.results("batch_a", 1, 10)] == [2, 3]
+
+
+def test_attempts_persist(store):
+    new_batch(store, n=1)
+    assert [store.begin_attempt("batch_a", 0) for _ in range(3)] == [1, 2, 3]
+
+
+def test_paging_newest_first(store):
+    for i in range(5):
+        store.create(f"batch_{i}", "jsonl", b"", {}, 60, 1, "r1", 1000 + i, 0)
+    first = store.page(2, None)
+    assert [r.id for r in first] == ["batch_4", "batch_3"]
+    assert [r.id for r in store.page(2, first[-1].seq)] == ["batch_2", "batch_1"]
+    assert store.status_counts()[states.VALIDATING] == 5
+
+
+def test_leases(store):
+    store.create("batch_a", "jsonl", b"", {}, 60, 1, "r1", 1000, 5000)
+    assert store.claimable("r1", 2000) == ["batch_a"]  # its own
+    assert store.claimable("r2", 2000) == []  # r1's lease holds
+    assert not store.claim("batch_a", "r2", 2000, 9000)
+    assert store.claimable("r2", 6000) == ["batch_a"]  # lease ran out
+    assert store.claim("batch_a", "r2", 6000, 36_000)
+    assert store.get("batch_a").owner == "r2" and store.claimable("r1", 7000) == []
