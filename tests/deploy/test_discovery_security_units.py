@@ -1,0 +1,192 @@
+"""Shard discovery and security helpers in-process: add / remove with hysteresis, drain then fail leftovers, failed
+lookups change nothing, real DNS resolution; API-key parsing, reload and refusal, TLS flag validation."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import time
+
+import pytest
+
+from kimiserve import security
+from router.balancer import ShardView
+from router.discovery import DiscoveryError, ShardDiscovery, dns_resolver, format_address, split_host_port
+
+
+class FakeClient:
+    def __init__(self, address: str):
+        self.address, self.view = address, ShardView(address, healthy=True)
+        self.started = self.closed = False
+        self.down_reason: str | None = None
+
+    def start(self):
+        self.started = True
+
+    async def close(self):
+        self.closed = True
+
+    def _mark_down(self, reason):
+        self.down_reason = reason
+        self.view.healthy = False
+
+
+class Found:
+    def __init__(self, *addresses):
+        self.addresses, self.error = set(addresses), None
+
+    async def __call__(self):
+        if self.error:
+            raise self.error
+        return set(self.addresses)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_new_addresses_join_and_absent_ones_leave_after_hysteresis():
+    async def main():
+        shards, found, removed = [], Found("a:1", "b:1"), []
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=2, drain_timeout_s=1,
+                           on_removed=removed.append)
+        await d.refresh()
+        assert d.addresses == ["a:1", "b:1"] and all(c.started for c in shards)
+        first = list(shards)
+        found.addresses = {"a:1", "b:1", "c:1"}  # scaled up
+        await d.refresh()
+        assert d.addresses == ["a:1", "b:1", "c:1"] and shards[:2] == first  # existing clients kept
+        found.addresses = {"a:1", "c:1"}  # b left: one miss is tolerated (a DNS blip)
+        await d.refresh()
+        assert "b:1" in d.addresses
+        found.addresses = {"a:1", "b:1", "c:1"}  # back: the miss count resets
+        await d.refresh()
+        found.addresses = {"a:1", "c:1"}
+        await d.refresh()
+        assert "b:1" in d.addresses
+        await d.refresh()  # second miss in a row: out of rotation, drained, closed
+        assert d.addresses == ["a:1", "c:1"] and removed == ["b:1"]
+        await asyncio.sleep(0.05)
+        b = first[1]
+        assert b.closed and b.down_reason == "removed by shard discovery"
+        await d.stop()
+
+    run(main())
+
+
+def test_a_leaving_shard_drains_in_flight_then_fails_what_is_left():
+    async def main():
+        shards, found = [], Found("a:1", "b:1")
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=1, drain_timeout_s=0.6)
+        await d.refresh()
+        a, b = shards
+        a.view.in_flight, b.view.in_flight = 2, 1
+        found.addresses = set()
+        await d.refresh()
+        assert shards == []
+        await asyncio.sleep(0.2)
+        assert not a.closed and not b.closed  # still draining: their requests may finish
+        b.view.in_flight = 0  # b's request finished
+        await asyncio.sleep(0.25)
+        assert b.closed and not a.closed
+        await asyncio.sleep(0.4)  # past the drain timeout: a's leftovers fail (UNAVAILABLE via _mark_down)
+        assert a.closed and a.down_reason
+        await d.stop()
+
+    run(main())
+
+
+def test_failed_lookup_keeps_shards_and_unknown_name_empties():
+    async def main():
+        shards, found = [], Found("a:1")
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=1)
+        await d.refresh()
+        found.error = DiscoveryError("SERVFAIL")
+        await d.refresh()
+        assert d.addresses == ["a:1"]
+        await d.stop()
+
+    run(main())
+
+
+def test_background_loop_picks_up_scaling():
+    async def main():
+        shards, found = [], Found("a:1")
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, interval_s=0.05, remove_after=1)
+        await d.refresh()
+        d.start()
+        found.addresses = {"a:1", "b:1"}
+        await asyncio.sleep(0.2)
+        assert d.addresses == ["a:1", "b:1"]
+        await d.stop()
+
+    run(main())
+
+
+def test_dns_resolver_resolves_real_names():
+    async def main():
+        assert await dns_resolver("localhost:50061")() >= {"127.0.0.1:50061"} or \
+            await dns_resolver("localhost:50061")() >= {"[::1]:50061"}
+        assert await dns_resolver("127.0.0.1:7")() == {"127.0.0.1:7"}
+        assert await dns_resolver("no-such-shard.invalid:1")() == set()  # NXDOMAIN: no ready shard
+
+    run(main())
+    assert split_host_port("svc.ns.svc.cluster.local:50061") == ("svc.ns.svc.cluster.local", 50061)
+    assert format_address("::1", 5) == "[::1]:5" and format_address("10.0.0.1", 5) == "10.0.0.1:5"
+    with pytest.raises(ValueError):
+        split_host_port("no-port")
+    assert socket.EAI_NONAME  # the "no such name" code the resolver maps to an empty set
+
+
+# -- security ---------------------------------------------------------------------------------------------------
+def _args(**kw):
+    base = dict(tls_cert=None, tls_key=None, client_ca=None, health_port=None, upstream_ca=None, upstream_cert=None,
+                upstream_key=None, upstream_server_name=None)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_tls_flags_are_validated():
+    assert security.server_tls_from_args(_args()) is None
+    with pytest.raises(security.SecurityConfigError, match="go together"):
+        security.server_tls_from_args(_args(tls_cert="c.pem"))
+    with pytest.raises(security.SecurityConfigError, match="--client-ca needs"):
+        security.server_tls_from_args(_args(client_ca="ca.pem"))
+    assert security.server_tls_from_args(_args(tls_cert="c", tls_key="k", client_ca="ca")).client_ca == "ca"
+    with pytest.raises(security.SecurityConfigError, match="need --upstream-ca"):
+        security.upstream_tls_from_args(_args(upstream_cert="c"))
+    with pytest.raises(security.SecurityConfigError, match="go together"):
+        security.upstream_tls_from_args(_args(upstream_ca="ca", upstream_cert="c"))
+    with pytest.raises(security.SecurityConfigError, match="cannot read the TLS key"):
+        security.ServerTls("/nonexistent/c.pem", "/nonexistent/k.pem").credentials()
+
+
+def test_api_keys_file_parsing_reload_and_refusals(tmp_path, caplog):
+    path = tmp_path / "keys"
+    path.write_text("# operators\nkey-one  # alice\n\n key-two\n")
+    keys = security.ApiKeys(path, recheck_s=0)
+    assert keys.valid("key-one") and keys.valid("key-two")
+    assert not keys.valid("key-on") and not keys.valid("") and not keys.valid("key-one ")
+    path.write_text("key-three\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a rotated Secret: new mtime
+    assert keys.valid("key-three") and not keys.valid("key-one")
+    path.write_text("# nothing\n")
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    with caplog.at_level(logging.ERROR):
+        assert keys.valid("key-three")  # an emptied file keeps the keys loaded before, loudly
+    assert "no key" in caplog.text
+    with pytest.raises(security.SecurityConfigError, match="holds no key"):
+        security.ApiKeys(path)
+    with pytest.raises(security.SecurityConfigError, match="cannot read the API keys file"):
+        security.ApiKeys(tmp_path / "absent")
+
+
+def test_bearer_token_parsing():
+    assert security.bearer_token([("authorization", "Bearer abc")]) == "abc"
+    assert security.bearer_token([("authorization", "bearer  abc ")]) == "abc"
+    assert security.bearer_token([("authorization", "Basic abc")]) == ""
+    assert security.bearer_token([("x-request-id", "r")]) is None
+    assert security.bearer_token(None) is None
+    assert len(security.key_fingerprint("secret")) == 12 and "secret" not in security.key_fingerprint("secret")
