@@ -8,6 +8,8 @@ import torch
 
 from shard_svc.ops.precision import upcast
 
+QUERY_BLOCK = 1024
+
 
 def mla_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """kv_cache [blocks, block_size, W] one layer's view; latent [T, W]; slot_mapping [T] flat token positions."""
@@ -39,10 +41,13 @@ def mla_attention(
         lat = upcast(lat)
         kv = (lat[:, :kv_lora] @ upcast(w_kv_b).t()).view(total, nh, nope + v_dim)
         k_nope, v = kv[..., :nope], kv[..., nope:]
-        scores = torch.einsum("ihd,jhd->hij", upcast(q_nope[s:e]), k_nope)
-        scores = scores + torch.einsum("ihd,jd->hij", upcast(q_pe[s:e]), lat[:, kv_lora:])
-        pos = torch.arange(ctx[b], total, device=q_nope.device).unsqueeze(1)  # absolute query positions
-        mask = torch.arange(total, device=q_nope.device).unsqueeze(0) > pos  # [i, j] future keys
-        probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)
-        out[s:e] = torch.einsum("hij,jhd->ihd", probs, v).to(out.dtype)
+        # Queries in blocks, so a long prompt never materialises a [heads, T, T] score matrix at once.
+        for q0 in range(s, e, QUERY_BLOCK):
+            q1 = min(q0 + QUERY_BLOCK, e)
+            scores = torch.einsum("ihd,jhd->hij", upcast(q_nope[q0:q1]), k_nope)
+            scores = scores + torch.einsum("ihd,jd->hij", upcast(q_pe[q0:q1]), lat[:, kv_lora:])
+            pos = torch.arange(ctx[b] + q0 - s, ctx[b] + q1 - s, device=q_nope.device).unsqueeze(1)
+            mask = torch.arange(total, device=q_nope.device).unsqueeze(0) > pos  # [i, j] future keys
+            probs = torch.softmax((scores * scale).masked_fill(mask, float("-inf")), dim=-1)
+            out[q0:q1] = torch.einsum("hij,jhd->ihd", probs, v).to(out.dtype)
     return out

@@ -1,0 +1,234 @@
+"""Whole-model benchmark on one GPU: Kimi-Linear-48B-A3B shape with dummy bf16 weights, against the card's own
+ceilings measured in the same run; plus the kernels-vs-eager whole-model check on tiny checkpoints.
+
+    python -m bench.model_bench --out bench_out            # prints a table, writes model_bench.json + PNGs
+
+Prefill: 8 x 4,096 and 1 x 32,768 tokens. Decode: one step of batch 1, 16, 64, 256 at 4,096 tokens of context (the
+context's state and cache are filled with random values rather than prefilled: a decode step's cost does not depend
+on what the cache holds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.configs import KIMI_LINEAR_48B
+from shard_svc.config import ModelConfig
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.ops import select_ops
+
+log = logging.getLogger("bench")
+
+
+def timed(fn, warmup: int = 2, reps: int = 5) -> float:
+    """Median seconds of fn() on the GPU."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings() -> dict:
+    from triton.testing import do_bench
+
+    n = 1 << 30
+    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
+    copy_ms = do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median")
+    del a, b
+    m = 8192
+    x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    mm_ms = do_bench(lambda: x @ y, warmup=20, rep=100, return_mode="median")
+    return {"copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
+
+
+def kernel_parity(prompts: list[list[int]]) -> list[dict]:
+    """Kernels on vs eager on tiny checkpoints in bf16: logits within bf16 tolerance, greedy tokens equal."""
+    from shard_svc.checkpoint.loader import load_model
+    from shard_svc.make_tiny import make_tiny
+
+    out = []
+    for family in ("kimi_linear", "kimi_k3"):
+        with tempfile.TemporaryDirectory() as tmp:
+            make_tiny(family, Path(tmp) / "m", seed=0)
+            cfg, model = load_model(Path(tmp) / "m", device="cuda", dtype=torch.bfloat16)
+        runs = {}
+        for backend in ("eager", "triton"):
+            engine = Engine(cfg, model, select_ops(torch.device("cuda"), backend), torch.device("cuda"),
+                            EngineConfig(num_state_slots=len(prompts), num_kv_blocks=256))
+            seqs = [engine.add_request(f"p{i}", p, SamplingParams(max_tokens=16, ignore_eos=True),
+                                       keep_prompt_logits=True) for i, p in enumerate(prompts)]
+            while engine.has_work():
+                engine.step()
+            runs[backend] = seqs
+        for a, b in zip(runs["eager"], runs["triton"]):
+            la, lb = torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)
+            rel = float((la - lb).abs().max() / la.abs().max())
+            out.append({"family": family, "prompt_len": len(a.prompt), "prompt_logits_max_rel_err": rel,
+                        "greedy_tokens_equal": a.output == b.output})
+    return out
+
+
+def active_bytes(cfg: ModelConfig, model, batch: int) -> float:
+    """Weight bytes one decode step reads: everything but the unused experts and the embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+    embed = model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    e, k = cfg.moe.num_experts, cfg.moe.top_k
+    touched = 1 - (1 - k / e) ** batch  # expected share of experts some token in the batch routes to
+    return total - embed - experts + experts * touched
+
+
+def linear_flops_per_token(cfg: ModelConfig, model) -> float:
+    """2 x active linear parameters (experts at top_k / E, no embedding)."""
+    expert = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    other = sum(p.numel() for n, p in model.named_parameters() if ".experts." not in n and "embed_tokens" not in n
+                and p.dim() >= 2)
+    return 2 * (other + expert * cfg.moe.top_k / cfg.moe.num_experts)
+
+
+def prefill_bench(engine: Engine, batch: int, length: int) -> float:
+    def run():
+        seqs = [engine.add_request(f"pf{i}", [1 + (i + t) % 1000 for t in range(length)],
+                                   SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(batch)]
+        engine.scheduler.schedule()  # admits: slots and KV promises
+        engine.runner.forward([(s, length) for s in seqs], is_decode=False)
+        for s in seqs:
+            engine.cancel(s.request_id)
+
+    return timed(run, warmup=1, reps=3)
+
+
+def decode_bench(engine: Engine, batch: int, context: int) -> float:
+    seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(max_tokens=64, ignore_eos=True))
+            for i in range(batch)]
+    engine.scheduler.schedule()  # admits: slots and KV promises
+    pool, cache = engine.runner.kda_pool, engine.runner.kv_cache
+    for s in seqs:
+        pool.recurrent[:, s.slot].normal_(0, 0.02)
+        pool.conv[:, s.slot].normal_(0, 0.02)
+        cache.reserve(s.request_id, context + 64)
+        s.num_computed, s.output = context, [7]
+    for block in range(cache.blocks.num_blocks - cache.blocks.num_free):
+        cache.kv[:, block].normal_(0, 1)
+
+    def step():
+        engine.runner.forward([(s, 1) for s in seqs], is_decode=True)
+        for s in seqs:
+            s.output.append(7)
+
+    seconds = timed(step, warmup=2, reps=5)
+    for s in seqs:
+        engine.cancel(s.request_id)
+    return seconds
+
+
+def plots(result: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    dec = result["decode"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([d["batch"] for d in dec], [d["tpot_ms"] for d in dec], "o-", label="kimiserve TPOT")
+    ax.plot([d["batch"] for d in dec], [d["floor_ms"] for d in dec], "k--", label="bandwidth floor")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch (4k context)")
+    ax.set_ylabel("ms per step")
+    ax.set_title("Kimi-Linear-48B shape, one H200")
+    ax.legend()
+    fig.savefig(out / "decode_vs_batch.png", dpi=120, bbox_inches="tight")
+    files.append("decode_vs_batch.png")
+    pf = result["prefill"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([f"{p['batch']}x{p['length']}" for p in pf], [p["tokens_per_s"] / 1e3 for p in pf], label="kimiserve")
+    ax.axhline(result["prefill_ceiling_tokens_per_s"] / 1e3, color="k", ls="--", label="matmul ceiling")
+    ax.axhline(29.0, color="r", ls=":", label="transformers 8x4k (ANCHORS.md)")
+    ax.set_ylabel("k tokens/s")
+    ax.legend()
+    fig.savefig(out / "prefill.png", dpi=120, bbox_inches="tight")
+    files.append("prefill.png")
+    return files
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run (figures scale)")
+    p.add_argument("--skip-parity", action="store_true")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__}
+    result["ceilings"] = ceilings()
+    if not args.skip_parity:
+        result["kernel_parity"] = kernel_parity([[1, 2, 3, 4, 5, 6, 7], list(range(10, 140)), [42] * 65])
+    raw = dict(KIMI_LINEAR_48B)
+    if args.layers:
+        raw["num_hidden_layers"] = args.layers
+        full = [i for i in range(4, args.layers + 1, 4)] + [args.layers]
+        raw["linear_attn_config"] = dict(raw["linear_attn_config"], full_attn_layers=sorted(set(full)),
+                                         kda_layers=[i for i in range(1, args.layers + 1) if i not in full])
+    cfg = ModelConfig.from_dict(raw)
+    from shard_svc.checkpoint.dummy import dummy_model
+
+    model = dummy_model(cfg, "cuda", torch.bfloat16)
+    ops = select_ops(torch.device("cuda"))
+    result["op_backends"] = dict(ops.backends)
+    engine = Engine(cfg, model, ops, torch.device("cuda"),
+                    EngineConfig(num_state_slots=256, num_kv_blocks=256 * (4096 + 64) // 64 + 8, kv_block_size=64,
+                                 prefill_token_budget=1 << 20))
+    ceil = result["ceilings"]
+    flops = linear_flops_per_token(cfg, model)
+    result["prefill_ceiling_tokens_per_s"] = ceil["bf16_matmul_TFLOPs"] * 1e12 / flops
+    result["prefill"] = []
+    for batch, length in ((8, 4096), (1, 32768)):
+        s = prefill_bench(engine, batch, length)
+        tps = batch * length / s
+        result["prefill"].append({"batch": batch, "length": length, "seconds": s, "tokens_per_s": tps,
+                                  "mfu": tps * flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)})
+    result["decode"] = []
+    for batch in (1, 16, 64, 256):
+        s = decode_bench(engine, batch, 4096)
+        state = batch * cfg.layer_map.num_kda * engine.runner.kda_pool.recurrent[0, 0].numel() * 4 * 2
+        kv = batch * 4096 * cfg.layer_map.num_mla * cfg.mla.latent_dim * 2
+        moved = active_bytes(cfg, model, batch) + state + kv
+        floor = moved / (ceil["copy_TBps"] * 1e12)
+        result["decode"].append({"batch": batch, "tpot_ms": s * 1e3, "floor_ms": floor * 1e3,
+                                 "bandwidth_utilisation": floor / s, "tokens_per_s": batch / s})
+    result["plots"] = plots(result, args.out)
+    (args.out / "model_bench.json").write_text(json.dumps(result, indent=1))
+    lines = [f"{result['device']}  copy {ceil['copy_TBps']:.2f} TB/s  bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
+             f"TFLOP/s  ops {result['op_backends']}"]
+    for r in result.get("kernel_parity", []):
+        lines.append(f"parity {r['family']:<12} P={r['prompt_len']:<4} rel err {r['prompt_logits_max_rel_err']:.2e} "
+                     f"greedy equal {r['greedy_tokens_equal']}")
+    for r in result["prefill"]:
+        lines.append(f"prefill {r['batch']} x {r['length']:<6} {r['tokens_per_s'] / 1e3:8.1f} k tok/s  "
+                     f"MFU {100 * r['mfu']:.1f}%")
+    for r in result["decode"]:
+        lines.append(f"decode batch {r['batch']:<4} TPOT {r['tpot_ms']:8.2f} ms  floor {r['floor_ms']:.2f} ms  "
+                     f"bandwidth {100 * r['bandwidth_utilisation']:.1f}%")
+    log.info("\n" + "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
