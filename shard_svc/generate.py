@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kimiserve.sampling_args import add_sampling_args
-from shard_svc.checkpoint.loader import load_model
+from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
@@ -31,6 +31,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
+                   help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--dump-logits", type=Path, default=None,
                    help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
 
@@ -40,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    cfg, model = load_model(args.model, device=device, dtype=dtype)
+    cfg, model = LOAD_FORMATS[args.load_format](args.model, device=device, dtype=dtype)
     tokenizer = load_tokenizer(args.model) if args.prompt is not None or args.json else None
     prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
     engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))

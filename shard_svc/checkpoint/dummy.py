@@ -32,3 +32,9 @@ def dummy_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype
             else:
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
     return model.eval()
+
+
+def load_dummy(model_dir, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+    """Same contract as `load_model`, from config.json alone (`--load-format dummy`)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    return cfg, dummy_model(cfg, device, dtype or getattr(torch, cfg.torch_dtype))
