@@ -46,7 +46,8 @@ def make_inputs(lens, heads, dk, dv, dtype, flavour, num_slots=7, seed=0):
         f, a_log, beta_logits = f * 3, torch.full_like(a_log, 4.0), beta_logits * 3
     elif flavour == "same_keys":  # (I + A) with all-ones lower triangle: a badly conditioned Neumann series
         k = k[:1].expand_as(k).contiguous()
-        f, a_log, beta_logits = torch.full_like(f, -30.0), torch.full_like(a_log, -8.0), torch.full_like(beta_logits, 8.0)
+        f, a_log = torch.full_like(f, -30.0), torch.full_like(a_log, -8.0)
+        beta_logits = torch.full_like(beta_logits, 8.0)
     elif flavour == "lb_saturated":  # every step at the lower bound: a chunk decays by e^-320
         f = torch.full_like(f, 30.0)
     slots = torch.randperm(num_slots, generator=g)[: len(lens)].to(DEVICE)

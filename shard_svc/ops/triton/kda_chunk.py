@@ -35,6 +35,7 @@ from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
 
 CHUNK = 64  # BT: rows per chunk
 SUB = 16  # BC: rows per sub-block whose pairs are computed element by element
+SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 
 
 @triton.jit
@@ -68,12 +69,34 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
+                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
+    m_ks = o_ks < K
+    if K == BK:
+        m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
+    else:
+        m = m_t[:, None] & m_ks[None, :]
+    b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
+                  other=0.0).to(tl.float32)
+    b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
+                  other=0.0).to(tl.float32)
+    b_f = tl.load(f + t0 * stride_f + i_h * K + (o_t[:, None] * stride_f + o_ks[None, :]), mask=m,
+                  other=0.0).to(tl.float32)
+    b_dt = tl.load(dt_bias + i_h * K + o_ks, mask=m_ks, other=0.0)
+    # Padded rows and columns get g = 0, so G stays flat past the end and G[BT-1] is the last real row's.
+    b_g = tl.where(m_t[:, None] & m_ks[None, :], kda_gate_log2(b_f, b_dt[None, :], a, lower_bound, USE_LOWER_BOUND),
+                   0.0)
+    return b_q, b_k, tl.cumsum(b_g, axis=0), m
+
+
+@triton.jit
 def _kda_chunk_intra_kernel(
     q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
     w, u, qg, kg, aqk, decay,
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
@@ -83,7 +106,7 @@ def _kda_chunk_intra_kernel(
     # the grid needs no host copy of the sequence lengths).
     lo = i_c * 0
     hi = lo + n_seqs
-    for _ in tl.static_range(SEARCH_STEPS):
+    for _step in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
         end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
         right = i_c >= end
@@ -94,67 +117,57 @@ def _kda_chunk_intra_kernel(
         return
     bos = tl.load(cu_seqlens + lo).to(tl.int64)
     eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT
+    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT  # int64 only in scalar bases
 
     NB: tl.constexpr = BT // BC
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    tok = t0 + o_t
-    m_t = tok < eos
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    m_tv = m_t[:, None] & (o_v < V)[None, :]
-
-    b_q = tl.load(q + tok[:, None] * stride_q + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_k = tl.load(k + tok[:, None] * stride_k + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_f = tl.load(f + tok[:, None] * stride_f + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_v = tl.load(v + tok[:, None] * stride_v + i_h * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    b_bl = tl.load(beta_logits + tok * stride_b + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_dt = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0)
+    m_t = (t0 + o_t) < eos
     b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
+                                              other=0.0).to(tl.float32)), 0.0)
 
-    # Padded rows and columns get g = 0, so G stays flat past the end and G[BT-1] is the last real row's.
-    b_g = tl.where(m_tk, kda_gate_log2(b_f, b_dt[None, :], b_a, lower_bound, USE_LOWER_BOUND), 0.0)
-    b_G = tl.cumsum(b_g, axis=0)  # [BT, BK] <= 0, non-increasing down the rows
-    b_q = b_q * (l2_rnorm(b_q, 1) * scale)[:, None]
-    b_k = b_k * l2_rnorm(b_k, 1)[:, None]
-    b_beta = tl.where(m_t, tl.sigmoid(b_bl), 0.0)
-
-    b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BK]
-    b_eg = tl.exp2(b_G)
-    p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-    tl.store(qg + p_tk, (b_q * b_eg).to(qg.dtype.element_ty), mask=m_tk)
-    tl.store(kg + p_tk, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m_tk)
-    tl.store(decay + (i_c * H + i_h) * K + o_k, tl.exp2(b_glast), mask=m_k)
-
-    # Pairs in different 16-row sub-blocks: straddle levels of 64, 32 rows (tensor cores).
+    # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
+    # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure).
     a_qk = tl.zeros([BT, BT], dtype=tl.float32)
     a_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    for lvl in tl.static_range(LEVELS):
-        x_qk, x_kk = _straddle(b_G, b_q, b_k, BT, BK, BT >> lvl)
-        a_qk += x_qk
-        a_kk += x_kk
-
-    # Pairs inside a sub-block: exact pairwise differences, one column j of every sub-block per step.
-    q3 = tl.reshape(b_q, [NB, BC, BK])
-    k3 = tl.reshape(b_k, [NB, BC, BK])
-    g3 = tl.reshape(b_G, [NB, BC, BK])
-    ri = tl.arange(0, BC)[None, :, None]
-    cj = tl.arange(0, BC)[None, None, :]
     d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for jj in tl.static_range(BC):
-        sel = ri == jj
-        g_j = tl.sum(tl.where(sel, g3, 0.0), 1)  # [NB, BK]
-        k_j = tl.sum(tl.where(sel, k3, 0.0), 1)
-        ke = tl.exp2(tl.where(ri >= jj, g3 - g_j[:, None, :], float("-inf"))) * k_j[:, None, :]
-        d_qk = tl.where(cj == jj, tl.sum(q3 * ke, 2)[:, :, None], d_qk)
-        d_kk = tl.where(cj == jj, tl.sum(k3 * ke, 2)[:, :, None], d_kk)
-    d_kk = tl.where(ri > cj, d_kk, 0.0) * tl.reshape(b_beta, [NB, BC])[:, :, None]
-    a_qk += _block_diag(d_qk, NB, BC, BT)
-    a_kk = a_kk * b_beta[:, None] + _block_diag(d_kk, NB, BC, BT)
-    tl.store(aqk + (tok[:, None] * H + i_h) * BT + o_t[None, :], a_qk.to(aqk.dtype.element_ty),
+    ssq_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
+    ri = tl.arange(0, BC)[None, :, None]
+    cj = tl.arange(0, BC)[None, None, :]
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
+                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        ssq_q += tl.sum(b_q * b_q, 1)
+        ssq_k += tl.sum(b_k * b_k, 1)
+        # Pairs in different 16-row sub-blocks: straddle levels of 64, 32 rows (tensor cores).
+        for lvl in tl.static_range(LEVELS):
+            x_qk, x_kk = _straddle(b_G, b_q, b_k, BT, BKS, BT >> lvl)
+            a_qk += x_qk
+            a_kk += x_kk
+        # Pairs inside a sub-block: exact pairwise differences, one column j of every sub-block per step.
+        q3 = tl.reshape(b_q, [NB, BC, BKS])
+        k3 = tl.reshape(b_k, [NB, BC, BKS])
+        g3 = tl.reshape(b_G, [NB, BC, BKS])
+        for jj in tl.static_range(BC):
+            sel = ri == jj
+            g_j = tl.sum(tl.where(sel, g3, 0.0), 1)  # [NB, BKS]
+            k_j = tl.sum(tl.where(sel, k3, 0.0), 1)
+            ke = tl.exp2(tl.where(ri >= jj, g3 - g_j[:, None, :], float("-inf"))) * k_j[:, None, :]
+            d_qk += tl.where(cj == jj, tl.sum(q3 * ke, 2)[:, :, None], 0.0)
+            d_kk += tl.where(cj == jj, tl.sum(k3 * ke, 2)[:, :, None], 0.0)
+
+    rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
+    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    rk_col = rk[None, :]
+    rk3 = tl.reshape(rk, [NB, BC])
+    rkb3 = tl.reshape(rk * b_beta, [NB, BC])
+    a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT)) * rq[:, None] * rk_col
+    d_kk = tl.where(ri > cj, d_kk, 0.0) * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j, strictly lower
+    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col + _block_diag(d_kk, NB, BC, BT)
+    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
              mask=m_t[:, None])
 
     # (I + A_kk)^-1. Diagonal 16-blocks by forward substitution: row s = e_s - sum_{m<s} A[s, m] X[m, :].
@@ -172,17 +185,37 @@ def _kda_chunk_intra_kernel(
         quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
         b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
 
-    b_w = tl.dot(b_x, b_k * (b_beta[:, None] * b_eg))
-    b_u = tl.dot(b_x, b_v * b_beta[:, None])
-    tl.store(w + p_tk, b_w.to(w.dtype.element_ty), mask=m_tk)
-    tl.store(u + (tok[:, None] * H + i_h) * V + o_v[None, :], b_u.to(u.dtype.element_ty), mask=m_tv)
+    # Pass 2 over channel slices (inputs again, from L2): q 2^G, k 2^(G_last - G), 2^G_last and w.
+    base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        b_q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
+                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
+        b_eg = tl.exp2(b_G)
+        b_k = b_k * rk[:, None]
+        off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
+        tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
+        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
+        tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * b_eg)).to(w.dtype.element_ty), mask=m)
+        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
+    for i_v in range(0, BV // BKS):
+        o_vs = i_v * BKS + tl.arange(0, BKS)
+        if V == BV:
+            m_v = m_t[:, None]
+        else:
+            m_v = m_t[:, None] & (o_vs < V)[None, :]
+        b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
+                      other=0.0).to(tl.float32)
+        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
+                 tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
 def _kda_chunk_state_kernel(
     w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets,
     stride_s_slot, stride_s_h, stride_s_k,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -190,40 +223,54 @@ def _kda_chunk_state_kernel(
     i_n = i_bh // H
     i_h = i_bh % H
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+    seq_len = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     slot = tl.load(slots + i_n).to(tl.int64)
 
-    o_t = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
-    m_v = o_v < V
+    if K == BK and V % BV == 0:
+        m_s = o_k[:, None] < BK
+    else:
+        m_s = m_k[:, None] & (o_v < V)[None, :]
     p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     # Products in the intermediates' dtype (bf16 on the tensor cores, as fla). Triton's CPU interpreter
     # multiplies bf16 dot operands wrongly, so under it they are widened to fp32 (DOT_FP32).
     dt: tl.constexpr = tl.float32 if DOT_FP32 else w.dtype.element_ty
-
-    for i_t in range(0, tl.cdiv(eos - bos, BT)):
-        tok = bos + i_t * BT + o_t
-        m_t = tok < eos
-        m_tk = m_t[:, None] & m_k[None, :]
-        m_tv = m_t[:, None] & m_v[None, :]
-        p_tk = (tok[:, None] * H + i_h) * K + o_k[None, :]
-        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
-        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.0)
-        b_kgt = tl.load(kg + (tok[None, :] * H + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                        other=0.0)  # [BK, BT]
-        b_u = tl.load(u + (tok[:, None] * H + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_a = tl.load(aqk + (tok[:, None] * H + i_h) * BT + o_t[None, :], mask=m_t[:, None], other=0.0)
+    o_t = tl.arange(0, BT)
+    # int32 offsets inside a chunk, loop-invariant; the int64 part is the scalar chunk base.
+    off_tk = o_t[:, None] * (H * K) + o_k[None, :]  # [BT, BK]
+    off_kt = o_k[:, None] + o_t[None, :] * (H * K)  # [BK, BT]
+    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
+    for i_t in range(0, tl.cdiv(seq_len, BT)):
+        row0 = bos + i_t * BT
+        m_t = (i_t * BT + o_t) < seq_len
+        if K == BK:
+            m_tk = m_t[:, None]
+            m_kt = m_t[None, :]
+        else:
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_kt = m_k[:, None] & m_t[None, :]
+        if V % BV == 0:
+            m_tv = m_t[:, None]
+        else:
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+        base_k = (row0 * H + i_h) * K
+        base_v = (row0 * H + i_h) * V
+        b_w = tl.load(w + base_k + off_tk, mask=m_tk, other=0.0)
+        b_qg = tl.load(qg + base_k + off_tk, mask=m_tk, other=0.0)
+        b_kgt = tl.load(kg + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
+        b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
+        b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
         b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
         b_sb = b_s.to(dt)
         b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb)).to(dt)  # [BT, BV]
         b_o = tl.dot(b_qg.to(dt), b_sb) + tl.dot(b_a.to(dt), b_vn)
-        tl.store(o + (tok[:, None] * H + i_h) * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
         b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn)
 
     tl.store(p_s, b_s, mask=m_s)
@@ -253,10 +300,9 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
     check_index(op, "cu_seqlens", cu_seqlens, slots.shape[0] + 1)
 
 
-def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                block_v: int | None = None, state_warps: int = 4, state_stages: int = 2,
-                intra_warps: int = 8) -> torch.Tensor:
-    """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype."""
+def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                       block_v: int | None = None, state_warps: int = 4, state_stages: int = 2, intra_warps: int = 8):
+    """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
     t, heads, dk = q.shape
@@ -264,7 +310,7 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
     n = slots.shape[0]
     o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
     if t == 0 or n == 0:
-        return o
+        return o, lambda: None, lambda: None
     # Chunk offsets of each sequence, on the device: no host sync, so the call can be graph-captured.
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     chunk_offsets = torch.zeros(n + 1, dtype=torch.int64, device=q.device)
@@ -279,20 +325,36 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
-    _kda_chunk_intra_kernel[(max_chunks, heads)](
-        q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
-        w, u, qg, kg, aqk, decay,
-        q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
-        n, dk**-0.5, lb,
-        H=heads, K=dk, V=dv, BK=bk, BV=bvp, BT=CHUNK, BC=SUB, LEVELS=int(math.log2(CHUNK // SUB)),
-        SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
-        num_warps=intra_warps,
-    )
     bv = block_v or min(bvp, 32)
-    _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
-        w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
-        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-        H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=CHUNK, DOT_FP32=interpreting(),
-        num_warps=state_warps, num_stages=state_stages,
-    )
+
+    def intra():
+        _kda_chunk_intra_kernel[(max_chunks, heads)](
+            q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+            w, u, qg, kg, aqk, decay,
+            q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
+            n, dk**-0.5, lb,
+            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK, BC=SUB,
+            LEVELS=int(math.log2(CHUNK // SUB)),
+            SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
+            num_warps=intra_warps,
+        )
+
+    def state():
+        _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
+            w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
+            state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+            H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=CHUNK, DOT_FP32=interpreting(),
+            num_warps=state_warps, num_stages=state_stages,
+        )
+
+    return o, intra, state
+
+
+def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                **config) -> torch.Tensor:
+    """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype."""
+    o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                                         cu_seqlens, **config)
+    intra()
+    state()
     return o

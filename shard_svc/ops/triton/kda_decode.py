@@ -23,7 +23,7 @@ def _kda_decode_kernel(
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides (head stride is K, V or 1)
     stride_s_slot, stride_s_h, stride_s_k,  # state pool strides (V stride is 1)
     scale, lower_bound,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -40,7 +40,11 @@ def _kda_decode_kernel(
 
     # Issue the state load first: it is the long-latency transfer, everything else is small.
     p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    m_s = m_k[:, None] & m_v[None, :]
+    # No mask that varies along V unless V is padded: it would stop 16-byte vector loads of the state.
+    if K == BK and V % BV == 0:
+        m_s = o_k[:, None] < BK
+    else:
+        m_s = m_k[:, None] & m_v[None, :]
     b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
 
     b_q = tl.load(q + i_b64 * stride_q + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)

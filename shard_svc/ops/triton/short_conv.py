@@ -96,11 +96,14 @@ def _conv_state_kernel(
 @triton.jit
 def _conv_seq_kernel(
     x, weight, conv_state, slots, cu_seqlens, out, C, stride_x, stride_o, stride_s_slot, stride_s_c,
-    W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr,
+    W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, EVEN_C: tl.constexpr,
 ):
     i_n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
-    m_c = o_c < C
+    if EVEN_C:  # no mask along the contiguous channels: vector loads
+        m_c = o_c < (tl.program_id(1) + 1) * BC
+    else:
+        m_c = o_c < C
     bos = tl.load(cu_seqlens + i_n)
     eos = tl.load(cu_seqlens + i_n + 1)
     slot = tl.load(slots + i_n).to(tl.int64)
@@ -146,7 +149,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
         bc = 256
         _conv_seq_kernel[(n, triton.cdiv(c, bc))](
             x, weight, conv_state, slots, cu_seqlens, out, c, strides[0], out.stride(0), strides[1], strides[2],
-            W=width, WP=wp, BC=bc, num_warps=4)
+            W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4)
         return out
     bt, bc = 32, 128
     _conv_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](

@@ -1,0 +1,224 @@
+"""Our Triton KDA kernels beside fla-core's chunk_kda / fused_recurrent_kda, one process, same inputs (one H200).
+
+    python bench/kda_kernels.py [--out DIR] [--sweep] [--quick]
+
+Kimi-Linear-48B head shape: H=32, K=V=128, bf16 inputs, fp32 state. Prefill: B=1 x T=4k/16k/64k and B=8 x 4k
+(ours packed varlen with cu_seqlens, fla in batch form on the same data; fla gets the gate precomputed as in
+ANCHORS.md, ours computes it in the kernel). Decode: N=1..1024 sequences, one token each, state in place.
+Agreement (relative L2 error of outputs and final states, ours vs fla) is checked on every shape; the copy
+bandwidth is measured in the same run. Prints a table and writes kda_kernels.json to --out (default $OUT).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from shard_svc.ops.kda import eager  # noqa: E402
+from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
+from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
+
+H, K, V = 32, 128, 128
+DEV = torch.device("cuda")
+PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
+DECODE = [1, 16, 64, 256, 1024]
+
+
+def timed(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds (do_bench flushes L2 between repetitions)."""
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float("inf") if not torch.isfinite(a).all() else ((a - b).norm() / b.norm()).item()
+
+
+def inputs(n_tok: int, seed: int):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    bf = dict(device=DEV, dtype=torch.bfloat16)
+    q, k, v, f = (torch.randn(n_tok, H, d, generator=g, **bf) for d in (K, K, V, K))
+    bl = torch.randn(n_tok, H, generator=g, **bf)
+    a_log = torch.log(torch.empty(H, device=DEV).uniform_(1, 16, generator=g))
+    dt_bias = torch.randn(H * K, device=DEV, generator=g) * 0.1
+    return q, k, v, f, bl, a_log, dt_bias
+
+
+def copy_ceiling() -> float:
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    t = timed(lambda: b.copy_(a), warmup=50, rep=200)
+    return 2 * n / (t * 1e-3) / 1e12
+
+
+def prefill_rows(fla, sweep: bool, quick: bool):
+    from fla.ops.kda.gate import naive_kda_gate
+
+    rows = []
+    for b, t in PREFILL[:2] if quick else PREFILL:
+        n_tok = b * t
+        q, k, v, f, bl, a_log, dt_bias = inputs(n_tok, seed=t + b)
+        cu = torch.arange(b + 1, device=DEV, dtype=torch.int64) * t
+        slots = torch.arange(b, device=DEV)
+        pool0 = torch.randn(b, H, K, V, device=DEV) * 0.1
+        args = (q, k, v, f, bl, a_log, dt_bias, None)
+        row = {"B": b, "T": t}
+        # agreement first, from the same initial state
+        pool = pool0.clone()
+        o = kda_prefill(*args, pool, slots, cu)
+        g4 = naive_kda_gate(f.view(b, t, H, K), a_log, dt_bias)
+        beta4 = torch.sigmoid(bl.float()).view(b, t, H).to(torch.bfloat16)
+        q4, k4, v4 = q.view(b, t, H, K), k.view(b, t, H, K), v.view(b, t, H, V)
+        with torch.inference_mode():
+            o_fla, s_fla = fla.chunk_kda(q4, k4, v4, g4, beta4, initial_state=pool0.clone(), output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+        row["err_o_vs_fla"], row["err_state_vs_fla"] = rel(o, o_fla.view(n_tok, H, V)), rel(pool, s_fla)
+        if n_tok <= 4096:
+            pool_e = pool0.clone()
+            o_e = eager.kda_prefill(*args, pool_e, slots, cu)
+            row["err_o_vs_eager"], row["err_state_vs_eager"] = rel(o, o_e), rel(pool, pool_e)
+        # timings
+        pool = pool0.clone()
+        row["ours_ms"] = timed(lambda: kda_prefill(*args, pool, slots, cu))
+        _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
+        row["ours_intra_ms"], row["ours_state_ms"] = timed(intra), timed(state)
+        if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
+            best = (row["ours_state_ms"], {})
+            for bv in (16, 32, 64):
+                for warps in (4, 8):
+                    for stages in (2, 3):
+                        cfg = dict(block_v=bv, state_warps=warps, state_stages=stages)
+                        try:
+                            _, _, st = kda_prefill_stages(*args, pool, slots, cu, **cfg)
+                            ms = timed(st)
+                        except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
+                            print(f"  state cfg {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        best = min(best, (ms, cfg), key=lambda x: x[0])
+            row["best_state_ms"], row["best_state_cfg"] = best
+            best = (row["ours_intra_ms"], {"intra_warps": 8})
+            for warps in (4, 16):  # 8 is the default, timed above
+                try:
+                    _, it, _ = kda_prefill_stages(*args, pool, slots, cu, intra_warps=warps)
+                    ms = timed(it)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  intra warps {warps} failed: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                best = min(best, (ms, {"intra_warps": warps}), key=lambda x: x[0])
+            row["best_intra_ms"], row["best_intra_cfg"] = best
+        with torch.inference_mode():
+            row["fla_ms"] = timed(lambda: fla.chunk_kda(q4, k4, v4, g4, beta4, use_qk_l2norm_in_kernel=True,
+                                                        output_final_state=True))
+        row["speedup"] = row["fla_ms"] / row["ours_ms"]
+        row["ours_Mtok_s"] = n_tok / (row["ours_ms"] * 1e-3) / 1e6
+        row["fla_Mtok_s"] = n_tok / (row["fla_ms"] * 1e-3) / 1e6
+        print("prefill", json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, f, pool, o, o_fla, s_fla
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_rows(fla, sweep: bool, copy_tbps: float):
+    from fla.ops.kda.gate import naive_kda_gate
+
+    rows = []
+    for n in DECODE:
+        q, k, v, f, bl, a_log, dt_bias = inputs(n, seed=n)
+        slots = torch.randperm(n, device=DEV)
+        cu = torch.arange(n + 1, device=DEV, dtype=torch.int64)
+        pool0 = torch.randn(n, H, K, V, device=DEV) * 0.1
+        args = (q, k, v, f, bl, a_log, dt_bias, None)
+        g = naive_kda_gate(f, a_log, dt_bias).view(1, n, H, K)
+        beta = torch.sigmoid(bl.float()).to(torch.bfloat16).view(1, n, H)
+        q1, k1, v1 = q.view(1, n, H, K), k.view(1, n, H, K), v.view(1, n, H, V)
+        row = {"N": n}
+        pool = pool0.clone()
+        o = kda_decode(*args, pool, slots, cu)
+        with torch.inference_mode():
+            o_fla, s_fla = fla.fused_recurrent_kda(q1, k1, v1, g, beta, initial_state=pool0[slots].clone(),
+                                                   output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                                   cu_seqlens=cu)
+        row["err_o_vs_fla"], row["err_state_vs_fla"] = rel(o, o_fla.view(n, H, V)), rel(pool[slots], s_fla)
+        pool_e = pool0.clone()
+        o_e = eager.kda_decode(*args, pool_e, slots, cu)
+        row["err_o_vs_eager"], row["err_state_vs_eager"] = rel(o, o_e), rel(pool, pool_e)
+        state_bytes = n * H * K * V * 4 * 2
+        row["ours_us"] = timed(lambda: kda_decode(*args, pool, slots, cu)) * 1e3
+        if sweep:
+            best = (row["ours_us"], {})
+            for bv in (8, 16, 32, 64, 128):
+                for warps in (1, 2, 4, 8):
+                    if K * bv // (32 * warps) > 256:  # state tile beyond the register file
+                        continue
+                    cfg = dict(block_v=bv, num_warps=warps)
+                    us = timed(lambda: kda_decode(*args, pool, slots, cu, **cfg)) * 1e3
+                    best = min(best, (us, cfg), key=lambda x: x[0])
+            row["best_us"], row["best_cfg"] = best
+        s_in = pool0[slots].clone()
+        with torch.inference_mode():
+            row["fla_us"] = timed(lambda: fla.fused_recurrent_kda(
+                q1, k1, v1, g, beta, initial_state=s_in, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                cu_seqlens=cu)) * 1e3
+        row["speedup"] = row["fla_us"] / row["ours_us"]
+        row["ours_TBps"] = state_bytes / (row["ours_us"] * 1e-6) / 1e12
+        row["fla_TBps"] = state_bytes / (row["fla_us"] * 1e-6) / 1e12
+        row["ours_frac_copy"] = row["ours_TBps"] / copy_tbps
+        print("decode", json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def table(res) -> str:
+    lines = [f"{res['gpu']}  torch {res['torch']}  triton {res['triton']}  fla {res['fla']}  "
+             f"copy {res['copy_TBps']:.2f} TB/s", "",
+             "prefill (H=32 K=V=128 bf16)   ours ms  (intra+state)      fla ms   speedup  ours Mtok/s  "
+             "err o/state vs fla"]
+    for r in res["prefill"]:
+        lines.append(f"  B={r['B']} T={r['T']:<6}              {r['ours_ms']:7.3f}  ({r['ours_intra_ms']:.3f}+"
+                     f"{r['ours_state_ms']:.3f})  {r['fla_ms']:8.3f}  {r['speedup']:6.2f}x  {r['ours_Mtok_s']:9.2f}  "
+                     f"{r['err_o_vs_fla']:.1e}/{r['err_state_vs_fla']:.1e}")
+    lines += ["", "decode (one token/seq)        ours us    fla us   speedup  ours TB/s  fla TB/s  ours/copy  "
+              "err o/state vs fla"]
+    for r in res["decode"]:
+        lines.append(f"  N={r['N']:<5}                   {r['ours_us']:8.1f}  {r['fla_us']:8.1f}  {r['speedup']:6.2f}x"
+                     f"  {r['ours_TBps']:8.2f}  {r['fla_TBps']:8.2f}  {r['ours_frac_copy']:8.1%}  "
+                     f"{r['err_o_vs_fla']:.1e}/{r['err_state_vs_fla']:.1e}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--sweep", action="store_true", help="also time kernel configurations and report the best")
+    ap.add_argument("--quick", action="store_true", help="only the two smallest prefill shapes")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
+    a = ap.parse_args()
+    import fla
+    import fla.ops.kda as fla_kda
+
+    os.makedirs(a.out, exist_ok=True)
+    res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": triton.__version__, "fla": getattr(fla, "__version__", "?"), "H": H, "K": K, "V": V}
+    res["copy_TBps"] = copy_ceiling()
+    path = os.path.join(a.out, "kda_kernels.json")
+    skip = set(a.skip.split(","))
+    res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
+    json.dump(res, open(path, "w"), indent=1)
+    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick)
+    json.dump(res, open(path, "w"), indent=1)
+    print(table(res))
+
+
+if __name__ == "__main__":
+    main()
