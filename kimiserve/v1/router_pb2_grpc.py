@@ -142,7 +142,8 @@ class RouterServicer:
     def GetBatchResults(self, request, context):
         """The batch's results in the order they were recorded (BatchResult.seq 1, 2, ...), each custom_id exactly once.
         Without `follow` the stream ends after the results recorded so far; with it, the stream stays open and ends
-        once the batch is terminal and every result has been sent. NOT_FOUND for an unknown id.
+        once the batch is terminal and every result has been sent (or when the router shuts down: resume with
+        after_seq). NOT_FOUND for an unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -123,10 +123,14 @@ _BATCH_COLUMNS = ("seq, id, status, metadata, errors, completion_window_s, max_c
 class BatchStore:
     def __init__(self, path: Path):
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: autocommit; every multi-statement change below is an explicit transaction.
-        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
-        mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # isolation_level=None: autocommit; every multi-statement change below is an explicit transaction.
+            self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        except (OSError, sqlite3.Error) as e:
+            raise BatchStoreError(f"batch store {path} cannot be opened: {e} (set --batch-db to a writable "
+                                  "file on a local filesystem)") from e
         if mode.lower() != "wal":
             raise BatchStoreError(f"batch store {path}: SQLite refused WAL journaling (journal_mode={mode!r}); "
                                   "put --batch-db on a local filesystem")

@@ -49,3 +49,21 @@ def test_sigkill_mid_batch_then_restart_resumes_without_loss_or_duplicates(make_
     # duplicate request id.
     rerun_ids = [e["request_id"] for e in second_run if e.get("msg") == "batch request started"]
     assert any(rid.endswith(":2") for rid in rerun_ids) and len(set(rerun_ids)) == len(rerun_ids)
+
+
+def test_sigterm_mid_batch_drains_and_a_restart_finishes_it(make_router):
+    r = make_router("--drain-timeout", "10")
+    n = 60
+    batch = r.create(slow_lines(n, max_tokens=24), max_concurrency=4)
+    r.wait(batch.id, until=lambda b: b.request_counts.completed >= 4)
+    assert r.stop() == 0  # SIGTERM: stops dispatching, lets running requests finish, releases the lease
+    with sqlite3.connect(r.db) as con:
+        status, lease = con.execute("SELECT status, lease_until_ms FROM batches WHERE id = ?",
+                                    (batch.id,)).fetchone()
+    assert (status, lease) == ("in_progress", 0)
+    stopped = [e for e in r.logs() if e.get("msg") == "batch runner stopped"]
+    assert stopped and stopped[-1]["released_batch_ids"] == [batch.id]
+    r.start()
+    done = r.wait(batch.id)
+    assert done.status == router_pb2.BATCH_STATUS_COMPLETED and done.request_counts.completed == n
+    assert_each_once(r.results(batch.id), [f"s-{i}" for i in range(n)])
