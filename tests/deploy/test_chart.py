@@ -243,3 +243,34 @@ def test_dashboard_configmap_is_labelled_for_grafana(helm_bin):
     cm = find(docs, "ConfigMap", "-dashboard-kimiserve")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["kimiserve.json"]) == json.loads(generate.DASHBOARD.read_text())
+
+
+# -- the image the chart runs ---------------------------------------------------------------------------------------
+def test_dockerfile_matches_the_package_and_the_chart():
+    """The Dockerfile cannot be built here (no base-image registry); what can drift is checked statically."""
+    import tomllib
+
+    from packaging.specifiers import SpecifierSet
+
+    repo = CHART.parents[1]
+    text = (repo / "Dockerfile").read_text()
+    ignored = {line.strip() for line in (repo / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    copied = [line.split()[1] for line in text.splitlines() if line.startswith("COPY ") and "--from" not in line]
+    for src in copied:
+        assert (repo / src).exists(), f"Dockerfile copies {src}, which does not exist"
+        assert src not in ignored, f".dockerignore drops {src}, which the Dockerfile copies"
+    pyproject = tomllib.loads((repo / "pyproject.toml").read_text())
+    packages = {p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= {c.split("/")[0] for c in copied}, "a package of pyproject.toml is not copied into the image"
+    torch_pin = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG TORCH_VERSION="))
+    torch_req = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch"))
+    assert torch_pin in SpecifierSet(torch_req[len("torch"):]), (torch_pin, torch_req)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    uid = values["podSecurityContext"]["runAsUser"]
+    assert f"USER {uid}:{values['podSecurityContext']['runAsGroup']}" in text
+    exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
+    for comp in ("router", "tokenizer", "shard"):
+        assert {values[comp][k] for k in ("port", "metricsPort", "healthPort")} <= exposed, comp
+    assert 'ENTRYPOINT ["kimiserve"]' in text
+    assert values["image"]["tag"] == yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
