@@ -89,9 +89,8 @@ class BatchJob:
             self._transition({states.VALIDATING}, states.EXPIRED)
             return
         kind, data = self.store.raw_input(self.id)
-        try:
-            parsed = (parse_jsonl(data.decode("utf-8")) if kind == "jsonl"
-                      else parse_inline(list(router_pb2.BatchInlineRequests.FromString(data).requests)))
+        try:  # in a thread: parsing tens of thousands of lines must not stall interactive streams
+            parsed = await asyncio.to_thread(_parse, kind, data)
         except UnicodeDecodeError as e:
             parsed = None
             issues = [BatchIssue("invalid_input", f"the JSONL content is not UTF-8: {e}")]
@@ -291,6 +290,12 @@ class BatchJob:
         if self.store.transition(self.id, old, new, now_ms(), errors=errors):
             log.info("batch status", extra={"batch_id": self.id, "status": new})
             self.runner.notify(self.id)
+
+
+def _parse(kind: str, data: bytes):
+    if kind == "jsonl":
+        return parse_jsonl(data.decode("utf-8"))
+    return parse_inline(list(router_pb2.BatchInlineRequests.FromString(data).requests))
 
 
 def _with_seq(result: router_pb2.BatchResult, seq: int) -> bytes:
