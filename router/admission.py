@@ -6,6 +6,8 @@ batch request. Batch requests are never refused (their queue is bounded by the p
 additionally wait while the shards' total capacity (`batch_capacity()`, in sequences) is taken, so a batch only
 uses capacity interactive traffic leaves free. The priority of a request is read from the `PRIORITY` context
 variable, which the batch runner sets in its own tasks, so callers such as Generation need no parameter for it.
+The queued-requests gauge counts interactive waiters only (the queue RESOURCE_EXHAUSTED protects); batch waiters
+are part of the batch queue depth metric.
 """
 
 from __future__ import annotations
@@ -44,8 +46,12 @@ class Admission:
         capacity = self.batch_capacity() if self.batch_capacity is not None else self.max_in_flight
         return not self._waiters[BATCH] and self._in_flight < capacity
 
+    def waiting(self, priority: str) -> int:
+        return len(self._waiters[priority])
+
     def _set_queued(self) -> None:
-        self._metrics.queued.set(len(self._waiters[INTERACTIVE]) + len(self._waiters[BATCH]))
+        # The router's queue (what RESOURCE_EXHAUSTED protects); batch waiters are counted in the batch metrics.
+        self._metrics.queued.set(len(self._waiters[INTERACTIVE]))
 
     def kick(self) -> None:
         """Grants slots to waiters while possible: interactive first, then batch (while batch capacity is free).

@@ -108,7 +108,8 @@ class RouterServicer:
 
         Create a batch from inline requests or the content of an OpenAI-format JSONL file. Returns at once with status
         VALIDATING; the router then parses the input in the background (GetBatch to follow it). INVALID_ARGUMENT only
-        when the CreateBatchRequest itself is unusable (no input, completion_window_s or max_concurrency out of range);
+        when the CreateBatchRequest itself is unusable (no input, completion_window_s above 7 days, max_concurrency
+        above the router's limit, more than 16 metadata pairs);
         problems inside the input are reported on the batch (status FAILED with errors) or per request (error results).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -21,9 +21,12 @@ class BatchMetrics:
                                 "Batch requests finished by this router, by outcome (completed | failed) and code",
                                 ["outcome", "code"], registry=r)
         self.queue_depth = Gauge("kimiserve_router_batch_queue_depth",
-                                 "Requests of the batches this router runs that have no result and are not running",
+                                 "Requests of the batches this router runs without a result and not at a shard "
+                                 "(not dispatched yet, or waiting for admission)",
                                  registry=r)
-        self.running = Gauge("kimiserve_router_batch_running_requests", "Batch requests running now", registry=r)
+        self.running = Gauge("kimiserve_router_batch_running_requests",
+                             "Batch requests dispatched and past admission (at a shard, or being tokenized)",
+                             registry=r)
         self.prompt_tokens = Counter("kimiserve_router_batch_prompt_tokens", "Prompt tokens of batch responses",
                                      registry=r)
         self.generation_tokens = Counter("kimiserve_router_batch_generation_tokens",

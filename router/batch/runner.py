@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 from kimiserve.v1 import router_pb2
-from router.admission import Admission
+from router.admission import BATCH, Admission
 from router.batch import states
 from router.batch.errors import BatchNotFound, BatchStateError, InvalidArgument
 from router.batch.execute import BatchExecutor
@@ -100,8 +100,9 @@ class BatchRunner:
             if row.status == states.CANCELLING and job.reason is None:  # cancelled through another router
                 job.stop(CANCEL)
         self.metrics.set_statuses(self.store.status_counts())
-        self.metrics.queue_depth.set(sum(j.queued for j in self._jobs.values()))
-        self.metrics.running.set(sum(len(j.inflight) for j in self._jobs.values()))
+        waiting = self._admission.waiting(BATCH) if self._admission is not None else 0
+        self.metrics.queue_depth.set(sum(j.queued for j in self._jobs.values()) + waiting)
+        self.metrics.running.set(sum(len(j.inflight) for j in self._jobs.values()) - waiting)
         self.metrics.update_throughput()
         if self._admission is not None:
             self._admission.kick()  # shard capacity may have changed

@@ -38,12 +38,15 @@ def test_interactive_waiters_go_first():
 def test_batch_uses_only_free_shard_capacity_and_is_never_refused():
     async def main():
         capacity = [2]
-        adm = Admission(max_in_flight=10, max_queued=0, metrics=RouterMetrics())
+        metrics = RouterMetrics()
+        adm = Admission(max_in_flight=10, max_queued=0, metrics=metrics)
         adm.batch_capacity = lambda: capacity[0]
         order, release = [], asyncio.Event()
         tasks = [asyncio.create_task(hold(adm, f"b{i}", BATCH, order, release)) for i in range(4)]
         await asyncio.sleep(0.01)
         assert order == ["b0", "b1"]  # capacity 2, so b2 and b3 wait (and are not refused despite max_queued=0)
+        assert adm.waiting(BATCH) == 2
+        assert metrics.registry.get_sample_value("kimiserve_router_queued_requests") == 0  # interactive only
         tasks.append(asyncio.create_task(hold(adm, "i0", "interactive", order, release)))
         await asyncio.sleep(0.01)
         assert order == ["b0", "b1", "i0"]  # interactive is not limited by the batch capacity
