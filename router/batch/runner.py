@@ -198,3 +198,5 @@ class BatchRunner:
                 await asyncio.wait_for(event.wait(), self.cfg.tick_s * 2)
             except asyncio.TimeoutError:
                 pass
+            if self._stopping:  # the router is shutting down (the store closes): the client resumes with after_seq
+                return
