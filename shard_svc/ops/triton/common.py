@@ -23,15 +23,18 @@ def interpreting() -> bool:
 
 def check(op: str, name: str, x: torch.Tensor, *, dtypes=KERNEL_DTYPES, dims: int | None = None,
           last_contiguous: bool = True) -> None:
+    # Cheap tests first, the message only on failure: this runs on every decode step.
+    if ((x.is_cuda or interpreting()) and (dtypes is None or x.dtype in dtypes) and (dims is None or x.dim() == dims)
+            and (not last_contiguous or x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1)):
+        return
     where = f"{op}: {name} {tuple(x.shape)} {x.dtype} on {x.device}"
-    if x.device.type != "cuda" and not interpreting():
+    if not x.is_cuda and not interpreting():
         raise TritonKernelError(f"{where}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
     if dtypes is not None and x.dtype not in dtypes:
         raise TritonKernelError(f"{where}: dtype must be one of {[str(d) for d in dtypes]}")
     if dims is not None and x.dim() != dims:
         raise TritonKernelError(f"{where}: expected {dims} dims")
-    if last_contiguous and x.dim() > 0 and x.shape[-1] > 1 and x.stride(-1) != 1:
-        raise TritonKernelError(f"{where}: last dim must be contiguous (strides {x.stride()})")
+    raise TritonKernelError(f"{where}: last dim must be contiguous (strides {x.stride()})")
 
 
 def check_index(op: str, name: str, x: torch.Tensor, length: int) -> None:

@@ -14,12 +14,12 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
    starting from the pool slot's state and writing the final state back to it.
 
 Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per step) and is unbounded with the
-softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^(x) with x <= 0:
-- pairs inside one 16-row sub-block: the exact pairwise difference G_i - G_j, element by element;
-- pairs across sub-blocks: split through a reference row r with j < r <= i, 2^(G_i - G_r) * 2^(G_r - G_j),
-  both factors <= 1, so the product is a matrix product on the tensor cores (levels of 32 and 64 rows);
-- (I + A_kk)^-1: forward substitution inside the 16-row blocks, then block merges
-  [[X11, 0], [-X22 A21 X11, X22]] at 32 and 64 rows, which only multiply already-bounded blocks.
+softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^x with x <= 0. A pair j < i is split by the
+first row r of the second half of the smallest power-of-two block (64, 32, ..., 2 rows) holding both, and
+2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
+on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
+over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
+Products run in tf32 (fp32 operands), as fla's intra-chunk kernels.
 """
 
 from __future__ import annotations
@@ -34,30 +34,24 @@ from shard_svc.ops.triton.common import TritonKernelError, check, check_index, i
 from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
 
 CHUNK = 64  # BT: rows per chunk
-SUB = 16  # BC: rows per sub-block whose pairs are computed element by element
+SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 
 
 @triton.jit
-def _straddle(b_G, b_q, b_k, BT: tl.constexpr, BK: tl.constexpr, S: tl.constexpr):
-    """A_qk and (unscaled) A_kk for pairs inside one S-row block with i in its second half and j in its first.
+def _ref_factor(b_G, BT: tl.constexpr, BKS: tl.constexpr, S: tl.constexpr):
+    """Decay factors to the reference row r of each S-row block (the first row of its second half).
 
-    The reference is the first row r of the second half: 2^(G_i - G_r) (i >= r) and 2^(G_r - G_j) (j < r) are
-    both <= 1. Rows and columns outside the pair set are zeroed, and the block mask removes cross-block products.
+    Rows i of the second half get 2^(G_i - G_r) (i >= r), rows j of the first half 2^(G_r - G_j) (j < r): both
+    exponents are <= 0, and for a pair (i, j) split by r their product is the exact decay 2^(G_i - G_j).
     """
     HALF: tl.constexpr = S // 2
     NS: tl.constexpr = BT // S
-    o_t = tl.arange(0, BT)
-    G3 = tl.reshape(b_G, [NS, S, BK])
-    g_ref = tl.sum(tl.where(tl.arange(0, S)[None, :, None] == HALF, G3, 0.0), 1)  # [NS, BK]
-    g_ref = tl.reshape(tl.broadcast_to(g_ref[:, None, :], [NS, S, BK]), [BT, BK])
-    second = ((o_t % S) >= HALF)[:, None]
-    e = tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G))
-    q_s = tl.where(second, b_q * e, 0.0)
-    k_s = tl.where(second, b_k * e, 0.0)
-    k_f = tl.trans(tl.where(second, 0.0, b_k * e))
-    same = (o_t[:, None] // S) == (o_t[None, :] // S)
-    return tl.where(same, tl.dot(q_s, k_f), 0.0), tl.where(same, tl.dot(k_s, k_f), 0.0)
+    g3 = tl.reshape(b_G, [NS, S, BKS])
+    g_ref = tl.sum(tl.where(tl.arange(0, S)[None, :, None] == HALF, g3, 0.0), 1)  # [NS, BKS]
+    g_ref = tl.reshape(tl.broadcast_to(g_ref[:, None, :], [NS, S, BKS]), [BT, BKS])
+    second = ((tl.arange(0, BT) % S) >= HALF)[:, None]
+    return tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G)), second
 
 
 @triton.jit
@@ -97,8 +91,8 @@ def _kda_chunk_intra_kernel(
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, LEVELS: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    USE_LOWER_BOUND: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -128,59 +122,61 @@ def _kda_chunk_intra_kernel(
 
     # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
     # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure).
-    a_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks
     a_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # pairs inside a BC-block, one [BC, BC] tile per block
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    diag_qk = tl.zeros([BT], dtype=tl.float32)
     ssq_q = tl.zeros([BT], dtype=tl.float32)
     ssq_k = tl.zeros([BT], dtype=tl.float32)
+    o_i = o_t[:, None]
+    o_j = o_t[None, :]
     ri = tl.arange(0, BC)[None, :, None]
     cj = tl.arange(0, BC)[None, None, :]
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
-        # Pairs in different 16-row sub-blocks: straddle levels of 64, 32 rows (tensor cores).
-        for lvl in tl.static_range(LEVELS):
-            x_qk, x_kk = _straddle(b_G, b_q, b_k, BT, BKS, BT >> lvl)
-            a_qk += x_qk
-            a_kk += x_kk
-        # Pairs inside a sub-block: exact pairwise differences, one column j of every sub-block per step.
-        q3 = tl.reshape(b_q, [NB, BC, BKS])
-        k3 = tl.reshape(b_k, [NB, BC, BKS])
-        g3 = tl.reshape(b_G, [NB, BC, BKS])
-        for jj in tl.static_range(BC):
-            sel = ri == jj
-            g_j = tl.sum(tl.where(sel, g3, 0.0), 1)  # [NB, BKS]
-            k_j = tl.sum(tl.where(sel, k3, 0.0), 1)
-            ke = tl.exp2(tl.where(ri >= jj, g3 - g_j[:, None, :], float("-inf"))) * k_j[:, None, :]
-            d_qk += tl.where(cj == jj, tl.sum(q3 * ke, 2)[:, :, None], 0.0)
-            d_kk += tl.where(cj == jj, tl.sum(k3 * ke, 2)[:, :, None], 0.0)
+        diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
+        # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
+        # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
+        for lvl in tl.static_range(FAR_LEVELS):
+            e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
+            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+            same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
+            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f), 0.0)
+            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f), 0.0)
+        # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
+        for lvl in tl.static_range(NEAR_LEVELS):
+            e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
+            k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
+            same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
+            d_qk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
+            d_kk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
     rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
-    a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT)) * rq[:, None] * rk_col
-    d_kk = tl.where(ri > cj, d_kk, 0.0) * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j, strictly lower
-    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col + _block_diag(d_kk, NB, BC, BT)
+    a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)) * rq[:, None] * rk_col
     tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
              mask=m_t[:, None])
+    d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
+    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
 
-    # (I + A_kk)^-1. Diagonal 16-blocks by forward substitution: row s = e_s - sum_{m<s} A[s, m] X[m, :].
-    x_d = tl.where(ri == cj, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for s in tl.static_range(1, BC):
-        a_s = tl.sum(tl.where(ri == s, d_kk, 0.0), 1)  # [NB, BC] row s (columns m)
-        r_s = tl.sum(a_s[:, :, None] * x_d, 1)  # [NB, BC]
-        x_d = tl.where(ri == s, tl.where(cj == s, 1.0, 0.0) - r_s[:, None, :], x_d)
-    # Merge blocks upwards: X = X - X (A21 X) with A21 the lower-left quadrant of each doubled block.
-    b_x = _block_diag(x_d, NB, BC, BT)
-    o_i = o_t[:, None]
-    o_j = o_t[None, :]
-    for lvl in tl.static_range(LEVELS):
+    # (I + A_kk)^-1 by block merges, 2 rows up to BT: with X block-diagonal holding the inverses of the halves,
+    # the doubled block's inverse is X - X (A21 X), A21 its lower-left quadrant. Only bounded blocks multiply,
+    # unlike a Neumann series, so it stays accurate when (I + A) is badly conditioned (e.g. repeated keys).
+    x3 = tl.where(ri == cj, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for lvl in tl.static_range(NEAR_LEVELS):
+        span = 2 << lvl
+        quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
+        x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3))
+    b_x = _block_diag(x3, NB, BC, BT)
+    for lvl in tl.static_range(FAR_LEVELS):
         span = BC * (2 << lvl)
         quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
         b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
@@ -301,7 +297,8 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 
 
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                       block_v: int | None = None, state_warps: int = 4, state_stages: int = 2, intra_warps: int = 8):
+                       block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
+                       intra_warps: int = 8):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
@@ -334,7 +331,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             n, dk**-0.5, lb,
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK, BC=SUB,
-            LEVELS=int(math.log2(CHUNK // SUB)),
+            FAR_LEVELS=int(math.log2(CHUNK // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             num_warps=intra_warps,
         )
@@ -344,7 +341,8 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=CHUNK, DOT_FP32=interpreting(),
-            num_warps=state_warps, num_stages=state_stages,
+            # 3 stages of bf16 tiles fit in shared memory (fastest on the H200); fp32 tiles only fit 1
+            num_warps=state_warps, num_stages=state_stages or (3 if inter != torch.float32 else 1),
         )
 
     return o, intra, state
