@@ -18,7 +18,7 @@ from prometheus_client import start_http_server
 
 from kimiserve import security
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
-from shard_svc.checkpoint.loader import load_model
+from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
 from shard_svc.server.engine_loop import EngineLoop
@@ -42,6 +42,7 @@ class ShardServerConfig:
     op_backend: str = "auto"
     tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
+    load_format: str = "safetensors"
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -58,6 +59,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-token-budget", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
+    p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
+                   help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
@@ -68,13 +71,13 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                           args.max_model_len)
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
-                             args.health_port)
+                             args.health_port, load_format=args.load_format)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    model_cfg, model = load_model(cfg.model_dir, device=device, dtype=dtype)
+    model_cfg, model = LOAD_FORMATS[cfg.load_format](cfg.model_dir, device=device, dtype=dtype)
     engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
     metrics = ShardMetrics(cfg.shard_name)
     loop = EngineLoop(engine, metrics)
