@@ -58,10 +58,12 @@ class StepResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 engine_cfg: EngineConfig = EngineConfig()):
+                 engine_cfg: EngineConfig = EngineConfig(), sync=None):
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
+        # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
+        self.sync = sync
         self.runner = ModelRunner(cfg, model, ops, device, engine_cfg.num_state_slots, engine_cfg.num_kv_blocks,
-                                  engine_cfg.kv_block_size)
+                                  engine_cfg.kv_block_size, kda_heads=sync.kda_heads if sync else None)
         self.scheduler = Scheduler(self.runner.kda_pool.slots, self.runner.kv_cache.blocks,
                                    engine_cfg.num_state_slots, engine_cfg.prefill_token_budget)
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position_embeddings,
@@ -92,6 +94,8 @@ class Engine:
                        keep_prompt_logits=keep_prompt_logits)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
+        if self.sync:
+            self.sync.on_add(request_id, prompt, params, keep_prompt_logits)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -99,6 +103,8 @@ class Engine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
+        if self.sync:
+            self.sync.on_cancel(request_id)
         return self._finish(seq, "cancelled")
 
     def has_work(self) -> bool:
@@ -106,13 +112,19 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
+        if self.sync:
+            self.sync.begin_step()
         plan = self.scheduler.schedule()
+        if self.sync:
+            self.sync.check_plan(plan)
         result = StepResult()
         if plan.prefill:
             self._run_pass("prefill", plan.prefill, result)
         decode = [(s, 1) for s in plan.decode if not s.finished]
         if decode:
             self._run_pass("decode", decode, result)
+        if self.sync:
+            self.sync.end_step(self, result)  # events leave only once every rank agrees on every sequence
         return result
 
     def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult) -> None:
@@ -120,6 +132,8 @@ class Engine:
         try:
             logits = self.runner.forward(work, is_decode=kind == "decode")
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
+            if self.sync:
+                raise  # in a shard group the other ranks cannot know which sequences failed: the group fails
             log.exception("forward pass failed", extra={"pass": kind,
                                                         "request_ids": [s.request_id for s, _ in work]})
             for seq, _ in work:
@@ -128,14 +142,16 @@ class Engine:
         for (seq, _), rows in zip(work, logits):
             if seq.keep_prompt_logits:
                 (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
-            if not seq.is_prefilling:
-                result.events.append(self._emit(seq, rows[-1]))
+        emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
+        drawn = (self.sync.draw(emitting) if self.sync
+                 else [sample(row, seq.params, seq.generator) for seq, row in emitting])
+        for (seq, row), (token, logprob) in zip(emitting, drawn):
+            result.events.append(self._emit(seq, row, token, logprob))
         tokens = sum(n for _, n in work)
         result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
                                        [s.request_id for s, _ in work]))
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor) -> TokenEvent:
-        token, logprob = sample(logits, seq.params, seq.generator)
+    def _emit(self, seq: Sequence, logits: torch.Tensor, token: int, logprob: float) -> TokenEvent:
         lp = logprob if seq.params.logprobs else None
         if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
             seq.step_logits.append(logits.cpu().unsqueeze(0))

@@ -14,10 +14,11 @@ from shard_svc.state.pools import KDAStatePool, MLAKVCache
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 num_slots: int, num_blocks: int, block_size: int):
+                 num_slots: int, num_blocks: int, block_size: int, kda_heads: int | None = None):
+        """kda_heads: this rank's KDA heads in a shard group (None: all of the model's)."""
         self.cfg, self.model, self.ops, self.device = cfg, model, ops, device
         dtype = next(model.parameters()).dtype
-        self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype)
+        self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype, num_heads=kda_heads)
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:

@@ -13,13 +13,19 @@ from shard_svc.state.allocators import BlockAllocator, SlotAllocator
 class KDAStatePool:
     """Recurrent state [num_kda, slots, H, K, V] fp32 and conv state [num_kda, slots, 3*H*K, W-1]."""
 
-    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device, conv_dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, num_slots: int, device: torch.device, conv_dtype: torch.dtype,
+                 num_heads: int | None = None):
+        """num_heads: the heads this process holds (a shard-group rank holds H / tp of them); None: all H."""
         k = cfg.kda
         n = cfg.layer_map.num_kda
+        heads = k.num_heads if num_heads is None else num_heads
+        if not 0 < heads <= k.num_heads or k.num_heads % heads:
+            raise ValueError(f"KDA pool for {heads} heads: must divide the model's {k.num_heads} KDA heads")
         self.layer_map = cfg.layer_map
-        self.recurrent = torch.zeros(n, num_slots, k.num_heads, k.head_dim, k.head_dim, dtype=acc_dtype(conv_dtype),
+        self.num_heads = heads
+        self.recurrent = torch.zeros(n, num_slots, heads, k.head_dim, k.head_dim, dtype=acc_dtype(conv_dtype),
                                      device=device)
-        self.conv = torch.zeros(n, num_slots, 3 * k.num_heads * k.head_dim, k.conv_kernel - 1, dtype=conv_dtype,
+        self.conv = torch.zeros(n, num_slots, 3 * heads * k.head_dim, k.conv_kernel - 1, dtype=conv_dtype,
                                 device=device)
         self.slots = SlotAllocator(num_slots)
 

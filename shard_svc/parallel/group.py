@@ -1,0 +1,157 @@
+"""The process groups of a shard group and every collective it runs, each failing as a named GroupError.
+
+Two planes, both joined through one TCPStore hosted by rank 0:
+- control (gloo, CPU, always): step messages, plan/state digests, sampled tokens, the load barrier. It works the
+  same on GPU hosts, so a dead rank is noticed by a socket error (or the timeout) even while NCCL is idle;
+- data (NCCL on CUDA, gloo on CPU): the activations of the forward pass (all-reduce, all-gather).
+Every collective has the group's timeout, so a hung or dead rank raises instead of blocking forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import os
+import pickle
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from shard_svc.parallel.errors import GroupError
+from shard_svc.parallel.layout import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def digest(obj: object) -> int:
+    """A 56-bit digest of a picklable value, equal on every rank for equal values (unlike hash(), which is salted
+    per process)."""
+    return int.from_bytes(hashlib.blake2b(pickle.dumps(obj, protocol=4), digest_size=7).digest(), "little")
+
+
+class ShardGroup:
+    """This process's membership: rank, world size, device, the control and data planes."""
+
+    def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float):
+        self.rank, self.world, self.device, self.timeout_s = rank, world, device, timeout_s
+        self.data: dist.ProcessGroup | None = None
+        # Set by the launcher on rank 0: describes ranks known to have died, appended to every GroupError.
+        self.failure_hint: Callable[[], str] = lambda: ""
+        self._closed = False
+
+    @classmethod
+    def join(cls, rank: int, world: int, store: dist.Store, device: torch.device,
+             timeout_s: float = DEFAULT_TIMEOUT_S) -> "ShardGroup":
+        """Joins the group (all `world` ranks must call this); blocks until every rank has arrived or timeout."""
+        self = cls(rank, world, device, timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            # NCCL collectives raise in the calling thread after the timeout instead of hanging (untested here: no
+            # multi-GPU machine was lent while this was written).
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        with self._guard("joining the group"):
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+            self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+        log.info("joined shard group", extra={"rank": rank, "world": world, "device": str(device)})
+        return self
+
+    def close(self) -> None:
+        if not self._closed and dist.is_initialized():
+            self._closed = True
+            dist.destroy_process_group()
+
+    @contextmanager
+    def _guard(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except GroupError:
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses; all mean the group broke
+            raise GroupError(f"shard group rank {self.rank}/{self.world}: {what} failed: {e}"
+                             f"{self.failure_hint()}") from e
+
+    # -- control plane (CPU, gloo) -------------------------------------------------------------------------------
+    def broadcast_object(self, obj: object, what: str) -> object:
+        """Rank 0's `obj` on every rank."""
+        box = [obj if self.rank == 0 else None]
+        with self._guard(what):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather_object(self, obj: object, what: str) -> list[object]:
+        out: list[object] = [None] * self.world
+        with self._guard(what):
+            dist.all_gather_object(out, obj)
+        return out
+
+    def all_gather_ints(self, values: list[int], what: str) -> list[list[int]]:
+        """Every rank's `values` (same length on every rank), indexed by rank."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        with self._guard(what):
+            dist.all_gather(out, mine)
+        return [t.tolist() for t in out]
+
+    def broadcast_tensor(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        """In place: rank 0's values of the CPU tensor `t` (same shape and dtype on every rank)."""
+        with self._guard(what):
+            dist.broadcast(t, src=0)
+        return t
+
+    def barrier(self, timeout_s: float, what: str) -> None:
+        """Waits for every rank up to `timeout_s` (the load barrier: longer than a step's timeout); names a missing
+        rank."""
+        with self._guard(what):
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+
+    # -- data plane: the model's collectives -----------------------------------------------------------------------
+    def model_comm(self, layout: ParallelLayout) -> "ModelComm":
+        """The forward pass's communicators for `layout`; every rank must call this, in the same order."""
+        if layout.world != self.world or layout.rank != self.rank:
+            raise GroupError(f"layout for rank {layout.rank} of {layout.world} used on rank {self.rank} of "
+                             f"{self.world}")
+        attn = self.data
+        if 1 < layout.tp < layout.world:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            with self._guard("creating the attention groups"):
+                for ranks in layout.attention_groups():  # new_group is collective: every rank creates every group
+                    g = dist.new_group(ranks, backend="nccl" if self.device.type == "cuda" else "gloo",
+                                       timeout=timeout)
+                    if self.rank in ranks:
+                        attn = g
+        return ModelComm(self, layout, attn)
+
+
+class ModelComm:
+    """All-reduce over the attention group or the world, and the vocab all-gather; no-ops on groups of one."""
+
+    def __init__(self, group: ShardGroup, layout: ParallelLayout, attn: dist.ProcessGroup | None):
+        self.group, self.layout, self._attn = group, layout, attn
+
+    def all_reduce_attn(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp > 1:
+            with self.group._guard("attention all-reduce"):
+                dist.all_reduce(t, group=self._attn)
+        return t
+
+    def all_reduce_world(self, t: torch.Tensor) -> torch.Tensor:
+        if self.layout.world > 1:
+            with self.group._guard("all-reduce"):
+                dist.all_reduce(t, group=self.group.data)
+        return t
+
+    def all_gather_last_dim(self, t: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., world * n], rank-major (the vocab-parallel logits)."""
+        if self.layout.world == 1:
+            return t
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.layout.world)]
+        with self.group._guard("logits all-gather"):
+            dist.all_gather(parts, t, group=self.group.data)
+        return torch.cat(parts, dim=-1)

@@ -1,0 +1,202 @@
+"""Rank 0 starts a shard group on one host: it hosts the rendezvous store, spawns one worker process per other
+rank (`python -m shard_svc.parallel.worker`), watches them, and sends every rank the same GroupSpec.
+
+`kimiserve generate --tp N --ep N` and `kimiserve shard --tp N --ep N` call `start_group`; the CLI process is rank 0
+and faces the user or the router. Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from shard_svc.config import ModelConfig
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.ops import select_ops
+from shard_svc.parallel.errors import GroupError
+from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
+from shard_svc.parallel.layout import ParallelLayout
+from shard_svc.parallel.loading import load_sharded_model
+from shard_svc.parallel.sync import StepSync
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """What every rank builds; rank 0 broadcasts it, so no rank can be started with different values."""
+
+    model_dir: str
+    tp: int
+    ep: int
+    device: str  # "cpu" | "cuda" | "cuda:N" (rank r: cuda:N+r)
+    dtype: str | None
+    engine: EngineConfig
+    op_backend: str = "auto"
+    timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer than this fails
+    load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
+    cpu_threads: int = 1  # torch intra-op threads per rank on a CPU device
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    d = torch.device(device)
+    return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
+
+
+def resolve_dtype(spec: GroupSpec, device: torch.device) -> torch.dtype:
+    return getattr(torch, spec.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+
+def build_rank(group: ShardGroup, spec: GroupSpec) -> Engine:
+    """Every rank: its model slice and engine. Load errors are gathered, so rank 0 reports every rank's failure."""
+    layout = ParallelLayout(spec.tp, spec.ep, group.rank)
+    comm = group.model_comm(layout)
+    engine, error = None, None
+    try:
+        cfg, model = load_sharded_model(spec.model_dir, group.device, resolve_dtype(spec, group.device), comm)
+        engine = Engine(cfg, model, select_ops(group.device, spec.op_backend), group.device, spec.engine,
+                        sync=StepSync(group, layout, cfg))
+    except Exception as e:  # noqa: BLE001 - reported below, with the other ranks' results
+        log.exception("loading this rank's model slice failed", extra={"rank": group.rank})
+        error = e
+    group.barrier(spec.load_timeout_s, "waiting for every rank to load its slice")
+    results = group.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
+                                      "gathering load results")
+    failed = [f"rank {r}: {msg}" for r, msg in enumerate(results) if msg]
+    if failed:
+        if error is not None and group.rank == 0:
+            raise error
+        raise GroupError("shard group failed to start: " + "; ".join(failed))
+    return engine
+
+
+def _exit_description(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Watchdog:
+    """Watches the worker processes. A worker that exits while the group runs is logged at once, named in every
+    later GroupError, and passed to `on_lost`; if rank 0 is stuck (an NCCL collective with no error), the process
+    exits after `grace_s` rather than hang."""
+
+    def __init__(self, procs: dict[int, subprocess.Popen], grace_s: float, on_lost: Callable[[str], None] | None):
+        self.procs, self.grace_s, self.on_lost = procs, grace_s, on_lost
+        self.lost: list[str] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="group-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def describe(self) -> str:
+        return f" (known failures: {'; '.join(self.lost)})" if self.lost else ""
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.2):
+            for rank, proc in self.procs.items():
+                code = proc.poll()
+                if code is None or any(d.startswith(f"rank {rank} ") for d in self.lost):
+                    continue
+                what = f"rank {rank} (pid {proc.pid}) {_exit_description(code)}"
+                self.lost.append(what)
+                log.error("shard group rank lost; the group fails", extra={"rank": rank, "pid": proc.pid,
+                                                                          "detail": what})
+                if self.on_lost:
+                    self.on_lost(what)
+                threading.Thread(target=self._escalate, args=(what,), daemon=True).start()
+
+    def _escalate(self, what: str) -> None:
+        if not self._stopped.wait(self.grace_s):
+            log.critical("shard group did not fail within the grace period after a rank was lost; exiting",
+                         extra={"detail": what, "grace_s": self.grace_s})
+            logging.shutdown()
+            os._exit(1)
+
+
+class GroupLeader:
+    """Rank 0 of a group it started: the engine (the one to step), the workers and their watchdog."""
+
+    def __init__(self, spec: GroupSpec, group: ShardGroup, procs: dict[int, subprocess.Popen], watchdog: Watchdog):
+        self.spec, self.group, self.procs, self.watchdog = spec, group, procs, watchdog
+        self.engine: Engine | None = None
+
+    def shutdown(self, failed: bool = False, timeout_s: float = 30.0) -> None:
+        """Stops the workers (a stop message when the group is healthy, else a kill) and leaves the group."""
+        self.watchdog.stop()
+        if not failed and self.engine is not None:
+            try:
+                self.engine.sync.stop()
+            except GroupError as e:
+                log.error("could not send the stop message", extra={"error": str(e)})
+                failed = True
+        deadline = time.monotonic() + (0 if failed else timeout_s)
+        for rank, proc in self.procs.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank did not stop; killing it", extra={"rank": rank, "pid": proc.pid})
+                proc.kill()
+                proc.wait()
+        self.group.close()
+
+
+def start_group(spec: GroupSpec, log_level: str = "INFO", on_lost: Callable[[str], None] | None = None,
+                grace_s: float | None = None) -> GroupLeader:
+    """Rank 0: validates the layout against the checkpoint's config, spawns ranks 1..N-1, loads every slice."""
+    ParallelLayout(spec.tp, spec.ep).check(ModelConfig.from_dir(spec.model_dir))
+    device = rank_device(spec.device, 0)
+    if device.type == "cpu":
+        torch.set_num_threads(spec.cpu_threads)
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, spec.world, is_master=True, timeout=timeout, wait_for_workers=False)
+    procs = {}
+    for rank in range(1, spec.world):
+        cmd = [sys.executable, "-m", "shard_svc.parallel.worker", "--rank", str(rank), "--world-size",
+               str(spec.world), "--store-port", str(store.port), "--device", str(rank_device(spec.device, rank)),
+               "--timeout-s", str(spec.timeout_s), "--log-level", log_level]
+        procs[rank] = subprocess.Popen(cmd)
+        log.info("shard group rank started", extra={"rank": rank, "pid": procs[rank].pid, "world": spec.world})
+    watchdog = Watchdog(procs, grace_s if grace_s is not None else spec.timeout_s + 10.0, on_lost)
+    watchdog.start()
+    group = None
+    try:
+        group = ShardGroup.join(0, spec.world, store, device, spec.timeout_s)
+        group.failure_hint = watchdog.describe
+        leader = GroupLeader(spec, group, procs, watchdog)
+        group.broadcast_object(spec, "sending the group spec")
+        leader.engine = build_rank(group, spec)
+    except BaseException:
+        watchdog.stop()
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        if group is not None:
+            group.close()
+        raise
+    log.info("shard group ready", extra={"world": spec.world, "tp": spec.tp, "ep": spec.ep,
+                                         "model": str(Path(spec.model_dir)), "pids": [p.pid for p in procs.values()]})
+    return leader

@@ -1,0 +1,144 @@
+"""The engine's hook on a shard group: one replicated engine per rank, kept in lockstep by rank 0.
+
+Every rank runs the same Engine (sequences, scheduler, allocators; pools sized for its own head slice). Rank 0,
+the leader, is the only rank that takes requests: it journals every accepted add and every cancel, and sends the
+journal with each step (or idle heartbeat); the followers apply it in the same order, so every rank holds the same
+sequences and computes the same schedule. One step, on every rank:
+ 1. the leader broadcasts StepMessage("step", journal); followers have applied it before stepping;
+ 2. each rank schedules; the plan digests are all-gathered and compared (GroupDiverged, named, instead of a
+    collective deadlocking on mismatched shapes);
+ 3. the forward passes run the model's collectives;
+ 4. after each pass the leader samples and broadcasts the tokens (and logprobs), and every rank appends the same
+    tokens, so stop tokens and lengths finish the same sequences everywhere;
+ 5. the sequence-state digests and each rank's pass timings are all-gathered and compared. Only then does the step
+    return its events: completion and usage are reported after every rank agrees on every sequence's metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from shard_svc.config import ModelConfig
+from shard_svc.engine.sampling import sample
+from shard_svc.parallel.errors import GroupDiverged
+from shard_svc.parallel.group import ShardGroup, digest
+from shard_svc.parallel.layout import ParallelLayout
+
+log = logging.getLogger(__name__)
+
+PASS_KINDS = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class StepMessage:
+    kind: str  # "step" (then every rank steps) | "idle" (heartbeat: journal only) | "stop" (the group shuts down)
+    journal: tuple[tuple, ...]  # ("add", request_id, prompt, SamplingParams, keep_prompt_logits) | ("cancel", id)
+
+
+@dataclass(frozen=True)
+class PeerPass:
+    rank: int
+    kind: str
+    seconds: float
+    tokens: int
+
+
+class StepSync:
+    def __init__(self, group: ShardGroup, layout: ParallelLayout, cfg: ModelConfig):
+        self.group, self.layout = group, layout
+        self.leader = group.rank == 0
+        self.kda_heads = layout.local_kda_heads(cfg)  # the runner sizes the KDA pool by this
+        self.steps = 0
+        self.peer_passes: list[PeerPass] = []  # the followers' passes of the last step (leader only), for metrics
+        self._journal: list[tuple] = []
+
+    # -- leader: requests and messages ---------------------------------------------------------------------------
+    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool) -> None:
+        if self.leader:
+            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits))
+
+    def on_cancel(self, request_id: str) -> None:
+        if self.leader:
+            self._journal.append(("cancel", request_id))
+
+    def _send(self, kind: str) -> None:
+        msg = StepMessage(kind, tuple(self._journal))
+        self._journal.clear()
+        self.group.broadcast_object(msg, f"sending the {kind} message")
+
+    def begin_step(self) -> None:
+        if self.leader:
+            self._send("step")
+
+    def heartbeat(self) -> None:
+        """Leader, while idle: delivers pending cancels and proves the group alive before the followers time out."""
+        self._send("idle")
+
+    def stop(self) -> None:
+        self._send("stop")
+
+    # -- followers ------------------------------------------------------------------------------------------------
+    def receive(self) -> StepMessage:
+        return self.group.broadcast_object(None, "waiting for rank 0's next step")
+
+    def apply(self, engine, msg: StepMessage) -> None:
+        for entry in msg.journal:
+            if entry[0] == "add":
+                _, request_id, prompt, params, keep = entry
+                try:
+                    engine.add_request(request_id, prompt, params, keep)
+                except Exception as e:  # noqa: BLE001 - rank 0 accepted it, so refusing it here is a divergence
+                    raise GroupDiverged(f"rank {self.group.rank} refused request {request_id!r} that rank 0 "
+                                        f"accepted: {e}") from e
+            else:
+                engine.cancel(entry[1])
+
+    # -- every rank, inside Engine.step ---------------------------------------------------------------------------
+    def check_plan(self, plan) -> None:
+        mine = digest(([(s.request_id, n) for s, n in plan.prefill], [s.request_id for s in plan.decode]))
+        digests = [row[0] for row in self.group.all_gather_ints([mine], "comparing step plans")]
+        if len(set(digests)) != 1:
+            raise GroupDiverged(f"step {self.steps}: ranks computed different plans (digest by rank {digests}); "
+                                f"rank {self.group.rank} planned prefill "
+                                f"{[(s.request_id, n) for s, n in plan.prefill]} decode "
+                                f"{[s.request_id for s in plan.decode]}")
+
+    def draw(self, emitting: list[tuple]) -> list[tuple[int, float]]:
+        """(token, logprob) for each (sequence, logits row): sampled on the leader, broadcast to every rank."""
+        if not emitting:
+            return []
+        buf = torch.zeros(2, len(emitting), dtype=torch.float64)  # [token ids; logprobs], ids exact below 2^53
+        drawn = None
+        if self.leader:
+            drawn = [sample(row, seq.params, seq.generator) for seq, row in emitting]
+            buf[0] = torch.tensor([t for t, _ in drawn], dtype=torch.float64)
+            buf[1] = torch.tensor([lp for _, lp in drawn], dtype=torch.float64)
+        self.group.broadcast_tensor(buf, "broadcasting sampled tokens")
+        return drawn or [(int(t), lp) for t, lp in zip(buf[0].tolist(), buf[1].tolist())]
+
+    def end_step(self, engine, result) -> None:
+        row = [digest(_state(engine))]
+        for kind in PASS_KINDS:
+            done = [p for p in result.passes if p.kind == kind]
+            row += [round(done[0].seconds * 1e9), done[0].tokens] if done else [-1, 0]
+        rows = self.group.all_gather_ints(row, "comparing sequence state")
+        differ = [r for r, other in enumerate(rows) if other[0] != rows[0][0]]
+        if differ:
+            raise GroupDiverged(f"step {self.steps}: ranks {differ} hold different sequence state from rank 0 "
+                                f"(rank {self.group.rank} holds {_state(engine)})")
+        if self.leader:
+            self.peer_passes = [PeerPass(r, kind, rows[r][1 + 2 * k] / 1e9, rows[r][2 + 2 * k])
+                                for r in range(1, len(rows)) for k, kind in enumerate(PASS_KINDS)
+                                if rows[r][1 + 2 * k] >= 0]
+        self.steps += 1
+
+
+def _state(engine) -> tuple:
+    """What every rank must agree on after a step: each live sequence's progress, the queue and the free pools."""
+    seqs = tuple((rid, s.num_computed, len(s.output), s.output[-1] if s.output else -1, s.slot, s.status.value)
+                 for rid, s in engine.sequences.items())
+    s = engine.scheduler
+    return seqs, tuple(q.request_id for q in s.waiting), s.slots.num_free, s.blocks.num_free

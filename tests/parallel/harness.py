@@ -1,0 +1,79 @@
+"""Runs a function on every rank of a gloo shard group of N spawned processes and returns what each rank returned.
+
+The function gets the joined ShardGroup; its return value travels back as bytes (torch.save), never as shared
+memory, so a rank may exit before the parent reads it. A rank that raises makes `run_group` raise with its
+traceback; a rank that hangs is killed after `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import queue
+import time
+import traceback
+
+import torch
+
+
+def _entry(rank: int, world: int, port: int, timeout_s: float, fn, args, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from shard_svc.parallel.group import ShardGroup
+
+    torch.set_num_threads(1)
+    group = None
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        group = ShardGroup.join(rank, world, store, torch.device("cpu"), timeout_s)
+        result = fn(group, *args)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        out.put((rank, None, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - sent to the parent whole
+        out.put((rank, traceback.format_exc(), None))
+    finally:
+        if group is not None:
+            group.close()
+
+
+def run_group(world: int, fn, *args, timeout_s: float = 150.0, collective_timeout_s: float = 30.0) -> list:
+    from kimiserve.ports import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, fn, args, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    errors = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, err, data = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if time.monotonic() > deadline or (dead and len(dead) > len(errors)):
+                    missing = sorted(set(range(world)) - results.keys())
+                    errors.append(f"ranks {missing} gave no result (exit codes {[procs[r].exitcode for r in missing]})")
+                    break
+                continue
+            if err:
+                errors.append(f"rank {rank}:\n{err}")
+            else:
+                results[rank] = torch.load(io.BytesIO(data), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
