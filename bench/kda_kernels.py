@@ -33,7 +33,7 @@ PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 DECODE = [1, 16, 64, 256, 1024]
 
 
-def timed(fn, warmup=25, rep=100) -> float:
+def timed(fn, warmup=10, rep=60) -> float:
     """Median milliseconds (do_bench flushes L2 between repetitions)."""
     return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 

@@ -151,7 +151,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
             x, weight, conv_state, slots, cu_seqlens, out, c, strides[0], out.stride(0), strides[1], strides[2],
             W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4)
         return out
-    bt, bc = 32, 128
+    bt, bc = 16, 128  # [16, 128] tiles x 4 taps stay in registers (32 rows spilled)
     _conv_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
         x, weight, conv_state, slots, cu_seqlens, out, t, c, n, strides[0], out.stride(0), strides[1], strides[2],
         W=width, BT=bt, BC=bc, SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), num_warps=4)
