@@ -39,7 +39,10 @@ class Child:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the built-in tiny K3)")
     p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (shard i gets cuda:i)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (shard i gets cuda:i; with groups, cuda:i*N..)")
+    p.add_argument("--tp", type=int, default=1, help="each shard is a group: attention heads split tp ways")
+    p.add_argument("--ep", type=int, default=1,
+                   help="each shard is a group: routed experts split ep ways (max(tp, ep) processes per shard)")
     p.add_argument("--port", type=int, default=50051, help="router port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--startup-timeout", type=float, default=300.0)
@@ -66,16 +69,19 @@ def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int) 
 
 
 def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float,
-                shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()) -> list[Child]:
+                shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), tp: int = 1,
+                ep: int = 1) -> list[Child]:
     """Starts tokenizer, shards, then the router; returns them with the router last."""
     children: list[Child] = []
     ports = iter(p for p in free_ports(2 * shards + 4, host) if p != port)
     try:
         children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, next(ports),
                                next(ports)))
+        group = max(tp, ep)  # devices per shard: a shard group of max(tp, ep) ranks (shard_svc/parallel)
+        group_args = ("--tp", str(tp), "--ep", str(ep)) if group > 1 else ()
         for i in range(shards):
-            dev = f"cuda:{i}" if device == "cuda" else device
-            children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev,
+            dev = f"cuda:{i * group}" if device == "cuda" else device
+            children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev, *group_args,
                                                   "--shard-name", f"shard-{i}", *shard_args], host, next(ports),
                                    next(ports)))
         for child in children:
@@ -106,7 +112,8 @@ def stop_stack(children: list[Child], grace_s: float = 30.0) -> None:
 
 def run(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
-    children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout)
+    children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
+                           tp=args.tp, ep=args.ep)
     router = children[-1]
     lines = [f"kimiserve is up: router at {router.address}  (try: kimiserve chat \"Hello\" --router "
              f"{router.address})"]

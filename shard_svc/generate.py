@@ -35,17 +35,44 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--dump-logits", type=Path, default=None,
                    help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
+    from shard_svc.parallel.launch import add_group_args
+
+    add_group_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from tokenizer_svc.loading import load_tokenizer  # the same tokenizer the services use
-
     device = torch.device(args.device)
+    if max(args.tp, args.ep) > 1:  # a shard group: this process is rank 0 (shard_svc/parallel)
+        return _run_in_group(args)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     cfg, model = LOAD_FORMATS[args.load_format](args.model, device=device, dtype=dtype)
+    engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))
+    return _generate(args, engine)
+
+
+def _run_in_group(args: argparse.Namespace) -> int:
+    from shard_svc.parallel.errors import GroupError
+    from shard_svc.parallel.launch import spec_from_args, start_group
+
+    threads = max(1, torch.get_num_threads() // max(args.tp, args.ep))
+    leader = start_group(spec_from_args(args, EngineConfig(num_state_slots=1), threads), log_level=args.log_level)
+    failed = True
+    try:
+        code = _generate(args, leader.engine)
+        failed = False
+    except GroupError as e:
+        log.error("generate failed: the shard group broke", extra={"error": str(e)})
+        return 1
+    finally:
+        leader.shutdown(failed=failed)
+    return code
+
+
+def _generate(args: argparse.Namespace, engine: Engine) -> int:
+    from tokenizer_svc.loading import load_tokenizer  # the same tokenizer the services use
+
     tokenizer = load_tokenizer(args.model) if args.prompt is not None or args.json else None
     prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
-    engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))
     seq = engine.generate(prompt, sampling_from_args(args), keep_prompt_logits=args.dump_logits is not None)
     if args.dump_logits:
         from safetensors.torch import save_file

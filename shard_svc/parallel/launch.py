@@ -28,7 +28,7 @@ from shard_svc.ops import select_ops
 from shard_svc.parallel.errors import GroupError
 from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
 from shard_svc.parallel.layout import ParallelLayout
-from shard_svc.parallel.loading import load_sharded_model
+from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
 from shard_svc.parallel.sync import StepSync
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class GroupSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer than this fails
     load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
     cpu_threads: int = 1  # torch intra-op threads per rank on a CPU device
+    load_format: str = "safetensors"  # or "dummy" (random weights, benchmarks)
 
     @property
     def world(self) -> int:
@@ -69,7 +70,8 @@ def build_rank(group: ShardGroup, spec: GroupSpec) -> Engine:
     comm = group.model_comm(layout)
     engine, error = None, None
     try:
-        cfg, model = load_sharded_model(spec.model_dir, group.device, resolve_dtype(spec, group.device), comm)
+        load = GROUP_LOAD_FORMATS[spec.load_format]
+        cfg, model = load(spec.model_dir, group.device, resolve_dtype(spec, group.device), comm)
         engine = Engine(cfg, model, select_ops(group.device, spec.op_backend), group.device, spec.engine,
                         sync=StepSync(group, layout, cfg))
     except Exception as e:  # noqa: BLE001 - reported below, with the other ranks' results
@@ -200,3 +202,19 @@ def start_group(spec: GroupSpec, log_level: str = "INFO", on_lost: Callable[[str
     log.info("shard group ready", extra={"world": spec.world, "tp": spec.tp, "ep": spec.ep,
                                          "model": str(Path(spec.model_dir)), "pids": [p.pid for p in procs.values()]})
     return leader
+
+
+def add_group_args(p) -> None:
+    """--tp / --ep / --group-timeout, shared by `kimiserve shard`, `generate` and `up`."""
+    g = p.add_argument_group("shard group: one model on several devices (one process per device)")
+    g.add_argument("--tp", type=int, default=1, help="attention tensor parallelism: KDA/MLA heads split tp ways")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism: routed experts split ep ways; the group has max(tp, ep) ranks")
+    g.add_argument("--group-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                   help="seconds a collective may wait for a silent rank before the group fails")
+
+
+def spec_from_args(args, engine: EngineConfig, cpu_threads: int) -> GroupSpec:
+    return GroupSpec(str(args.model), args.tp, args.ep, args.device, args.dtype, engine,
+                     op_backend=getattr(args, "op_backend", "auto"), timeout_s=args.group_timeout,
+                     cpu_threads=cpu_threads, load_format=args.load_format)

@@ -124,3 +124,40 @@ def _local_value(fill: Fill, files: SlicingFiles, slices: tuple[Slice, ...], ful
         return files.read_slice(name, slices).to(target.dtype)
     full = _CONVERT[spec.role](files.read(name), torch.Size(full_shape), _where(fill, files))
     return narrow_all(full, slices).to(target.dtype)
+
+
+def load_dummy_sharded(model_dir: str | Path, device: torch.device, dtype: torch.dtype | str | None,
+                       comm: ModelComm) -> tuple[ModelConfig, torch.nn.Module]:
+    """`--load-format dummy` for a group: this rank's slice with random values made on the device, by the rules of
+    shard_svc/checkpoint/dummy.py. Each parameter is seeded by its name, so replicated parameters (routers, norms)
+    are identical on every rank, as the replicated routing requires; slices are not those of a one-process dummy
+    model (benchmarks only)."""
+    import math
+
+    from shard_svc.parallel.group import digest
+
+    cfg = ModelConfig.from_dir(model_dir)
+    dtype = _resolve_dtype(dtype, cfg)
+    with torch.device("meta"):
+        model = KimiForCausalLM(cfg, dtype)
+    model, _ = parallelize(model, comm)
+    model = model.to_empty(device=device)
+    gen = torch.Generator(device=device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gen.manual_seed(digest(name))
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.log(torch.empty(p.shape, device=device).uniform_(1, 16, generator=gen)))
+            elif leaf in ("dt_bias", "e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, device=device, generator=gen) * 0.1)
+            elif p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    model.requires_grad_(False)
+    return cfg, model.eval()
+
+
+# --load-format for a group (shard_svc/checkpoint LOAD_FORMATS, sliced per rank)
+GROUP_LOAD_FORMATS = {"safetensors": load_sharded_model, "dummy": load_dummy_sharded}

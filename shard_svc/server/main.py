@@ -43,6 +43,9 @@ class ShardServerConfig:
     tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
     load_format: str = "safetensors"
+    tp: int = 1  # shard group (shard_svc/parallel): attention heads split tp ways
+    ep: int = 1  # routed experts split ep ways; max(tp, ep) processes, this one is rank 0
+    group_timeout_s: float = 60.0
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -64,6 +67,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
+    from shard_svc.parallel.launch import add_group_args
+
+    add_group_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
@@ -71,16 +77,26 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                           args.max_model_len)
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
-                             args.health_port, load_format=args.load_format)
+                             args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,
+                             group_timeout_s=args.group_timeout)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    model_cfg, model = LOAD_FORMATS[cfg.load_format](cfg.model_dir, device=device, dtype=dtype)
-    engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
     metrics = ShardMetrics(cfg.shard_name)
-    loop = EngineLoop(engine, metrics)
+    if max(cfg.tp, cfg.ep) > 1:  # a shard group: this process is rank 0 and faces the router (shard_svc/parallel)
+        from shard_svc.parallel.launch import GroupSpec, start_group
+        from shard_svc.parallel.loop import GroupEngineLoop
+
+        loop = GroupEngineLoop(start_group(GroupSpec(
+            str(cfg.model_dir), cfg.tp, cfg.ep, cfg.device, cfg.dtype, cfg.engine, cfg.op_backend, cfg.group_timeout_s,
+            cpu_threads=torch.get_num_threads(), load_format=cfg.load_format)), metrics)
+        engine, model_cfg = loop.engine, loop.engine.cfg
+    else:
+        model_cfg, model = LOAD_FORMATS[cfg.load_format](cfg.model_dir, device=device, dtype=dtype)
+        engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
+        loop = EngineLoop(engine, metrics)
     info = shard_pb2.ShardInfoResponse(
         model_name=cfg.model_dir.name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
         eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
@@ -95,6 +111,8 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    if hasattr(loop, "fatal_hooks"):
+        loop.fatal_hooks.append(on_device_fault)  # a failed group reports NOT_SERVING, like a device fault
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -124,12 +142,18 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if hasattr(loop, "fatal_hooks"):
+        loop.fatal_hooks.append(lambda _: stop.set())  # a failed shard group stops the server, exit code 1
+        if loop.failure is not None:
+            stop.set()
     stop.wait()
     log.info("shard draining", extra={"shard": cfg.shard_name})
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     loop.stop(timeout=60)
+    if hasattr(loop, "close_group"):
+        loop.close_group()
     server.stop(grace=5).wait()
     if health_server is not None:
         health_server.stop(None)
-    return 0
+    return 1 if getattr(loop, "failure", None) else 0

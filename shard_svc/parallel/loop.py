@@ -1,0 +1,91 @@
+"""The shard server's engine loop on rank 0 of a shard group.
+
+Differences from EngineLoop: while idle it sends heartbeats (pending cancels reach the followers, and a follower
+waiting for a step never mistakes an idle server for a dead rank 0); each step it records every follower's pass
+times under that follower's rank label; a GroupError (or any failure inside a step) is fatal: every live request
+finishes with the error and its exact usage so far, new submits are refused, and the fatal hooks run (the server
+reports NOT_SERVING and exits non-zero, so the router takes the shard out of rotation).
+
+Metrics: pass-time histograms come from every rank (rank label = the rank that timed its own pass). Token counts,
+finishes and occupancy are group facts owned by rank 0 (the only rank that owns sequences) and carry rank="0"; a
+follower does not repeat them, so `sum by (shard)` stays a count of the group's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from shard_svc.engine.engine import TokenEvent
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
+from shard_svc.server.metrics import ShardMetrics
+from shard_svc.parallel.launch import GroupLeader
+
+log = logging.getLogger(__name__)
+
+
+class GroupEngineLoop(EngineLoop):
+    def __init__(self, leader: GroupLeader, metrics: ShardMetrics, heartbeat_s: float | None = None):
+        super().__init__(leader.engine, metrics)
+        self.leader = leader
+        self.heartbeat_s = heartbeat_s or max(0.5, min(5.0, leader.spec.timeout_s / 4))
+        self.failure: str | None = None
+        self.fatal_hooks: list[Callable[[str], None]] = []
+
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink) -> None:
+        if self.failure is not None:
+            raise ShuttingDown(f"request {request_id!r} refused: {self.failure}")
+        super().submit(request_id, prompt, params, sink)
+
+    def close_group(self) -> None:
+        """After stop(): the stop message to the followers (or, after a failure, killing them)."""
+        self.leader.shutdown(failed=self.failure is not None)
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001 - any failure of a step leaves the ranks disagreeing: fatal
+            self._fail(e)
+
+    def _serve(self) -> None:
+        sync = self.engine.sync
+        last_sent = time.monotonic()
+        while True:
+            with self._lock:
+                while not self.engine.has_work() and not self._stopping:
+                    idle = time.monotonic() - last_sent
+                    if idle >= self.heartbeat_s:
+                        sync.heartbeat()
+                        last_sent = time.monotonic()
+                    else:
+                        self._lock.wait(self.heartbeat_s - idle)
+                if self._stopping and not self.engine.has_work():
+                    return
+                result = self.engine.step()
+                last_sent = time.monotonic()
+                for event in result.events:
+                    self._route(event)
+            self._record(result)
+
+    def _record(self, result) -> None:
+        super()._record(result)
+        shard = self.metrics.labels["shard"]
+        for p in self.engine.sync.peer_passes:
+            hist = self.metrics.prefill_seconds if p.kind == "prefill" else self.metrics.decode_seconds
+            hist.labels(shard=shard, rank=str(p.rank)).observe(p.seconds)
+
+    def _fail(self, error: Exception) -> None:
+        self.failure = f"shard group failed: {error}"
+        log.error("shard group failed; failing every live request and stopping",
+                  extra={"error": str(error), "error_type": type(error).__name__,
+                         "request_ids": list(self.engine.sequences)})
+        with self._lock:
+            self._stopping = True
+            for rid, seq in list(self.engine.sequences.items()):
+                self._route(TokenEvent(rid, None, len(seq.output), "error", len(seq.prompt), len(seq.output),
+                                       self.failure))
+            self.engine.sequences.clear()
+        for hook in self.fatal_hooks:
+            hook(self.failure)
