@@ -20,6 +20,8 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype, num_heads=kda_heads)
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
+        # -- weight streaming hook (shard_svc/streaming): a WeightStreamer attaches itself here. None: resident. --
+        self.weights = None
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.kv_cache.block_size
@@ -56,7 +58,11 @@ class ModelRunner:
         keep prompt logits, else only the last one. Advances each sequence's num_computed."""
         input_ids, batch = self._batch(work, is_decode)
         ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
-        hidden = self.model(input_ids, ctx)
+        if self.weights is None:
+            hidden = self.model(input_ids, ctx)
+        else:  # -- weight streaming hook: layers fetched into device slots during the pass --
+            with self.weights.pass_scope(batch, int(input_ids.shape[0])):
+                hidden = self.model(input_ids, ctx)
         rows, spans = [], []
         for i, (seq, n) in enumerate(work):
             end = int(batch.cu_seqlens[i + 1])

@@ -1,0 +1,671 @@
+// Weight-streaming engine: checkpoint tensors held in (pinned) host memory, a ring of fixed-address device slots,
+// asynchronous host-to-device copies on a dedicated stream with events, and the guards of LESSONS.md 1:
+//   - MissingSlot:       a host tensor (or a whole layer) asked for with no device slot holding it;
+//   - ByteSizeMismatch:  a copy whose source and destination byte sizes differ (checked before every copy);
+//   - ShortSlotMap:      a layer's slot map that does not cover every tensor of the layer;
+//   - SlotMap:           a malformed slot map (misaligned, overlapping, past the end of the slot);
+//   - SlotBusy:          a fetch that would overwrite a slot a kernel may still read;
+//   - NotPinned / NotHost: a host tensor that cannot be streamed asynchronously.
+// Each kind is raised as the Python class registered for it (shard_svc/streaming/errors.py).
+//
+// Built twice from this one file: the CPU build (slots are host buffers, a worker thread plays the copy stream and
+// a sequence number plays the event) and, with -DKIMISERVE_WITH_CUDA, the CUDA build (cudaMemcpyAsync on a
+// dedicated stream, cudaEvent for ready / released). The API and every guard are the same in both.
+
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#ifdef KIMISERVE_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace kimiserve {
+
+constexpr int64_t kAlign = 256;  // every slot-map offset; any dtype view and vectorised load stays aligned
+
+struct StreamError : std::runtime_error {
+  std::string kind;
+  StreamError(std::string k, const std::string& msg) : std::runtime_error(msg), kind(std::move(k)) {}
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const char* kind, Args&&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw StreamError(kind, os.str());
+}
+
+// kind -> Python exception class; set once by the Python wrapper. Leaked on purpose (no destructor at exit).
+static std::unordered_map<std::string, py::object>* g_errors = new std::unordered_map<std::string, py::object>();
+
+using Clock = std::chrono::steady_clock;
+static double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+struct Entry {
+  int64_t offset;
+  int64_t nbytes;
+};
+
+struct Layer {
+  std::vector<int64_t> members;  // host tensor ids that make up the layer
+  bool has_map = false;
+  std::unordered_map<int64_t, Entry> map;  // host tensor id -> region of the slot
+};
+
+enum class SlotState { Free, Loading, InUse };
+
+struct Slot {
+  at::Tensor buf;  // uint8 [slot_bytes], allocated once: its address never changes
+  int64_t layer = -1;
+  SlotState state = SlotState::Free;
+  std::unordered_set<int64_t> valid;  // host tensor ids copied in during this occupancy
+  uint64_t job = 0;                   // CPU build: the copy job whose completion makes the slot ready
+  Clock::time_point acquired_at;
+#ifdef KIMISERVE_WITH_CUDA
+  cudaEvent_t ready = nullptr;     // recorded on the copy stream after the slot's copies
+  cudaEvent_t released = nullptr;  // recorded on the compute stream after the last kernel that read the slot
+  bool released_recorded = false;
+#endif
+};
+
+struct CopyOp {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t nbytes;
+};
+
+class StreamEngine {
+ public:
+  StreamEngine(int64_t num_slots, int64_t slot_bytes, const std::string& device) {
+    if (num_slots < 1) fail("SlotMap", "a ring needs at least one slot, got ", num_slots);
+    if (slot_bytes < 1) fail("SlotMap", "slot size must be positive, got ", slot_bytes, " bytes");
+    device_ = at::Device(device);
+    slot_bytes_ = (slot_bytes + kAlign - 1) / kAlign * kAlign;
+#ifdef KIMISERVE_WITH_CUDA
+    cuda_ = device_.is_cuda();
+#else
+    if (device_.is_cuda())
+      fail("NativeBuild", "this is the CPU build of the streaming engine; device ", device,
+           " needs the CUDA build (torch with CUDA and nvcc)");
+#endif
+    slots_.resize(num_slots);
+    for (auto& s : slots_) s.buf = at::empty({slot_bytes_}, at::TensorOptions().dtype(at::kByte).device(device_));
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      c10::cuda::CUDAGuard guard(device_);
+      copy_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
+      demand_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+      for (auto& s : slots_) {
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
+        C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.released, cudaEventDisableTiming));
+      }
+      return;
+    }
+#endif
+    worker_ = std::thread([this] { work(); });
+  }
+
+  ~StreamEngine() {
+    if (worker_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stopping_ = true;
+      }
+      cv_.notify_all();
+      worker_.join();
+    }
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      cudaStreamSynchronize(copy_stream_->stream());
+      cudaStreamSynchronize(demand_stream_->stream());
+      for (auto& s : slots_) {
+        cudaEventDestroy(s.ready);
+        cudaEventDestroy(s.released);
+      }
+      for (auto e : timing_pool_) cudaEventDestroy(e);
+    }
+#endif
+  }
+
+  int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  bool is_cuda() const { return cuda_; }
+  at::Tensor slot(int64_t s) const { return slots_.at(check_slot(s)).buf; }
+
+  // ---- registration ------------------------------------------------------------------------------------------
+  int64_t add_host(const at::Tensor& t, const std::string& name) {
+    if (!t.device().is_cpu())
+      fail("NotHost", "host tensor ", name, " is on ", t.device().str(), "; streamed tensors live in host memory");
+    if (!t.is_contiguous()) fail("NotHost", "host tensor ", name, " is not contiguous");
+    if (cuda_ && !t.is_pinned())
+      fail("NotPinned", "host tensor ", name, " (", t.nbytes(), " bytes) is in pageable memory; an asynchronous "
+           "copy to ", device_.str(), " needs pinned memory");
+    host_.push_back(t);
+    names_.push_back(name);
+    return static_cast<int64_t>(host_.size()) - 1;
+  }
+
+  void set_members(int64_t layer, const std::vector<int64_t>& ids) {
+    for (auto id : ids) check_host(id);
+    layers_[layer].members = ids;
+  }
+
+  void set_slot_map(int64_t layer, const std::vector<int64_t>& ids, const std::vector<int64_t>& offsets,
+                    const std::vector<int64_t>& nbytes) {
+    if (ids.size() != offsets.size() || ids.size() != nbytes.size())
+      fail("SlotMap", "slot map of layer ", layer, ": ", ids.size(), " ids, ", offsets.size(), " offsets, ",
+           nbytes.size(), " byte sizes");
+    std::unordered_map<int64_t, Entry> map;
+    std::vector<std::pair<int64_t, int64_t>> regions;  // (offset, id)
+    for (size_t i = 0; i < ids.size(); ++i) {
+      check_host(ids[i]);
+      const int64_t off = offsets[i], n = nbytes[i];
+      if (off < 0 || n < 0 || off % kAlign)
+        fail("SlotMap", "slot map of layer ", layer, ": ", names_[ids[i]], " at offset ", off, " (", n,
+             " bytes); offsets must be non-negative multiples of ", kAlign);
+      if (off + n > slot_bytes_)
+        fail("SlotMap", "slot map of layer ", layer, ": ", names_[ids[i]], " occupies bytes [", off, ", ", off + n,
+             ") but a slot holds ", slot_bytes_, " bytes");
+      if (!map.emplace(ids[i], Entry{off, n}).second)
+        fail("SlotMap", "slot map of layer ", layer, " lists ", names_[ids[i]], " twice");
+      regions.emplace_back(off, ids[i]);
+    }
+    std::sort(regions.begin(), regions.end());
+    for (size_t i = 1; i < regions.size(); ++i) {
+      const auto& prev = map[regions[i - 1].second];
+      if (prev.offset + prev.nbytes > regions[i].first)
+        fail("SlotMap", "slot map of layer ", layer, ": ", names_[regions[i - 1].second], " [", prev.offset, ", ",
+             prev.offset + prev.nbytes, ") overlaps ", names_[regions[i].second], " at ", regions[i].first);
+    }
+    Layer& l = layers_[layer];
+    l.map = std::move(map);
+    l.has_map = true;
+    check_coverage(layer, l);
+  }
+
+  // ---- the ring ----------------------------------------------------------------------------------------------
+  // Copies `ids` (default: every member) of `layer` into the next slot of the ring; returns the slot.
+  int64_t fetch(int64_t layer, std::optional<std::vector<int64_t>> ids) {
+    Layer& l = layer_for_copy(layer);
+    for (size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].state != SlotState::Free && slots_[s].layer == layer)
+        fail("SlotBusy", "layer ", layer, " is already in slot ", s, "; fetch it once per pass");
+    const int64_t s = next_;
+    Slot& slot = slots_[s];
+    if (slot.state != SlotState::Free)
+      fail("SlotBusy", "the next slot of the ring (", s, " of ", slots_.size(), ") still holds layer ", slot.layer,
+           slot.state == SlotState::InUse ? ", which compute has not released" : ", fetched but never acquired",
+           "; overwriting it could change weights under a running kernel. Use more slots than the prefetch depth.");
+    const std::vector<int64_t>& want = ids ? *ids : l.members;
+    std::vector<CopyOp> ops = plan_copies(layer, l, slot, want);  // every byte-size check happens here first
+    slot.layer = layer;
+    slot.state = SlotState::Loading;
+    slot.valid.clear();
+    slot.valid.insert(want.begin(), want.end());
+    next_ = (next_ + 1) % static_cast<int64_t>(slots_.size());
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      c10::cuda::CUDAGuard guard(device_);
+      cudaStream_t cs = copy_stream_->stream();
+      // The copy stream may not write the slot before the compute stream has finished reading it.
+      if (slot.released_recorded) C10_CUDA_CHECK(cudaStreamWaitEvent(cs, slot.released, 0));
+      auto [t0, t1] = timing_pair();
+      C10_CUDA_CHECK(cudaEventRecord(t0, cs));
+      issue_cuda(ops, cs);
+      C10_CUDA_CHECK(cudaEventRecord(t1, cs));
+      C10_CUDA_CHECK(cudaEventRecord(slot.ready, cs));
+      copy_events_.emplace_back(t0, t1);
+      return s;
+    }
+#endif
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      slot.job = ++jobs_issued_;
+      queue_.push_back(Job{slot.job, std::move(ops)});
+    }
+    cv_.notify_all();
+    return s;
+  }
+
+  // The compute stream waits for `layer`'s slot to be ready (no host block on CUDA); returns the slot.
+  int64_t acquire(int64_t layer) {
+    const int64_t s = slot_of(layer, "acquire");
+    Slot& slot = slots_[s];
+    if (slot.state == SlotState::InUse) fail("SlotBusy", "layer ", layer, " (slot ", s, ") is already acquired");
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      c10::cuda::CUDAGuard guard(device_);
+      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      auto [t0, t1] = timing_pair();
+      C10_CUDA_CHECK(cudaEventRecord(t0, cur));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, slot.ready, 0));
+      C10_CUDA_CHECK(cudaEventRecord(t1, cur));
+      stall_events_.emplace_back(t0, t1);
+      compute_open_[s] = t1;
+      slot.state = SlotState::InUse;
+      return s;
+    }
+#endif
+    const auto t0 = Clock::now();
+    {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return jobs_done_ >= slot.job; });
+    }
+    stall_s_ += seconds_since(t0);
+    slot.acquired_at = Clock::now();
+    slot.state = SlotState::InUse;
+    return s;
+  }
+
+  // Copies more tensors of an acquired layer into its slot (routed experts), ordered before the compute stream's
+  // next kernel. Tensors already in the slot this occupancy are skipped. Returns the bytes copied.
+  int64_t fetch_into(int64_t layer, const std::vector<int64_t>& ids) {
+    Layer& l = layer_for_copy(layer);
+    const int64_t s = slot_of(layer, "fetch_into");
+    Slot& slot = slots_[s];
+    if (slot.state != SlotState::InUse)
+      fail("MissingSlot", "layer ", layer, " must be acquired before copying more of its tensors into slot ", s);
+    std::vector<int64_t> fresh;
+    for (auto id : ids)
+      if (!slot.valid.count(id)) fresh.push_back(id);
+    if (fresh.empty()) return 0;
+    std::vector<CopyOp> ops = plan_copies(layer, l, slot, fresh);
+    int64_t total = 0;
+    for (const auto& op : ops) total += op.nbytes;
+    slot.valid.insert(fresh.begin(), fresh.end());
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      c10::cuda::CUDAGuard guard(device_);
+      cudaStream_t ds = demand_stream_->stream();
+      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      // After the slot's own fetch (which itself waited for the previous occupant's release).
+      C10_CUDA_CHECK(cudaStreamWaitEvent(ds, slot.ready, 0));
+      auto [c0, c1] = timing_pair();
+      C10_CUDA_CHECK(cudaEventRecord(c0, ds));
+      issue_cuda(ops, ds);
+      C10_CUDA_CHECK(cudaEventRecord(c1, ds));
+      copy_events_.emplace_back(c0, c1);
+      auto [w0, w1] = timing_pair();
+      C10_CUDA_CHECK(cudaEventRecord(w0, cur));
+      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, c1, 0));
+      C10_CUDA_CHECK(cudaEventRecord(w1, cur));
+      stall_events_.emplace_back(w0, w1);
+      return total;
+    }
+#endif
+    const auto t0 = Clock::now();
+    {
+      py::gil_scoped_release nogil;
+      for (const auto& op : ops) std::memcpy(op.dst, op.src, op.nbytes);
+    }
+    const double dt = seconds_since(t0);
+    copy_s_ += dt;
+    stall_s_ += dt;  // the CPU compute thread waited for these copies
+    return total;
+  }
+
+  // Raises MissingSlot unless every id was copied into `layer`'s slot during this occupancy.
+  void check_valid(int64_t layer, const std::vector<int64_t>& ids) const {
+    const int64_t s = slot_of(layer, "read");
+    const Slot& slot = slots_[s];
+    for (auto id : ids)
+      if (!slot.valid.count(id))
+        fail("MissingSlot", "host tensor ", name_of(id), " of layer ", layer, " has not been copied into slot ", s,
+             " in this occupancy; reading it would use another layer's stale bytes");
+  }
+
+  // The compute stream is done with `layer`: its slot may be refilled once the kernels queued so far finish.
+  void release(int64_t layer) {
+    const int64_t s = slot_of(layer, "release");
+    Slot& slot = slots_[s];
+    if (slot.state != SlotState::InUse) fail("SlotBusy", "layer ", layer, " (slot ", s, ") was never acquired");
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      c10::cuda::CUDAGuard guard(device_);
+      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      C10_CUDA_CHECK(cudaEventRecord(slot.released, cur));
+      slot.released_recorded = true;
+      auto it = compute_open_.find(s);
+      if (it != compute_open_.end()) {
+        cudaEvent_t end = timing_pool_get();
+        C10_CUDA_CHECK(cudaEventRecord(end, cur));
+        compute_events_.emplace_back(it->second, end);
+        compute_open_.erase(it);
+      }
+    }
+#endif
+    if (!cuda_) compute_s_ += seconds_since(slot.acquired_at);
+    slot.state = SlotState::Free;
+    slot.valid.clear();
+  }
+
+  // Waits for every queued copy; slots fetched but never acquired (an aborted pass) become free again.
+  void drain() {
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      C10_CUDA_CHECK(cudaStreamSynchronize(copy_stream_->stream()));
+      C10_CUDA_CHECK(cudaStreamSynchronize(demand_stream_->stream()));
+    }
+#endif
+    if (!cuda_) {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return jobs_done_ >= jobs_issued_; });
+    }
+    for (auto& s : slots_)
+      if (s.state == SlotState::Loading) {
+        s.state = SlotState::Free;
+        s.valid.clear();
+      }
+  }
+
+  // Which layer each slot holds (-1: none) and its state: "free" | "loading" | "in_use".
+  std::vector<std::pair<int64_t, std::string>> slots_state() const {
+    std::vector<std::pair<int64_t, std::string>> out;
+    for (const auto& s : slots_)
+      out.emplace_back(s.state == SlotState::Free ? -1 : s.layer,
+                       s.state == SlotState::Free ? "free" : s.state == SlotState::Loading ? "loading" : "in_use");
+    return out;
+  }
+
+  int64_t occupancy() const {
+    int64_t n = 0;
+    for (const auto& s : slots_) n += s.state != SlotState::Free;
+    return n;
+  }
+
+  // Totals since the last reset: bytes and copies issued, seconds of copy, compute and stall. On CUDA this waits
+  // for the timed work to finish and reads the events.
+  py::dict stats() {
+    double copy_s = copy_s_, compute_s = compute_s_, stall_s = stall_s_;
+#ifdef KIMISERVE_WITH_CUDA
+    if (cuda_) {
+      copy_s = sum_elapsed(copy_events_);
+      compute_s = sum_elapsed(compute_events_);
+      stall_s = sum_elapsed(stall_events_);
+    }
+#endif
+    if (!cuda_) {
+      py::gil_scoped_release nogil;
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return jobs_done_ >= jobs_issued_; });
+      copy_s += worker_copy_s_;
+    }
+    py::dict d;
+    d["bytes"] = bytes_;
+    d["copies"] = copies_;
+    d["tensors"] = tensors_;
+    d["copy_s"] = copy_s;
+    d["compute_s"] = compute_s;
+    d["stall_s"] = stall_s;
+    return d;
+  }
+
+  void reset_stats() {
+    bytes_ = copies_ = tensors_ = 0;
+    copy_s_ = compute_s_ = stall_s_ = 0.0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      worker_copy_s_ = 0.0;
+    }
+#ifdef KIMISERVE_WITH_CUDA
+    copy_events_.clear();
+    stall_events_.clear();
+    compute_events_.clear();
+    compute_open_.clear();  // called between passes, when no layer is acquired
+    timing_next_ = 0;
+#endif
+  }
+
+ private:
+  struct Job {
+    uint64_t id;
+    std::vector<CopyOp> ops;
+  };
+
+  int64_t check_slot(int64_t s) const {
+    if (s < 0 || s >= static_cast<int64_t>(slots_.size()))
+      fail("MissingSlot", "slot ", s, " does not exist (ring of ", slots_.size(), ")");
+    return s;
+  }
+
+  void check_host(int64_t id) const {
+    if (id < 0 || id >= static_cast<int64_t>(host_.size()))
+      fail("MissingSlot", "host tensor id ", id, " was never registered (", host_.size(), " registered)");
+  }
+
+  std::string name_of(int64_t id) const {
+    return id >= 0 && id < static_cast<int64_t>(names_.size()) ? names_[id] : "#" + std::to_string(id);
+  }
+
+  Layer& layer_for_copy(int64_t layer) {
+    auto it = layers_.find(layer);
+    if (it == layers_.end() || !it->second.has_map)
+      fail("MissingSlot", "layer ", layer, " has no slot map: its host tensors have no device slot to go to");
+    check_coverage(layer, it->second);
+    return it->second;
+  }
+
+  void check_coverage(int64_t layer, const Layer& l) const {
+    std::vector<std::string> missing;
+    for (auto id : l.members)
+      if (!l.map.count(id)) missing.push_back(name_of(id));
+    if (missing.empty()) return;
+    std::ostringstream os;
+    for (size_t i = 0; i < missing.size() && i < 8; ++i) os << (i ? ", " : "") << missing[i];
+    if (missing.size() > 8) os << ", ... (" << missing.size() - 8 << " more)";
+    fail("ShortSlotMap", "slot map of layer ", layer, " covers ", l.members.size() - missing.size(), " of its ",
+         l.members.size(), " tensors; missing: ", os.str());
+  }
+
+  int64_t slot_of(int64_t layer, const char* what) const {
+    for (size_t s = 0; s < slots_.size(); ++s)
+      if (slots_[s].state != SlotState::Free && slots_[s].layer == layer) return static_cast<int64_t>(s);
+    std::ostringstream held;
+    for (size_t s = 0; s < slots_.size(); ++s)
+      held << (s ? ", " : "") << (slots_[s].state == SlotState::Free ? std::string("free")
+                                                                      : "layer " + std::to_string(slots_[s].layer));
+    fail("MissingSlot", "cannot ", what, " layer ", layer, ": no device slot holds it (not fetched this pass); "
+         "slots hold [", held.str(), "]");
+  }
+
+  // Byte-size checks for every tensor first, then the copy list (adjacent regions coalesced into one copy).
+  std::vector<CopyOp> plan_copies(int64_t layer, const Layer& l, Slot& slot, const std::vector<int64_t>& ids) {
+    struct One {
+      int64_t offset;
+      const uint8_t* src;
+      int64_t nbytes;
+    };
+    std::vector<One> ones;
+    ones.reserve(ids.size());
+    std::unordered_set<int64_t> seen;
+    for (auto id : ids) {
+      check_host(id);
+      auto it = l.map.find(id);
+      if (it == l.map.end())
+        fail("MissingSlot", "host tensor ", name_of(id), " has no device slot in layer ", layer, "'s slot map");
+      const at::Tensor& src = host_[id];
+      const int64_t src_bytes = static_cast<int64_t>(src.nbytes());
+      if (src_bytes != it->second.nbytes)
+        fail("ByteSizeMismatch", "copy of ", name_of(id), " (layer ", layer, "): source holds ", src_bytes,
+             " bytes, its slot region [", it->second.offset, ", ", it->second.offset + it->second.nbytes, ") holds ",
+             it->second.nbytes, " bytes; refusing to copy");
+      if (!seen.insert(id).second) continue;
+      ones.push_back(One{it->second.offset, static_cast<const uint8_t*>(src.data_ptr()), src_bytes});
+    }
+    std::sort(ones.begin(), ones.end(), [](const One& a, const One& b) { return a.offset < b.offset; });
+    uint8_t* base = slot.buf.data_ptr<uint8_t>();
+    std::vector<CopyOp> ops;
+    for (const auto& o : ones) {
+      if (o.nbytes == 0) continue;
+      if (!ops.empty()) {
+        CopyOp& last = ops.back();
+        // Coalesce only exact continuations; the alignment gap between regions breaks a run (never copy padding).
+        if (last.src + last.nbytes == o.src && last.dst + last.nbytes == base + o.offset) {
+          last.nbytes += o.nbytes;
+          continue;
+        }
+      }
+      ops.push_back(CopyOp{o.src, base + o.offset, o.nbytes});
+    }
+    for (const auto& op : ops) bytes_ += op.nbytes;
+    copies_ += static_cast<int64_t>(ops.size());
+    tensors_ += static_cast<int64_t>(ones.size());
+    return ops;
+  }
+
+  void work() {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        job = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      const auto t0 = Clock::now();
+      for (const auto& op : job.ops) std::memcpy(op.dst, op.src, op.nbytes);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        worker_copy_s_ += seconds_since(t0);
+        jobs_done_ = job.id;
+      }
+      cv_.notify_all();
+    }
+  }
+
+#ifdef KIMISERVE_WITH_CUDA
+  void issue_cuda(const std::vector<CopyOp>& ops, cudaStream_t stream) {
+    for (const auto& op : ops)
+      C10_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, op.nbytes, cudaMemcpyHostToDevice, stream));
+  }
+
+  cudaEvent_t timing_pool_get() {
+    if (timing_next_ == timing_pool_.size()) {
+      cudaEvent_t e;
+      C10_CUDA_CHECK(cudaEventCreate(&e));
+      timing_pool_.push_back(e);
+    }
+    return timing_pool_[timing_next_++];
+  }
+
+  std::pair<cudaEvent_t, cudaEvent_t> timing_pair() {
+    cudaEvent_t a = timing_pool_get();
+    return {a, timing_pool_get()};
+  }
+
+  double sum_elapsed(const std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs) {
+    double total = 0.0;
+    for (const auto& [a, b] : pairs) {
+      C10_CUDA_CHECK(cudaEventSynchronize(b));
+      float ms = 0.f;
+      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      total += ms * 1e-3;
+    }
+    return total;
+  }
+
+  std::optional<c10::cuda::CUDAStream> copy_stream_, demand_stream_;
+  std::vector<cudaEvent_t> timing_pool_;
+  size_t timing_next_ = 0;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> copy_events_, stall_events_, compute_events_;
+  std::unordered_map<int64_t, cudaEvent_t> compute_open_;
+#endif
+
+  at::Device device_{at::kCPU};
+  bool cuda_ = false;
+  int64_t slot_bytes_ = 0;
+  std::vector<Slot> slots_;
+  int64_t next_ = 0;
+  std::vector<at::Tensor> host_;
+  std::vector<std::string> names_;
+  std::unordered_map<int64_t, Layer> layers_;
+
+  int64_t bytes_ = 0, copies_ = 0, tensors_ = 0;
+  double copy_s_ = 0.0, compute_s_ = 0.0, stall_s_ = 0.0;
+
+  // CPU build: the worker thread is the copy stream; job ids are the events.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  uint64_t jobs_issued_ = 0, jobs_done_ = 0;
+  double worker_copy_s_ = 0.0;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+}  // namespace kimiserve
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using kimiserve::StreamEngine;
+  m.doc() = "kimiserve weight-streaming engine (ring of device slots fed from host memory)";
+#ifdef KIMISERVE_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  m.attr("ALIGN") = kimiserve::kAlign;
+  m.def("register_errors", [](py::dict classes) {
+    for (auto item : classes) (*kimiserve::g_errors)[item.first.cast<std::string>()] =
+        py::reinterpret_borrow<py::object>(item.second);
+  });
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kimiserve::StreamError& e) {
+      auto it = kimiserve::g_errors->find(e.kind);
+      if (it != kimiserve::g_errors->end()) {
+        PyErr_SetString(it->second.ptr(), e.what());
+      } else {
+        PyErr_SetString(PyExc_RuntimeError, (e.kind + ": " + e.what()).c_str());
+      }
+    }
+  });
+  py::class_<StreamEngine>(m, "StreamEngine")
+      .def(py::init<int64_t, int64_t, const std::string&>(), py::arg("num_slots"), py::arg("slot_bytes"),
+           py::arg("device"))
+      .def_property_readonly("num_slots", &StreamEngine::num_slots)
+      .def_property_readonly("slot_bytes", &StreamEngine::slot_bytes)
+      .def_property_readonly("is_cuda", &StreamEngine::is_cuda)
+      .def("slot", &StreamEngine::slot, py::arg("index"))
+      .def("add_host", &StreamEngine::add_host, py::arg("tensor"), py::arg("name"))
+      .def("set_members", &StreamEngine::set_members, py::arg("layer"), py::arg("ids"))
+      .def("set_slot_map", &StreamEngine::set_slot_map, py::arg("layer"), py::arg("ids"), py::arg("offsets"),
+           py::arg("nbytes"))
+      .def("fetch", &StreamEngine::fetch, py::arg("layer"), py::arg("ids") = py::none())
+      .def("acquire", &StreamEngine::acquire, py::arg("layer"))
+      .def("fetch_into", &StreamEngine::fetch_into, py::arg("layer"), py::arg("ids"))
+      .def("check_valid", &StreamEngine::check_valid, py::arg("layer"), py::arg("ids"))
+      .def("release", &StreamEngine::release, py::arg("layer"))
+      .def("drain", &StreamEngine::drain)
+      .def("slots_state", &StreamEngine::slots_state)
+      .def("occupancy", &StreamEngine::occupancy)
+      .def("stats", &StreamEngine::stats)
+      .def("reset_stats", &StreamEngine::reset_stats);
+}
