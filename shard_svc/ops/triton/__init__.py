@@ -2,7 +2,11 @@
 
 One file per kernel family, each next to the eager reference it is tested against:
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
-in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py). Ops not listed in `load()` stay eager.
+in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` (ops/moe/eager.py::moe_experts).
+Ops not listed in `load()` stay eager.
+
+An implementation with `graph_safe = True` makes no host sync and sizes every buffer and grid from shapes alone, so
+a decode step made of such ops can be captured in a CUDA graph (`shard_svc/engine/cuda_graphs.py`).
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ from shard_svc.ops.triton.common import TritonKernelError, interpreting
 
 __all__ = ["load", "TritonKernelError"]
 
+# Ops of other kernel files that are graph-safe on the decode path (one token per sequence): no .tolist()/.item(),
+# grids from shapes. Kernel files written with the graph in mind set `graph_safe` themselves.
+GRAPH_SAFE = ("kda_decode", "short_conv", "gated_rms_norm", "rms_norm")
+
 
 def load() -> dict[str, Callable]:
     """{op name: Triton implementation}; raises if Triton cannot run here (no CUDA device and no interpreter)."""
@@ -22,13 +30,18 @@ def load() -> dict[str, Callable]:
         raise TritonKernelError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
     from shard_svc.ops.triton.kda_chunk import kda_prefill
     from shard_svc.ops.triton.kda_decode import kda_decode
+    from shard_svc.ops.triton.moe import moe_experts
     from shard_svc.ops.triton.norm import gated_rms_norm, rms_norm
     from shard_svc.ops.triton.short_conv import short_conv
 
-    return {
+    impls = {
         "kda_prefill": kda_prefill,
         "kda_decode": kda_decode,
         "short_conv": short_conv,
         "gated_rms_norm": gated_rms_norm,
         "rms_norm": rms_norm,
+        "moe_experts": moe_experts,
     }
+    for name in GRAPH_SAFE:
+        impls[name].graph_safe = True
+    return impls

@@ -1,0 +1,420 @@
+"""Fused MoE for bf16 experts: token sort by expert, grouped GEMMs with the gated activation fused, weighted combine.
+
+Reference: `shard_svc/ops/moe/eager.py::moe_experts` (and `ops/activations.py::glu`).
+
+Every (token, choice) pair is one row. The rows are laid out by expert, each expert's run padded to a multiple of
+the M-block `BM` (`moe_align`), so every M-block of the GEMMs reads one expert's weights:
+
+1. align: `sorted_ids` [max_blocks * BM] int32 (pair index, or `n_pairs` for padding), `expert_ids` [max_blocks],
+   `num_padded` [1] (rows in use). One launch (one program) for up to `SMALL_ALIGN_MAX` pairs (decode); for more
+   pairs a histogram grid, a one-program scan and a placing grid. Positions inside an expert's run are taken with
+   atomics, so their order varies between runs, but no row's result depends on its position.
+2. `_moe_gate_up_kernel`: per (M-block, N-tile) gather x rows, two accumulators (w1, w3), the activation in fp32
+   (each product first rounded to x's dtype, as the eager path does) -> h [max_blocks * BM, I] by sorted position.
+3. `_moe_down_kernel`: h rows (contiguous) @ w2[e]^T -> y [T*k, Din] by pair index, in x's dtype.
+4. `_moe_combine_kernel`: out[t] = sum_j weights[t, j] * y[t*k + j] in fp32, in a fixed order.
+
+No host syncs: every grid and buffer is sized from shapes alone (`max_blocks` bounds the padded rows for any
+routing), and M-blocks past `num_padded` exit at once, so the op can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
+
+CHUNK_PAIRS = 65536  # pairs per pass: bounds the h / y intermediates (8,192 tokens at top-8)
+SMALL_ALIGN_MAX = 4096  # pairs handled by the one-program align kernel (decode up to 512 x top-8)
+ACTIVATIONS = {"silu": 0, "situ": 1}
+SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take (H200: 227 KB per block)
+
+
+# -- align: rows sorted by expert ----------------------------------------------------------------------------------
+
+@triton.jit
+def _expert_of(ids, o, N, E, E_PAD: tl.constexpr):
+    """Expert of pairs o as int32; pairs past N and ids outside [0, E) go to the spare bin E_PAD - 1 (>= E)."""
+    m = o < N
+    e = tl.load(ids + o, mask=m, other=E_PAD - 1)
+    return tl.where(m & (e >= 0) & (e < E), e, E_PAD - 1).to(tl.int32)
+
+
+@triton.jit
+def _scan_counts(counts, scratch, num_padded, E, E_PAD: tl.constexpr, BM: tl.constexpr):
+    """From per-expert counts: scratch[0:E_PAD] = padded starts (the running position of each expert),
+    scratch[E_PAD:2E_PAD] = padded ends, scratch[2E_PAD:3E_PAD] = counts; num_padded = rows in use."""
+    o_e = tl.arange(0, E_PAD)
+    counts = tl.where(o_e < E, counts, 0)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, 0)
+    tl.store(scratch + o_e, ends - padded)
+    tl.store(scratch + E_PAD + o_e, ends)
+    tl.store(scratch + 2 * E_PAD + o_e, counts)
+    tl.store(num_padded, tl.sum(padded, 0))
+
+
+@triton.jit
+def _place_pairs(ids, scratch, sorted_ids, o, N, E, E_PAD: tl.constexpr):
+    e = _expert_of(ids, o, N, E, E_PAD)
+    valid = e < E
+    pos = tl.atomic_add(scratch + e, 1, mask=valid)  # next free row of the expert's run
+    tl.store(sorted_ids + pos, o, mask=valid)
+
+
+@triton.jit
+def _place_blocks(scratch, sorted_ids, expert_ids, ob, max_blocks, N, E, E_PAD: tl.constexpr, BM: tl.constexpr,
+                  SEARCH: tl.constexpr):
+    """Expert of M-blocks ob (first expert whose padded end lies past the block start) and the padding rows."""
+    mb = ob < max_blocks
+    start = ob * BM
+    lo = tl.zeros_like(ob)
+    hi = lo + E
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        end_mid = tl.load(scratch + E_PAD + tl.minimum(mid, E - 1))
+        right = end_mid <= start
+        active = lo < hi
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    e_b = tl.minimum(lo, E - 1)
+    tl.store(expert_ids + ob, e_b, mask=mb)
+    cnt = tl.load(scratch + 2 * E_PAD + e_b)
+    run_start = tl.load(scratch + E_PAD + e_b) - (cnt + BM - 1) // BM * BM
+    rows = start[:, None] + tl.arange(0, BM)[None, :]  # [NB, BM]
+    pad = mb[:, None] & ((rows - run_start[:, None]) >= cnt[:, None])  # past the run's pairs (or past all runs)
+    tl.store(sorted_ids + rows, tl.zeros_like(rows) + N, mask=pad)
+
+
+@triton.jit
+def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E, max_blocks,
+                          BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, NB: tl.constexpr,
+                          SEARCH: tl.constexpr):
+    """The whole align in one program (few pairs). Barriers order the scratch writes before the reads."""
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, N, C):
+        counts += tl.histogram(_expert_of(ids, c0 + tl.arange(0, C), N, E, E_PAD), E_PAD)
+    _scan_counts(counts, scratch, num_padded, E, E_PAD, BM)
+    tl.debug_barrier()
+    for c0 in range(0, N, C):
+        _place_pairs(ids, scratch, sorted_ids, c0 + tl.arange(0, C), N, E, E_PAD)
+    for b0 in range(0, max_blocks, NB):
+        _place_blocks(scratch, sorted_ids, expert_ids, b0 + tl.arange(0, NB), max_blocks, N, E, E_PAD, BM, SEARCH)
+
+
+@triton.jit
+def _moe_hist_kernel(ids, scratch, N, E, E_PAD: tl.constexpr, C: tl.constexpr):
+    o = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
+    hist = tl.histogram(_expert_of(ids, o, N, E, E_PAD), E_PAD)
+    o_e = tl.arange(0, E_PAD)
+    tl.atomic_add(scratch + 2 * E_PAD + o_e, hist, mask=(o_e < E) & (hist > 0))
+
+
+@triton.jit
+def _moe_scan_kernel(scratch, num_padded, E, E_PAD: tl.constexpr, BM: tl.constexpr):
+    counts = tl.load(scratch + 2 * E_PAD + tl.arange(0, E_PAD))
+    _scan_counts(counts, scratch, num_padded, E, E_PAD, BM)
+
+
+@triton.jit
+def _moe_place_kernel(ids, sorted_ids, expert_ids, scratch, N, E, max_blocks,
+                      BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, NB: tl.constexpr,
+                      SEARCH: tl.constexpr):
+    pid = tl.program_id(0)
+    _place_pairs(ids, scratch, sorted_ids, pid.to(tl.int64) * C + tl.arange(0, C), N, E, E_PAD)
+    _place_blocks(scratch, sorted_ids, expert_ids, pid * NB + tl.arange(0, NB), max_blocks, N, E, E_PAD, BM, SEARCH)
+
+
+@dataclass(frozen=True)
+class Layout:
+    sorted_ids: torch.Tensor  # [max_blocks * BM] int32 pair index (t * k + j), n_pairs for padding rows
+    expert_ids: torch.Tensor  # [max_blocks] int32 expert of each M-block
+    num_padded: torch.Tensor  # [1] int32 rows in use (M-blocks past it are idle)
+    block_m: int
+    max_blocks: int
+
+
+def max_blocks_for(n_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on the M-blocks of any routing: each non-empty expert pads at most block_m - 1 rows."""
+    return triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m)
+
+
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int = SMALL_ALIGN_MAX) -> Layout:
+    """Rows of ids [T, k] grouped by expert, each expert's run padded to block_m; no host sync."""
+    flat = ids.reshape(-1)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    n = flat.shape[0]
+    max_blocks = max_blocks_for(n, num_experts, block_m)
+    dev = ids.device
+    e_pad = pow2_at_least(num_experts + 1, 16)  # one spare bin for pairs outside [0, E)
+    search = max(1, (num_experts - 1).bit_length() + 1)
+    sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
+    expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    nb = 16
+    if n <= small_max:
+        scratch = torch.empty(3 * e_pad, dtype=torch.int32, device=dev)
+        _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts, max_blocks,
+                                    BM=block_m, E_PAD=e_pad, C=256, NB=nb, SEARCH=search, num_warps=4)
+    else:
+        c = 1024
+        scratch = torch.zeros(3 * e_pad, dtype=torch.int32, device=dev)
+        _moe_hist_kernel[(triton.cdiv(n, c),)](flat, scratch, n, num_experts, E_PAD=e_pad, C=c, num_warps=4)
+        _moe_scan_kernel[(1,)](scratch, num_padded, num_experts, E_PAD=e_pad, BM=block_m, num_warps=4)
+        grid = max(triton.cdiv(n, c), triton.cdiv(max_blocks, nb))
+        _moe_place_kernel[(grid,)](flat, sorted_ids, expert_ids, scratch, n, num_experts, max_blocks,
+                                   BM=block_m, E_PAD=e_pad, C=c, NB=nb, SEARCH=search, num_warps=4)
+    return Layout(sorted_ids, expert_ids, num_padded, block_m, max_blocks)
+
+
+# -- grouped GEMMs -------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
+    """(M-block, N-tile) of this program; GROUP_M M-blocks share each N-tile in turn (weight tiles stay in L2)."""
+    pid = tl.program_id(0)
+    width = GROUP_M * num_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % width) % size_m, (pid % width) // size_m
+
+
+@triton.jit
+def _tanh(x):
+    """tanh without cancellation for large |x| and without libdevice (runs in the interpreter too)."""
+    z = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - z) / (1.0 + z)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _round(x, dt: tl.constexpr, RNE: tl.constexpr):
+    """fp32 x rounded to dt. RNE: round to nearest even by hand first (the CPU interpreter truncates to bf16)."""
+    if RNE:
+        b = x.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        x = b.to(tl.float32, bitcast=True)
+    return x.to(dt)
+
+
+@triton.jit
+def _moe_gate_up_kernel(
+    x, w1, w3, h, sorted_ids, expert_ids, num_padded,
+    n_pairs, num_m, D, I, stride_x, stride_we, stride_wn, stride_h,
+    beta, beta_lin,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
+    if pid_m * BM >= tl.load(num_padded):
+        return
+    o_p = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ids + o_p)
+    m_row = pair < n_pairs
+    tok = (pair // TOP_K).to(tl.int64)
+    e = tl.load(expert_ids + pid_m).to(tl.int64)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    m_n = o_n < I
+    o_k = tl.arange(0, BK)
+    p_a = x + tok[:, None] * stride_x + o_k[None, :]  # [BM, BK]
+    w_off = e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    p_b1 = w1 + w_off
+    p_b3 = w3 + w_off
+    acc1 = tl.zeros([BM, BN], dtype=tl.float32)
+    acc3 = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        if EVEN_K:
+            a = tl.load(p_a, mask=m_row[:, None], other=0.0)
+            b1 = tl.load(p_b1, mask=m_n[None, :], other=0.0)
+            b3 = tl.load(p_b3, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = (k0 + o_k) < D
+            a = tl.load(p_a, mask=m_row[:, None] & m_k[None, :], other=0.0)
+            b1 = tl.load(p_b1, mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b3 = tl.load(p_b3, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if DOT_FP32:  # the interpreter multiplies bf16 dot operands wrongly
+            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+        acc1 = tl.dot(a, b1, acc1, input_precision=PRECISION)
+        acc3 = tl.dot(a, b3, acc3, input_precision=PRECISION)
+        p_a += BK
+        p_b1 += BK
+        p_b3 += BK
+    dt = h.dtype.element_ty
+    g = _round(acc1, dt, RNE).to(tl.float32)  # the eager path rounds each product to x's dtype first
+    u = _round(acc3, dt, RNE).to(tl.float32)
+    if ACT == 0:  # SwiGLU: silu(g) rounded, times up
+        act = _round(g * tl.sigmoid(g), dt, RNE).to(tl.float32) * u
+    else:  # SiTU-GLU in fp32
+        act = beta * _tanh(g / beta) * tl.sigmoid(g) * (beta_lin * _tanh(u / beta_lin))
+    p_h = h + o_p[:, None].to(tl.int64) * stride_h + o_n[None, :]
+    tl.store(p_h, _round(act, dt, RNE), mask=m_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(
+    h, w2, y, sorted_ids, expert_ids, num_padded,
+    n_pairs, num_m, D, I, stride_h, stride_we, stride_wn, stride_y,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+):
+    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
+    if pid_m * BM >= tl.load(num_padded):
+        return
+    o_p = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ids + o_p)
+    m_row = pair < n_pairs
+    e = tl.load(expert_ids + pid_m).to(tl.int64)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    m_n = o_n < D
+    o_k = tl.arange(0, BK)
+    p_a = h + o_p[:, None].to(tl.int64) * stride_h + o_k[None, :]  # [BM, BK] contiguous rows of h
+    p_b = w2 + e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        if EVEN_K:
+            a = tl.load(p_a)
+            b = tl.load(p_b, mask=m_n[None, :], other=0.0)
+        else:
+            m_k = (k0 + o_k) < I
+            a = tl.load(p_a, mask=m_k[None, :], other=0.0)
+            b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        if DOT_FP32:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        p_a += BK
+        p_b += BK
+    p_y = y + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
+    tl.store(p_y, _round(acc, y.dtype.element_ty, RNE), mask=m_row[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _moe_combine_kernel(y, weights, ids, out, D, E, stride_y, stride_w, stride_i, stride_o,
+                        TOP_K: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    m_d = o_d < D
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        # the expert as a [BD] vector: the interpreter rejects scalar-derived load masks
+        e = tl.zeros([BD], dtype=tl.int64) + tl.load(ids + t * stride_i + j)
+        valid = (e >= 0) & (e < E)
+        w = tl.load(weights + t * stride_w + j)
+        row = tl.load(y + (t * TOP_K + j) * stride_y + o_d, mask=m_d & valid, other=0.0).to(tl.float32)
+        acc += tl.where(valid, w, 0.0) * row
+    tl.store(out + t * stride_o + o_d, _round(acc, out.dtype.element_ty, RNE), mask=m_d)
+
+
+# -- host side -----------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def block_m_for(n_pairs: int, num_experts: int) -> int:
+    """M-block from the mean rows per expert: small blocks waste no work on padding in decode."""
+    mean = n_pairs / num_experts
+    return 16 if mean <= 16 else 32 if mean <= 48 else 64 if mean <= 160 else 128
+
+
+def _stages(want: int, per_stage: int) -> int:
+    stages = want
+    while stages > 1 and stages * per_stage > SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
+def gemm_configs(block_m: int, elem: int) -> tuple[GemmConfig, GemmConfig]:
+    """(gate/up, down) tile shapes for an M-block; stages cut down until the tiles fit in shared memory."""
+    if block_m <= 32:
+        up, down = (64, 128, 4), (64, 128, 4)
+    elif block_m == 64:
+        up, down = (64, 64, 4), (128, 64, 4)
+    else:
+        up, down = (64, 64, 8), (128, 64, 8)
+    cfgs = []
+    for (bn, bk, warps), n_b in ((up, 2), (down, 1)):
+        per_stage = (block_m * bk + n_b * bk * bn) * elem
+        cfgs.append(GemmConfig(bn, bk, warps, _stages(4, per_stage)))
+    return cfgs[0], cfgs[1]
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                w2: torch.Tensor, activation: str, situ_betas: tuple[float, float],
+                small_align_max: int = SMALL_ALIGN_MAX, block_m: int | None = None,
+                chunk_pairs: int = CHUNK_PAIRS) -> torch.Tensor:
+    """Same contract as `ops.moe.eager.moe_experts`: x [T, Din], weights [T, k] fp32, ids [T, k], w1/w3 [E, I, Din],
+    w2 [E, Din, I] -> [T, Din] in x's dtype. Long batches run in passes of `chunk_pairs` (token, choice) pairs."""
+    op = "moe_experts"
+    check(op, "x", x, dims=2)
+    check(op, "weights", weights, dtypes=(torch.float32,), dims=2)
+    check(op, "ids", ids, dtypes=(torch.int32, torch.int64), dims=2)
+    for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
+        check(op, name, w, dtypes=(x.dtype,), dims=3)
+    t, d = x.shape
+    num_experts, inter, _ = w1.shape
+    k = ids.shape[1]
+    if (tuple(w1.shape) != (num_experts, inter, d) or w3.shape != w1.shape
+            or tuple(w2.shape) != (num_experts, d, inter)):
+        raise TritonKernelError(f"{op}: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} do not "
+                                f"match x {tuple(x.shape)} as [E, I, Din], [E, I, Din], [E, Din, I]")
+    if tuple(weights.shape) != (t, k) or ids.shape[0] != t:
+        raise TritonKernelError(f"{op}: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
+                                f"[T={t}, k]")
+    if w1.stride(1) != d or w3.stride(1) != d or w2.stride(1) != inter:
+        raise TritonKernelError(f"{op}: expert weights must have contiguous rows (strides w1 {w1.stride()}, "
+                                f"w3 {w3.stride()}, w2 {w2.stride()})")
+    if activation not in ACTIVATIONS:
+        raise TritonKernelError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    if t == 0 or k == 0:
+        return out.zero_()
+    step = max(1, chunk_pairs // k)
+    for s in range(0, t, step):
+        _moe_pass(x[s:s + step], weights[s:s + step], ids[s:s + step], w1, w3, w2, activation, situ_betas,
+                  out[s:s + step], small_align_max, block_m)
+    return out
+
+
+def _moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m) -> None:
+    t, d = x.shape
+    num_experts, inter, _ = w1.shape
+    k = ids.shape[1]
+    n = t * k
+    bm = block_m or block_m_for(n, num_experts)
+    layout = moe_align(ids, num_experts, bm, small_align_max)
+    up, down = gemm_configs(bm, x.element_size())
+    h = torch.empty(layout.max_blocks * bm, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(n, d, dtype=x.dtype, device=x.device)
+    dot_fp32 = interpreting()
+    rne = interpreting() and x.dtype == torch.bfloat16
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    group_m = 8 if bm >= 64 else 1
+    _moe_gate_up_kernel[(layout.max_blocks * triton.cdiv(inter, up.block_n),)](
+        x, w1, w3, h, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        n, layout.max_blocks, d, inter, x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+        float(situ_betas[0]), float(situ_betas[1]),
+        TOP_K=k, BM=bm, BN=up.block_n, BK=up.block_k, GROUP_M=group_m, ACT=ACTIVATIONS[activation],
+        EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
+        num_warps=up.num_warps, num_stages=up.num_stages)
+    _moe_down_kernel[(layout.max_blocks * triton.cdiv(d, down.block_n),)](
+        h, w2, y, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        n, layout.max_blocks, d, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
+        EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
+        num_warps=down.num_warps, num_stages=down.num_stages)
+    bd = min(1024, pow2_at_least(d, 16))
+    _moe_combine_kernel[(t, triton.cdiv(d, bd))](
+        y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
+        TOP_K=k, BD=bd, RNE=rne, num_warps=4)
+
+
+moe_experts.graph_safe = True  # no host sync; buffers and grids sized from shapes only
