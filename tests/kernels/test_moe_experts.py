@@ -28,8 +28,8 @@ CASES = {
 }
 if ON_GPU:
     CASES.update({
-        f"gpu-T{t}-kimi-linear-bf16": (t, 2304, 1024, 256, 8, "silu", torch.bfloat16, "one" if t * 8 <= 4096 else "grid")
-        for t in (1, 64, 256, 3000)
+        f"gpu-T{t}-kimi-linear-bf16": (t, 2304, 1024, 256, 8, "silu", torch.bfloat16, path)
+        for t, path in ((1, "one"), (64, "one"), (256, "one"), (3000, "grid"))
     })
     CASES["gpu-T300-k3-latent-situ-bf16"] = (300, 3584, 3072, 64, 16, "situ", torch.bfloat16, "grid")
 

@@ -2,7 +2,8 @@
 
 One file per kernel family, each next to the eager reference it is tested against:
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
-in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` (ops/moe/eager.py::moe_experts).
+in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py`
+(ops/moe/eager.py::moe_experts), `mla_decode.py` (ops/mla/eager.py::mla_attention, decode layout).
 Ops not listed in `load()` stay eager.
 
 An implementation with `graph_safe = True` makes no host sync and sizes every buffer and grid from shapes alone, so
@@ -30,6 +31,7 @@ def load() -> dict[str, Callable]:
         raise TritonKernelError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
     from shard_svc.ops.triton.kda_chunk import kda_prefill
     from shard_svc.ops.triton.kda_decode import kda_decode
+    from shard_svc.ops.triton.mla_decode import mla_decode
     from shard_svc.ops.triton.moe import moe_experts
     from shard_svc.ops.triton.norm import gated_rms_norm, rms_norm
     from shard_svc.ops.triton.short_conv import short_conv
@@ -41,6 +43,7 @@ def load() -> dict[str, Callable]:
         "gated_rms_norm": gated_rms_norm,
         "rms_norm": rms_norm,
         "moe_experts": moe_experts,
+        "mla_decode": mla_decode,
     }
     for name in GRAPH_SAFE:
         impls[name].graph_safe = True
