@@ -40,7 +40,7 @@ class ShardGroup:
     def __init__(self, rank: int, world: int, device: torch.device, timeout_s: float):
         self.rank, self.world, self.device, self.timeout_s = rank, world, device, timeout_s
         self.data: dist.ProcessGroup | None = None
-        # Set by the launcher on rank 0: describes ranks known to have died, appended to every GroupError.
+        # Set by the launcher on rank 0: "; rank 1 (pid ..) was killed by SIGKILL", put in every GroupError.
         self.failure_hint: Callable[[], str] = lambda: ""
         self._closed = False
 
@@ -73,8 +73,8 @@ class ShardGroup:
         except GroupError:
             raise
         except Exception as e:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses; all mean the group broke
-            raise GroupError(f"shard group rank {self.rank}/{self.world}: {what} failed: {e}"
-                             f"{self.failure_hint()}") from e
+            raise GroupError(f"shard group rank {self.rank} of {self.world}: {what} failed{self.failure_hint()}: "
+                             f"{e}") from e
 
     # -- control plane (CPU, gloo) -------------------------------------------------------------------------------
     def broadcast_object(self, obj: object, what: str) -> object:

@@ -105,6 +105,8 @@ class Watchdog:
     def __init__(self, procs: dict[int, subprocess.Popen], grace_s: float, on_lost: Callable[[str], None] | None):
         self.procs, self.grace_s, self.on_lost = procs, grace_s, on_lost
         self.lost: list[str] = []
+        self._lost_ranks: set[int] = set()
+        self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="group-watchdog", daemon=True)
 
@@ -114,22 +116,35 @@ class Watchdog:
     def stop(self) -> None:
         self._stopped.set()
 
-    def describe(self) -> str:
-        return f" (known failures: {'; '.join(self.lost)})" if self.lost else ""
+    def describe(self, wait_s: float = 1.0) -> str:
+        """The ranks known dead, for a GroupError's message. A collective usually fails the moment a peer's socket
+        closes, a little before this thread's next poll, so look (and wait briefly) now."""
+        deadline = time.monotonic() + wait_s
+        while not self._check() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return f"; {'; '.join(self.lost)}" if self.lost else ""
 
-    def _run(self) -> None:
-        while not self._stopped.wait(0.2):
+    def _check(self) -> bool:
+        """Records newly exited workers; True if any worker is known lost."""
+        with self._lock:
             for rank, proc in self.procs.items():
                 code = proc.poll()
-                if code is None or any(d.startswith(f"rank {rank} ") for d in self.lost):
+                if code is None or rank in self._lost_ranks:
                     continue
                 what = f"rank {rank} (pid {proc.pid}) {_exit_description(code)}"
+                self._lost_ranks.add(rank)
                 self.lost.append(what)
                 log.error("shard group rank lost; the group fails", extra={"rank": rank, "pid": proc.pid,
                                                                           "detail": what})
                 if self.on_lost:
                     self.on_lost(what)
-                threading.Thread(target=self._escalate, args=(what,), daemon=True).start()
+                if not self._stopped.is_set():
+                    threading.Thread(target=self._escalate, args=(what,), daemon=True).start()
+            return bool(self.lost)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(0.2):
+            self._check()
 
     def _escalate(self, what: str) -> None:
         if not self._stopped.wait(self.grace_s):

@@ -1,0 +1,123 @@
+"""A shard group behind the router, as `kimiserve up --tp 2 --ep 2` starts it: exact usage under concurrency, metrics
+from every rank with a rank label, and a killed rank failing the group loudly (requests end with the error, the
+shard exits 1, the router takes it out of rotation)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from kimiserve.ports import free_port
+from kimiserve.up import start_stack, stop_stack
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from shard_svc.checkpoint.loader import load_model
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.make_tiny import make_tiny
+from shard_svc.ops import select_ops
+from tests.services.helpers import scrape, wait_until
+
+SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--group-timeout", "20")
+PROMPTS = {f"c{i}": ([i + 3] * (3 + 2 * i), 4 + 3 * i) for i in range(6)}  # id -> (prompt ids, max_tokens)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return make_tiny("kimi_k3", tmp_path_factory.mktemp("serving") / "k3", seed=6, layers=14)
+
+
+@pytest.fixture(scope="module")
+def stack(model):
+    children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS, tp=2,
+                           ep=2)
+    channel = grpc.insecure_channel(children[-1].address)
+    yield {c.name: c for c in children}, router_pb2_grpc.RouterStub(channel)
+    channel.close()
+    stop_stack(children, grace_s=20)
+
+
+def request(ids: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
+    req = router_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                        ignore_eos=True))
+    req.prompt_token_ids.ids.extend(ids)
+    return req
+
+
+def one_process_tokens(model: Path) -> dict[str, list[int]]:
+    cfg, m = load_model(model, "cpu", torch.float32)
+    engine = Engine(cfg, m, select_ops(torch.device("cpu"), "eager"), torch.device("cpu"), EngineConfig())
+    return {rid: engine.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid).output
+            for rid, (ids, n) in PROMPTS.items()}
+
+
+def test_concurrent_requests_match_one_process_with_exact_usage(stack, model):
+    children, stub = stack
+    got: dict[str, tuple] = {}
+
+    def one(rid: str) -> None:
+        ids, n = PROMPTS[rid]
+        out, last = [], None
+        for chunk in stub.Generate(request(ids, n), timeout=120):
+            out.extend(chunk.token_ids)
+            last = chunk
+        got[rid] = (out, last.usage.prompt_tokens, last.usage.completion_tokens)
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in PROMPTS]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    expected = one_process_tokens(model)
+    assert got == {rid: (expected[rid], len(PROMPTS[rid][0]), PROMPTS[rid][1]) for rid in PROMPTS}
+
+
+def test_metrics_come_from_every_rank_with_a_rank_label(stack):
+    children, stub = stack
+    list(stub.Generate(request([5, 6, 7], 3), timeout=60))
+    series = scrape(children["shard-0"].metrics_url)
+    for rank in ("0", "1"):
+        for hist in ("kimiserve_shard_prefill_pass_seconds_count", "kimiserve_shard_decode_step_seconds_count"):
+            assert series.get(f'{hist}{{rank="{rank}",shard="shard-0"}}', 0) > 0, (hist, rank)
+    # Token counts are the group's, reported once by the rank that owns the sequences.
+    assert series['kimiserve_shard_decode_tokens_total{rank="0",shard="shard-0"}'] > 0
+    assert not any('rank="1"' in k for k in series if k.startswith("kimiserve_shard_decode_tokens"))
+
+
+def test_killed_rank_fails_the_group_loudly(stack):
+    """Last in this module: it breaks the stack."""
+    children, stub = stack
+    shard = children["shard-0"]
+    (worker,) = (int(p) for p in Path(f"/proc/{shard.proc.pid}/task/{shard.proc.pid}/children").read_text().split())
+    outcome: dict[str, object] = {}
+    streaming = threading.Event()
+
+    def long_request() -> None:
+        n = 0
+        try:
+            for chunk in stub.Generate(request([1, 2, 3], 400), timeout=120):
+                n += len(chunk.token_ids)
+                streaming.set()
+            outcome["done"] = (n, chunk.finish_reason, chunk.error_message)
+        except grpc.RpcError as e:
+            outcome["error"] = (e.code(), e.details())
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert streaming.wait(60)
+    os.kill(worker, signal.SIGKILL)
+    killed = time.monotonic()
+    thread.join(60)
+    assert shard.proc.wait(60) == 1 and time.monotonic() - killed < 30
+    detail = str(outcome)
+    assert "shard group failed" in detail and f"rank 1 (pid {worker}) was killed by SIGKILL" in detail, outcome
+    router_metrics = children["router"].metrics_url
+    wait_until(lambda: scrape(router_metrics).get(f'kimiserve_router_shard_healthy{{shard="{shard.address}"}}') == 0.0,
+               30, "the router to take the failed group out of rotation")
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(request([4], 2), timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
