@@ -15,6 +15,8 @@ from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
+from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
+from shard_svc.streaming.mode import add_weights_args, load_for_serving, weights_args  # --weights hook
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +40,21 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from shard_svc.parallel.launch import add_group_args
 
     add_group_args(p)
+    add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
 
 def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device)
+    if args.weights == "stream" and max(args.tp, args.ep) > 1:  # -- weights hook: one process only, for now --
+        raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
     if max(args.tp, args.ep) > 1:  # a shard group: this process is rank 0 (shard_svc/parallel)
         return _run_in_group(args)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    cfg, model = LOAD_FORMATS[args.load_format](args.model, device=device, dtype=dtype)
+    # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers in host memory --
+    cfg, model, streamer = load_for_serving(args.model, args.load_format, device, dtype, weights_args(args))
     engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))
+    if streamer is not None:
+        streamer.attach(engine.runner)
     return _generate(args, engine)
 
 
