@@ -24,6 +24,8 @@ from shard_svc.ops import select_ops
 from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
 from shard_svc.server.service import ShardService
+from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
+from shard_svc.streaming.mode import WeightsArgs, add_weights_args, load_for_serving, weights_args  # --weights hook
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = shard_pb2.DESCRIPTOR.services_by_name["Shard"].full_name
@@ -46,6 +48,7 @@ class ShardServerConfig:
     tp: int = 1  # shard group (shard_svc/parallel): attention heads split tp ways
     ep: int = 1  # routed experts split ep ways; max(tp, ep) processes, this one is rank 0
     group_timeout_s: float = 60.0
+    weights: WeightsArgs = WeightsArgs()  # --weights resident|stream|auto (shard_svc/streaming)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -70,6 +73,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from shard_svc.parallel.launch import add_group_args
 
     add_group_args(p)
+    add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
@@ -78,13 +82,15 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
                              args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,
-                             group_timeout_s=args.group_timeout)
+                             group_timeout_s=args.group_timeout, weights=weights_args(args))
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
     device = torch.device(cfg.device)
     dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     metrics = ShardMetrics(cfg.shard_name)
+    if cfg.weights.mode == "stream" and max(cfg.tp, cfg.ep) > 1:  # -- weights hook: one process only, for now --
+        raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
     if max(cfg.tp, cfg.ep) > 1:  # a shard group: this process is rank 0 and faces the router (shard_svc/parallel)
         from shard_svc.parallel.launch import GroupSpec, start_group
         from shard_svc.parallel.loop import GroupEngineLoop
@@ -94,8 +100,12 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
             cpu_threads=torch.get_num_threads(), load_format=cfg.load_format)), metrics)
         engine, model_cfg = loop.engine, loop.engine.cfg
     else:
-        model_cfg, model = LOAD_FORMATS[cfg.load_format](cfg.model_dir, device=device, dtype=dtype)
+        # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers on the host --
+        model_cfg, model, streamer = load_for_serving(cfg.model_dir, cfg.load_format, device, dtype, cfg.weights,
+                                                      registry=metrics.registry, shard=cfg.shard_name)
         engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
+        if streamer is not None:
+            streamer.attach(engine.runner)
         loop = EngineLoop(engine, metrics)
     info = shard_pb2.ShardInfoResponse(
         model_name=cfg.model_dir.name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
