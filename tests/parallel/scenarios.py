@@ -39,6 +39,7 @@ class Case:
     cancels: tuple[tuple[str, int], ...] = ()  # (request id, at step)
     engine: dict = field(default_factory=dict)  # EngineConfig overrides
     follower_engine: dict | None = None  # different EngineConfig on followers: provokes a divergence
+    load_format: str = "safetensors"  # "dummy": random weights per rank (no reference run)
 
 
 def prompt(n: int, seed: int, vocab: int = 255) -> tuple[int, ...]:
@@ -70,9 +71,9 @@ def _model(case: Case, comm=None):
         cfg, model = random_model(case.raw, seed=0, dtype=case.dtype)
         return (cfg, parallelize(model, comm)[0]) if comm is not None else (cfg, model)
     if comm is not None:
-        from shard_svc.parallel.loading import load_sharded_model
+        from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
 
-        return load_sharded_model(case.checkpoint, CPU, case.dtype, comm)
+        return GROUP_LOAD_FORMATS[case.load_format](case.checkpoint, CPU, case.dtype, comm)
     from shard_svc.checkpoint.loader import load_model
 
     return load_model(case.checkpoint, CPU, case.dtype)
@@ -118,6 +119,14 @@ def _follow(engine: Engine) -> dict:
                   "step_logits": torch.cat(s.step_logits) if s.step_logits else None} for rid, s in seqs.items()}
 
 
+def _replicated_digest(model) -> int:
+    """A digest of the parameters every rank must hold identically (routers, norms, AttnRes pseudo-queries)."""
+    from shard_svc.parallel.group import digest
+
+    return digest([(n, p.double().sum().item()) for n, p in model.named_parameters()
+                   if n.endswith(("norm.weight", "gate.weight", "e_score_correction_bias", "res.proj.weight"))])
+
+
 def run_cases(group, cases: list[Case]) -> dict:
     """On every rank: each case in turn. A GroupError is returned (by name and message), not raised."""
     from shard_svc.parallel.errors import GroupError
@@ -129,7 +138,7 @@ def run_cases(group, cases: list[Case]) -> dict:
         layout = ParallelLayout(case.tp, case.ep, group.rank)
         comm = group.model_comm(layout)
         reference = None
-        if group.rank == 0:
+        if group.rank == 0 and case.load_format == "safetensors":
             cfg, model = _model(case)
             reference = _drive(Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(**case.engine)), case)
         cfg, model = _model(case, comm)
@@ -144,5 +153,6 @@ def run_cases(group, cases: list[Case]) -> dict:
                 result = {"group": _follow(engine)}
         except GroupError as e:
             result = {"error": (type(e).__name__, str(e))}
+        result["replicated"] = _replicated_digest(model)
         out[case.name] = result
     return out

@@ -38,6 +38,8 @@ def cases_2(ck) -> list[Case]:
         Case("k3-26 tp2 ep2", 2, 2, raw=k3_config(26), **SCENARIO),
         Case("checkpoint linear tp2 ep2", 2, 2, checkpoint=ck["linear"], **CKPT_SCENARIO),
         Case("checkpoint k3-93 tp2 ep2", 2, 2, checkpoint=ck["k3-93"], **CKPT_SCENARIO),
+        Case("dummy k3-26 tp2 ep2", 2, 2, checkpoint=ck["k3-26"], dtype=torch.bfloat16, requests=CKPT_REQUESTS[:2],
+             load_format="dummy"),
         # Last: a follower with another prefill budget plans differently, which must fail loudly on every rank.
         Case("divergence", 2, 1, raw=linear_config(), requests=REQUESTS[:1], engine=dict(prefill_token_budget=64),
              follower_engine=dict(prefill_token_budget=32)),
@@ -63,8 +65,8 @@ def runs(checkpoints) -> dict[str, tuple[dict, list[dict]]]:
     return out
 
 
-PARITY = [c.name for c in cases_2({"linear": "", "k3-93": ""}) if c.name != "divergence"] + \
-    [c.name for c in cases_4({"k3-26": "", "linear": ""})]
+NAMES = {"linear": "", "k3-93": "", "k3-26": ""}
+PARITY = [c.name for c in cases_2(NAMES) + cases_4(NAMES) if c.name != "divergence" and c.load_format != "dummy"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,6 +99,18 @@ def test_every_rank_holds_the_same_logits(runs, name):
             for key in ("prompt_logits", "step_logits"):
                 ref = leader["group"][rid][key]
                 assert (mine[key] is None and ref is None) or torch.equal(mine[key], ref), (rank, rid, key)
+
+
+@pytest.mark.parametrize("name", PARITY + ["dummy k3-26 tp2 ep2"])
+def test_replicated_parameters_are_identical_on_every_rank(runs, name):
+    leader, followers = runs[name]
+    assert {f["replicated"] for f in followers} == {leader["replicated"]}
+
+
+def test_dummy_weights_serve_a_group(runs):
+    """--load-format dummy (benchmarks): each rank makes its slice on its device, seeded by parameter name."""
+    leader, _ = runs["dummy k3-26 tp2 ep2"]
+    assert {rid: r["usage"] for rid, r in leader["group"].items()} == {"long-prefill": (90, 7), "one-token": (12, 1)}
 
 
 def test_divergent_plans_fail_every_rank_by_name(runs):
