@@ -46,9 +46,11 @@ class ShardGroup:
 
     @classmethod
     def join(cls, rank: int, world: int, store: dist.Store, device: torch.device,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> "ShardGroup":
+             timeout_s: float = DEFAULT_TIMEOUT_S, failure_hint: Callable[[], str] | None = None) -> "ShardGroup":
         """Joins the group (all `world` ranks must call this); blocks until every rank has arrived or timeout."""
         self = cls(rank, world, device, timeout_s)
+        if failure_hint is not None:
+            self.failure_hint = failure_hint
         timeout = datetime.timedelta(seconds=timeout_s)
         if device.type == "cuda":
             torch.cuda.set_device(device)

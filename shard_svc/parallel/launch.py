@@ -99,11 +99,13 @@ def _exit_description(code: int) -> str:
 
 class Watchdog:
     """Watches the worker processes. A worker that exits while the group runs is logged at once, named in every
-    later GroupError, and passed to `on_lost`; if rank 0 is stuck (an NCCL collective with no error), the process
-    exits after `grace_s` rather than hang."""
+    later GroupError, and passed to each `on_lost` callback (the server reports NOT_SERVING at once, before a
+    collective notices); if rank 0 is then stuck (an NCCL collective that never errors), the process exits after
+    `grace_s` rather than hang."""
 
-    def __init__(self, procs: dict[int, subprocess.Popen], grace_s: float, on_lost: Callable[[str], None] | None):
-        self.procs, self.grace_s, self.on_lost = procs, grace_s, on_lost
+    def __init__(self, procs: dict[int, subprocess.Popen], grace_s: float):
+        self.procs, self.grace_s = procs, grace_s
+        self.on_lost: list[Callable[[str], None]] = []
         self.lost: list[str] = []
         self._lost_ranks: set[int] = set()
         self._lock = threading.Lock()
@@ -136,8 +138,8 @@ class Watchdog:
                 self.lost.append(what)
                 log.error("shard group rank lost; the group fails", extra={"rank": rank, "pid": proc.pid,
                                                                           "detail": what})
-                if self.on_lost:
-                    self.on_lost(what)
+                for callback in self.on_lost:
+                    callback(what)
                 if not self._stopped.is_set():
                     threading.Thread(target=self._escalate, args=(what,), daemon=True).start()
             return bool(self.lost)
@@ -181,8 +183,7 @@ class GroupLeader:
         self.group.close()
 
 
-def start_group(spec: GroupSpec, log_level: str = "INFO", on_lost: Callable[[str], None] | None = None,
-                grace_s: float | None = None) -> GroupLeader:
+def start_group(spec: GroupSpec, log_level: str = "INFO") -> GroupLeader:
     """Rank 0: validates the layout against the checkpoint's config, spawns ranks 1..N-1, loads every slice."""
     ParallelLayout(spec.tp, spec.ep).check(ModelConfig.from_dir(spec.model_dir))
     device = rank_device(spec.device, 0)
@@ -197,12 +198,11 @@ def start_group(spec: GroupSpec, log_level: str = "INFO", on_lost: Callable[[str
                "--timeout-s", str(spec.timeout_s), "--log-level", log_level]
         procs[rank] = subprocess.Popen(cmd)
         log.info("shard group rank started", extra={"rank": rank, "pid": procs[rank].pid, "world": spec.world})
-    watchdog = Watchdog(procs, grace_s if grace_s is not None else spec.timeout_s + 10.0, on_lost)
+    watchdog = Watchdog(procs, grace_s=spec.timeout_s + 10.0)
     watchdog.start()
     group = None
     try:
-        group = ShardGroup.join(0, spec.world, store, device, spec.timeout_s)
-        group.failure_hint = watchdog.describe
+        group = ShardGroup.join(0, spec.world, store, device, spec.timeout_s, failure_hint=watchdog.describe)
         leader = GroupLeader(spec, group, procs, watchdog)
         group.broadcast_object(spec, "sending the group spec")
         leader.engine = build_rank(group, spec)

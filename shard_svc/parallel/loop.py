@@ -33,6 +33,15 @@ class GroupEngineLoop(EngineLoop):
         self.heartbeat_s = heartbeat_s or max(0.5, min(5.0, leader.spec.timeout_s / 4))
         self.failure: str | None = None
         self.fatal_hooks: list[Callable[[str], None]] = []
+        leader.watchdog.on_lost.append(self._rank_lost)
+
+    def _rank_lost(self, what: str) -> None:
+        """Watchdog thread: a worker process is gone. Report it at once; the engine thread fails the requests when
+        its next collective breaks (at once on gloo, after the timeout on a hung NCCL collective)."""
+        if self.failure is None:
+            self.failure = f"shard group failed: {what}"
+        for hook in self.fatal_hooks:
+            hook(self.failure)
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink) -> None:
         if self.failure is not None:

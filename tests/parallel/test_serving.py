@@ -24,7 +24,7 @@ from shard_svc.make_tiny import make_tiny
 from shard_svc.ops import select_ops
 from tests.services.helpers import scrape, wait_until
 
-SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--group-timeout", "20")
+SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512", "--group-timeout", "5")
 PROMPTS = {f"c{i}": ([i + 3] * (3 + 2 * i), 4 + 3 * i) for i in range(6)}  # id -> (prompt ids, max_tokens)
 
 
@@ -59,6 +59,7 @@ def one_process_tokens(model: Path) -> dict[str, list[int]]:
 
 def test_concurrent_requests_match_one_process_with_exact_usage(stack, model):
     children, stub = stack
+    time.sleep(7)  # idle for longer than --group-timeout: rank 0's heartbeats keep the followers' waits short
     got: dict[str, tuple] = {}
 
     def one(rid: str) -> None:
