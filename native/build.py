@@ -1,14 +1,14 @@
 """Build and load the native weight-streaming engine (native/stream_engine.cpp) with torch's JIT extension builder.
 
-One source, two builds with the same API:
-- `cuda`: when torch sees a CUDA device and nvcc (CUDA_HOME) exists: cudaMemcpyAsync on a dedicated stream, events;
-- `cpu`: everywhere else (CI): host slots, a worker thread as the copy stream.
+One build serves the CPU and CUDA devices: the CUDA path calls the driver API resolved at run time from libcuda.so.1,
+so building needs only a C++ compiler, torch's headers and ninja (no CUDA toolkit, no nvcc). CI on a CPU machine
+therefore compiles exactly the code a GPU machine runs.
 
-The shared object is cached under `cache_root()` in a directory named by variant, torch and Python versions and a
-hash of the source and flags, so an edited source or a new torch rebuilds and an unchanged one loads in well under a
-second. torch serialises concurrent builds of one directory with a file lock. Prebuild (e.g. from the Makefile):
+The shared object is cached under `cache_root()` in a directory named by torch and Python versions and a hash of the
+source and flags, so an edited source or a new torch rebuilds and an unchanged one loads in well under a second.
+torch serialises concurrent builds of one directory with a file lock. Prebuild (e.g. from the Makefile):
 
-    python native/build.py            # builds the variant this machine would load, prints where
+    python native/build.py            # builds (or finds) the extension, prints where and how long it took
 
 Nothing here runs at import; `load()` is called the first time weights are streamed.
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parent / "stream_engine.cpp"
 CFLAGS = ["-O2"]
-CUDA_DEFINE = "-DKIMISERVE_WITH_CUDA"
+LDFLAGS = ["-ldl"]
 
 _loaded: dict[str, object] = {}
 
@@ -41,30 +41,12 @@ def cache_root() -> Path:
     return base / "kimiserve" / "native"
 
 
-def cuda_toolkit() -> str | None:
-    """CUDA_HOME when nvcc exists there, else None."""
-    from torch.utils import cpp_extension
-
-    home = cpp_extension.CUDA_HOME or os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home is None and shutil.which("nvcc"):
-        home = str(Path(shutil.which("nvcc")).resolve().parent.parent)
-    if home and (Path(home) / "bin" / "nvcc").exists():
-        return home
-    return None
-
-
-def default_variant() -> str:
+def _tag() -> str:
     import torch
 
-    return "cuda" if torch.cuda.is_available() and torch.version.cuda and cuda_toolkit() else "cpu"
-
-
-def _tag(variant: str) -> str:
-    import torch
-
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + [variant]).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS + LDFLAGS).encode()).hexdigest()[:12]
     py = f"py{sys.version_info.major}{sys.version_info.minor}"
-    return f"{variant}-torch{torch.__version__.replace('+', '_')}-{py}-{digest}"
+    return f"torch{torch.__version__.replace('+', '_')}-{py}-{digest}"
 
 
 def _ninja_on_path() -> None:
@@ -83,47 +65,38 @@ def _ninja_on_path() -> None:
                                 "project's test extra); none on PATH")
 
 
-def load(variant: str | None = None, verbose: bool = False):
-    """The built module (compiling it on first use). variant None: `default_variant()`."""
-    variant = variant or default_variant()
-    if variant not in ("cpu", "cuda"):
-        raise NativeBuildFailed(f"unknown native variant {variant!r} (cpu, cuda)")
-    if variant in _loaded:
-        return _loaded[variant]
-    if variant == "cuda" and cuda_toolkit() is None:
-        raise NativeBuildFailed("the CUDA build of the native streaming engine needs the CUDA toolkit (nvcc); "
-                                "none found via CUDA_HOME or PATH")
+def load(verbose: bool = False):
+    """The built module (compiling it on first use in this cache directory)."""
+    if "module" in _loaded:
+        return _loaded["module"]
     from torch.utils import cpp_extension
 
     _ninja_on_path()
-    tag = _tag(variant)
+    tag = _tag()
     build_dir = cache_root() / tag
     build_dir.mkdir(parents=True, exist_ok=True)
-    flags = CFLAGS + ([CUDA_DEFINE] if variant == "cuda" else [])
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name=f"kimiserve_stream_{tag.split('-')[0]}_{tag.rsplit('-', 1)[1]}",
+            name=f"kimiserve_stream_{tag.rsplit('-', 1)[1]}",
             sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-lcudart"] if variant == "cuda" else [],
-            with_cuda=variant == "cuda",
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
+            with_cuda=False,  # the CUDA driver API is loaded at run time: no toolkit needed
             build_directory=str(build_dir),
             verbose=verbose,
         )
     except Exception as e:  # noqa: BLE001 - re-raised with what was being built and where
-        raise NativeBuildFailed(f"building {SOURCE.name} ({variant}) in {build_dir} failed: {e}") from e
+        raise NativeBuildFailed(f"building {SOURCE.name} in {build_dir} failed: {e}") from e
     module.BUILD_SECONDS = time.perf_counter() - start  # type: ignore[attr-defined]
     module.BUILD_DIR = str(build_dir)  # type: ignore[attr-defined]
-    _loaded[variant] = module
+    _loaded["module"] = module
     return module
 
 
 def main() -> int:
-    variant = sys.argv[1] if len(sys.argv) > 1 else None
-    module = load(variant, verbose="-v" in sys.argv)
-    print(f"native streaming engine ({'cuda' if module.WITH_CUDA else 'cpu'}) ready in {module.BUILD_DIR} "
-          f"({module.BUILD_SECONDS:.1f} s)")
+    module = load(verbose="-v" in sys.argv)
+    print(f"native streaming engine ready in {module.BUILD_DIR} ({module.BUILD_SECONDS:.1f} s)")
     return 0
 
 

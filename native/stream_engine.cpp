@@ -8,19 +8,19 @@
 //   - NotPinned / NotHost: a host tensor that cannot be streamed asynchronously.
 // Each kind is raised as the Python class registered for it (shard_svc/streaming/errors.py).
 //
-// Built twice from this one file: the CPU build (slots are host buffers, a worker thread plays the copy stream and
-// a sequence number plays the event) and, with -DKIMISERVE_WITH_CUDA, the CUDA build (cudaMemcpyAsync on a
-// dedicated stream, cudaEvent for ready / released). The API and every guard are the same in both.
+// One build serves both devices, chosen per engine at run time:
+//  - cpu:  slots are host buffers, a worker thread plays the copy stream, a job number plays the event;
+//  - cuda: asynchronous host-to-device copies (cuMemcpyHtoDAsync) on a dedicated copy stream, events for "slot
+//          ready" (copy stream -> compute stream) and "slot released" (compute stream -> copy stream).
+// The CUDA driver API is resolved at run time from libcuda.so.1, which every machine with an NVIDIA driver has: the
+// build needs no CUDA toolkit, headers or nvcc, so the binary CI compiles on a CPU machine is the one a GPU runs.
+// Streams come from torch (their `cuda_stream` handles: runtime streams are driver CUstreams). The API and every
+// guard are the same for both devices.
 
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
-#ifdef KIMISERVE_WITH_CUDA
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-#endif
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <chrono>
@@ -60,6 +60,74 @@ template <typename... Args>
 // kind -> Python exception class; set once by the Python wrapper. Leaked on purpose (no destructor at exit).
 static std::unordered_map<std::string, py::object>* g_errors = new std::unordered_map<std::string, py::object>();
 
+// ---- the CUDA driver API, loaded on first use -------------------------------------------------------------------
+using CUstream = void*;
+using CUevent = void*;
+using CUcontext = void*;
+using CUresult = int;
+constexpr unsigned kEventDisableTiming = 0x2;
+
+struct CudaDriver {
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+  CUresult (*ctx_get_current)(CUcontext*) = nullptr;
+  CUresult (*ctx_set_current)(CUcontext) = nullptr;
+  CUresult (*ctx_get_device)(int*) = nullptr;
+  CUresult (*memcpy_htod_async)(uint64_t, const void*, size_t, CUstream) = nullptr;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
+  CUresult (*event_record)(CUevent, CUstream) = nullptr;
+  CUresult (*event_synchronize)(CUevent) = nullptr;
+  CUresult (*event_elapsed)(float*, CUevent, CUevent) = nullptr;
+  CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*stream_synchronize)(CUstream) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+};
+
+template <typename F>
+void resolve(void* lib, F& fn, std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    if (void* sym = dlsym(lib, name)) {
+      fn = reinterpret_cast<F>(sym);
+      return;
+    }
+  }
+  fail("NativeBuild", "libcuda.so.1 has no ", *names.begin(), " (driver too old?)");
+}
+
+const CudaDriver& cuda_driver() {
+  static CudaDriver d = [] {
+    CudaDriver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) fail("NativeBuild", "cannot load libcuda.so.1 (the NVIDIA driver library): ", dlerror());
+    resolve(lib, d.init, {"cuInit"});
+    resolve(lib, d.device_get, {"cuDeviceGet"});
+    resolve(lib, d.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"});
+    resolve(lib, d.ctx_get_current, {"cuCtxGetCurrent"});
+    resolve(lib, d.ctx_set_current, {"cuCtxSetCurrent"});
+    resolve(lib, d.ctx_get_device, {"cuCtxGetDevice"});
+    resolve(lib, d.memcpy_htod_async, {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"});
+    resolve(lib, d.event_create, {"cuEventCreate"});
+    resolve(lib, d.event_destroy, {"cuEventDestroy_v2", "cuEventDestroy"});
+    resolve(lib, d.event_record, {"cuEventRecord"});
+    resolve(lib, d.event_synchronize, {"cuEventSynchronize"});
+    resolve(lib, d.event_elapsed, {"cuEventElapsedTime_v2", "cuEventElapsedTime"});
+    resolve(lib, d.stream_wait_event, {"cuStreamWaitEvent"});
+    resolve(lib, d.stream_synchronize, {"cuStreamSynchronize"});
+    resolve(lib, d.error_string, {"cuGetErrorString"});
+    return d;
+  }();
+  return d;
+}
+
+void ck(CUresult r, const char* what) {
+  if (r == 0) return;
+  const char* msg = nullptr;
+  cuda_driver().error_string(r, &msg);
+  fail("Cuda", what, " failed: CUDA error ", r, " (", msg ? msg : "unknown", ")");
+}
+
 using Clock = std::chrono::steady_clock;
 static double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -85,11 +153,9 @@ struct Slot {
   std::unordered_set<int64_t> valid;  // host tensor ids copied in during this occupancy
   uint64_t job = 0;                   // CPU build: the copy job whose completion makes the slot ready
   Clock::time_point acquired_at;
-#ifdef KIMISERVE_WITH_CUDA
-  cudaEvent_t ready = nullptr;     // recorded on the copy stream after the slot's copies
-  cudaEvent_t released = nullptr;  // recorded on the compute stream after the last kernel that read the slot
+  CUevent ready = nullptr;     // cuda: recorded on the copy stream after the slot's copies
+  CUevent released = nullptr;  // cuda: recorded on the compute stream after the last kernel that read the slot
   bool released_recorded = false;
-#endif
 };
 
 struct CopyOp {
@@ -100,32 +166,29 @@ struct CopyOp {
 
 class StreamEngine {
  public:
-  StreamEngine(int64_t num_slots, int64_t slot_bytes, const std::string& device) {
+  StreamEngine(int64_t num_slots, int64_t slot_bytes, const std::string& device, int64_t copy_stream,
+               int64_t demand_stream) {
     if (num_slots < 1) fail("SlotMap", "a ring needs at least one slot, got ", num_slots);
     if (slot_bytes < 1) fail("SlotMap", "slot size must be positive, got ", slot_bytes, " bytes");
     device_ = at::Device(device);
     slot_bytes_ = (slot_bytes + kAlign - 1) / kAlign * kAlign;
-#ifdef KIMISERVE_WITH_CUDA
     cuda_ = device_.is_cuda();
-#else
-    if (device_.is_cuda())
-      fail("NativeBuild", "this is the CPU build of the streaming engine; device ", device,
-           " needs the CUDA build (torch with CUDA and nvcc)");
-#endif
+    if (!cuda_ && !device_.is_cpu()) fail("NativeBuild", "weight streaming runs on cpu or cuda, not ", device);
+    if (cuda_ && (copy_stream == 0 || demand_stream == 0 || copy_stream == demand_stream))
+      fail("NativeBuild", "a CUDA engine needs two dedicated streams (copy ", copy_stream, ", demand ", demand_stream,
+           "); the default stream would serialise copies with compute");
     slots_.resize(num_slots);
     for (auto& s : slots_) s.buf = at::empty({slot_bytes_}, at::TensorOptions().dtype(at::kByte).device(device_));
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      c10::cuda::CUDAGuard guard(device_);
-      copy_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, device_.index());
-      demand_stream_ = c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device_.index());
+      copy_stream_ = reinterpret_cast<CUstream>(copy_stream);
+      demand_stream_ = reinterpret_cast<CUstream>(demand_stream);
+      ensure_context();
       for (auto& s : slots_) {
-        C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.ready, cudaEventDisableTiming));
-        C10_CUDA_CHECK(cudaEventCreateWithFlags(&s.released, cudaEventDisableTiming));
+        ck(cuda_driver().event_create(&s.ready, kEventDisableTiming), "cuEventCreate");
+        ck(cuda_driver().event_create(&s.released, kEventDisableTiming), "cuEventCreate");
       }
       return;
     }
-#endif
     worker_ = std::thread([this] { work(); });
   }
 
@@ -138,17 +201,16 @@ class StreamEngine {
       cv_.notify_all();
       worker_.join();
     }
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      cudaStreamSynchronize(copy_stream_->stream());
-      cudaStreamSynchronize(demand_stream_->stream());
+      const CudaDriver& d = cuda_driver();
+      d.stream_synchronize(copy_stream_);
+      d.stream_synchronize(demand_stream_);
       for (auto& s : slots_) {
-        cudaEventDestroy(s.ready);
-        cudaEventDestroy(s.released);
+        d.event_destroy(s.ready);
+        d.event_destroy(s.released);
       }
-      for (auto e : timing_pool_) cudaEventDestroy(e);
+      for (auto e : timing_pool_) d.event_destroy(e);
     }
-#endif
   }
 
   int64_t num_slots() const { return static_cast<int64_t>(slots_.size()); }
@@ -227,21 +289,20 @@ class StreamEngine {
     slot.valid.clear();
     slot.valid.insert(want.begin(), want.end());
     next_ = (next_ + 1) % static_cast<int64_t>(slots_.size());
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      c10::cuda::CUDAGuard guard(device_);
-      cudaStream_t cs = copy_stream_->stream();
+      const CudaDriver& d = cuda_driver();
+      ensure_context();
+      CUstream cs = copy_stream_;
       // The copy stream may not write the slot before the compute stream has finished reading it.
-      if (slot.released_recorded) C10_CUDA_CHECK(cudaStreamWaitEvent(cs, slot.released, 0));
+      if (slot.released_recorded) ck(d.stream_wait_event(cs, slot.released, 0), "cuStreamWaitEvent");
       auto [t0, t1] = timing_pair();
-      C10_CUDA_CHECK(cudaEventRecord(t0, cs));
+      ck(d.event_record(t0, cs), "cuEventRecord");
       issue_cuda(ops, cs);
-      C10_CUDA_CHECK(cudaEventRecord(t1, cs));
-      C10_CUDA_CHECK(cudaEventRecord(slot.ready, cs));
+      ck(d.event_record(t1, cs), "cuEventRecord");
+      ck(d.event_record(slot.ready, cs), "cuEventRecord");
       copy_events_.emplace_back(t0, t1);
       return s;
     }
-#endif
     {
       std::lock_guard<std::mutex> lock(mu_);
       slot.job = ++jobs_issued_;
@@ -252,24 +313,23 @@ class StreamEngine {
   }
 
   // The compute stream waits for `layer`'s slot to be ready (no host block on CUDA); returns the slot.
-  int64_t acquire(int64_t layer) {
+  int64_t acquire(int64_t layer, int64_t stream) {
     const int64_t s = slot_of(layer, "acquire");
     Slot& slot = slots_[s];
     if (slot.state == SlotState::InUse) fail("SlotBusy", "layer ", layer, " (slot ", s, ") is already acquired");
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      c10::cuda::CUDAGuard guard(device_);
-      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      const CudaDriver& d = cuda_driver();
+      ensure_context();
+      CUstream cur = reinterpret_cast<CUstream>(stream);
       auto [t0, t1] = timing_pair();
-      C10_CUDA_CHECK(cudaEventRecord(t0, cur));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, slot.ready, 0));
-      C10_CUDA_CHECK(cudaEventRecord(t1, cur));
+      ck(d.event_record(t0, cur), "cuEventRecord");
+      ck(d.stream_wait_event(cur, slot.ready, 0), "cuStreamWaitEvent");
+      ck(d.event_record(t1, cur), "cuEventRecord");
       stall_events_.emplace_back(t0, t1);
       compute_open_[s] = t1;
       slot.state = SlotState::InUse;
       return s;
     }
-#endif
     const auto t0 = Clock::now();
     {
       py::gil_scoped_release nogil;
@@ -284,7 +344,7 @@ class StreamEngine {
 
   // Copies more tensors of an acquired layer into its slot (routed experts), ordered before the compute stream's
   // next kernel. Tensors already in the slot this occupancy are skipped. Returns the bytes copied.
-  int64_t fetch_into(int64_t layer, const std::vector<int64_t>& ids) {
+  int64_t fetch_into(int64_t layer, const std::vector<int64_t>& ids, int64_t stream) {
     Layer& l = layer_for_copy(layer);
     const int64_t s = slot_of(layer, "fetch_into");
     Slot& slot = slots_[s];
@@ -298,26 +358,25 @@ class StreamEngine {
     int64_t total = 0;
     for (const auto& op : ops) total += op.nbytes;
     slot.valid.insert(fresh.begin(), fresh.end());
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      c10::cuda::CUDAGuard guard(device_);
-      cudaStream_t ds = demand_stream_->stream();
-      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
+      const CudaDriver& d = cuda_driver();
+      ensure_context();
+      CUstream ds = demand_stream_;
+      CUstream cur = reinterpret_cast<CUstream>(stream);
       // After the slot's own fetch (which itself waited for the previous occupant's release).
-      C10_CUDA_CHECK(cudaStreamWaitEvent(ds, slot.ready, 0));
+      ck(d.stream_wait_event(ds, slot.ready, 0), "cuStreamWaitEvent");
       auto [c0, c1] = timing_pair();
-      C10_CUDA_CHECK(cudaEventRecord(c0, ds));
+      ck(d.event_record(c0, ds), "cuEventRecord");
       issue_cuda(ops, ds);
-      C10_CUDA_CHECK(cudaEventRecord(c1, ds));
+      ck(d.event_record(c1, ds), "cuEventRecord");
       copy_events_.emplace_back(c0, c1);
       auto [w0, w1] = timing_pair();
-      C10_CUDA_CHECK(cudaEventRecord(w0, cur));
-      C10_CUDA_CHECK(cudaStreamWaitEvent(cur, c1, 0));
-      C10_CUDA_CHECK(cudaEventRecord(w1, cur));
+      ck(d.event_record(w0, cur), "cuEventRecord");
+      ck(d.stream_wait_event(cur, c1, 0), "cuStreamWaitEvent");
+      ck(d.event_record(w1, cur), "cuEventRecord");
       stall_events_.emplace_back(w0, w1);
       return total;
     }
-#endif
     const auto t0 = Clock::now();
     {
       py::gil_scoped_release nogil;
@@ -340,25 +399,24 @@ class StreamEngine {
   }
 
   // The compute stream is done with `layer`: its slot may be refilled once the kernels queued so far finish.
-  void release(int64_t layer) {
+  void release(int64_t layer, int64_t stream) {
     const int64_t s = slot_of(layer, "release");
     Slot& slot = slots_[s];
     if (slot.state != SlotState::InUse) fail("SlotBusy", "layer ", layer, " (slot ", s, ") was never acquired");
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      c10::cuda::CUDAGuard guard(device_);
-      cudaStream_t cur = c10::cuda::getCurrentCUDAStream(device_.index()).stream();
-      C10_CUDA_CHECK(cudaEventRecord(slot.released, cur));
+      const CudaDriver& d = cuda_driver();
+      ensure_context();
+      CUstream cur = reinterpret_cast<CUstream>(stream);
+      ck(d.event_record(slot.released, cur), "cuEventRecord");
       slot.released_recorded = true;
       auto it = compute_open_.find(s);
       if (it != compute_open_.end()) {
-        cudaEvent_t end = timing_pool_get();
-        C10_CUDA_CHECK(cudaEventRecord(end, cur));
+        CUevent end = timing_pool_get();
+        ck(d.event_record(end, cur), "cuEventRecord");
         compute_events_.emplace_back(it->second, end);
         compute_open_.erase(it);
       }
     }
-#endif
     if (!cuda_) compute_s_ += seconds_since(slot.acquired_at);
     slot.state = SlotState::Free;
     slot.valid.clear();
@@ -366,12 +424,11 @@ class StreamEngine {
 
   // Waits for every queued copy; slots fetched but never acquired (an aborted pass) become free again.
   void drain() {
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
-      C10_CUDA_CHECK(cudaStreamSynchronize(copy_stream_->stream()));
-      C10_CUDA_CHECK(cudaStreamSynchronize(demand_stream_->stream()));
+      ensure_context();
+      ck(cuda_driver().stream_synchronize(copy_stream_), "cuStreamSynchronize");
+      ck(cuda_driver().stream_synchronize(demand_stream_), "cuStreamSynchronize");
     }
-#endif
     if (!cuda_) {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lock(mu_);
@@ -403,13 +460,12 @@ class StreamEngine {
   // for the timed work to finish and reads the events.
   py::dict stats() {
     double copy_s = copy_s_, compute_s = compute_s_, stall_s = stall_s_;
-#ifdef KIMISERVE_WITH_CUDA
     if (cuda_) {
+      ensure_context();
       copy_s = sum_elapsed(copy_events_);
       compute_s = sum_elapsed(compute_events_);
       stall_s = sum_elapsed(stall_events_);
     }
-#endif
     if (!cuda_) {
       py::gil_scoped_release nogil;
       std::unique_lock<std::mutex> lock(mu_);
@@ -433,13 +489,11 @@ class StreamEngine {
       std::lock_guard<std::mutex> lock(mu_);
       worker_copy_s_ = 0.0;
     }
-#ifdef KIMISERVE_WITH_CUDA
     copy_events_.clear();
     stall_events_.clear();
     compute_events_.clear();
     compute_open_.clear();  // called between passes, when no layer is acquired
     timing_next_ = 0;
-#endif
   }
 
  private:
@@ -560,43 +614,59 @@ class StreamEngine {
     }
   }
 
-#ifdef KIMISERVE_WITH_CUDA
-  void issue_cuda(const std::vector<CopyOp>& ops, cudaStream_t stream) {
-    for (const auto& op : ops)
-      C10_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, op.nbytes, cudaMemcpyHostToDevice, stream));
+  void ensure_context() {
+    // torch makes the device's primary context current on the threads it uses; a thread that has not touched the
+    // device yet (or holds another device's context) gets this device's primary context, as the runtime would.
+    const CudaDriver& d = cuda_driver();
+    CUcontext ctx = nullptr;
+    ck(d.ctx_get_current(&ctx), "cuCtxGetCurrent");
+    int current = -1;
+    if (ctx) ck(d.ctx_get_device(&current), "cuCtxGetDevice");
+    if (ctx && current == device_.index()) return;
+    ck(d.init(0), "cuInit");
+    int dev = 0;
+    ck(d.device_get(&dev, device_.index()), "cuDeviceGet");
+    CUcontext primary = nullptr;
+    ck(d.primary_ctx_retain(&primary, dev), "cuDevicePrimaryCtxRetain");
+    ck(d.ctx_set_current(primary), "cuCtxSetCurrent");
   }
 
-  cudaEvent_t timing_pool_get() {
+  void issue_cuda(const std::vector<CopyOp>& ops, CUstream stream) {
+    for (const auto& op : ops)
+      ck(cuda_driver().memcpy_htod_async(reinterpret_cast<uint64_t>(op.dst), op.src, op.nbytes, stream),
+         "cuMemcpyHtoDAsync");
+  }
+
+  CUevent timing_pool_get() {
     if (timing_next_ == timing_pool_.size()) {
-      cudaEvent_t e;
-      C10_CUDA_CHECK(cudaEventCreate(&e));
+      CUevent e = nullptr;
+      ck(cuda_driver().event_create(&e, 0), "cuEventCreate");
       timing_pool_.push_back(e);
     }
     return timing_pool_[timing_next_++];
   }
 
-  std::pair<cudaEvent_t, cudaEvent_t> timing_pair() {
-    cudaEvent_t a = timing_pool_get();
+  std::pair<CUevent, CUevent> timing_pair() {
+    CUevent a = timing_pool_get();
     return {a, timing_pool_get()};
   }
 
-  double sum_elapsed(const std::vector<std::pair<cudaEvent_t, cudaEvent_t>>& pairs) {
+  double sum_elapsed(const std::vector<std::pair<CUevent, CUevent>>& pairs) {
     double total = 0.0;
     for (const auto& [a, b] : pairs) {
-      C10_CUDA_CHECK(cudaEventSynchronize(b));
+      ck(cuda_driver().event_synchronize(b), "cuEventSynchronize");
       float ms = 0.f;
-      C10_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+      ck(cuda_driver().event_elapsed(&ms, a, b), "cuEventElapsedTime");
       total += ms * 1e-3;
     }
     return total;
   }
 
-  std::optional<c10::cuda::CUDAStream> copy_stream_, demand_stream_;
-  std::vector<cudaEvent_t> timing_pool_;
+  CUstream copy_stream_ = nullptr, demand_stream_ = nullptr;
+  std::vector<CUevent> timing_pool_;
   size_t timing_next_ = 0;
-  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> copy_events_, stall_events_, compute_events_;
-  std::unordered_map<int64_t, cudaEvent_t> compute_open_;
-#endif
+  std::vector<std::pair<CUevent, CUevent>> copy_events_, stall_events_, compute_events_;
+  std::unordered_map<int64_t, CUevent> compute_open_;
 
   at::Device device_{at::kCPU};
   bool cuda_ = false;
@@ -625,11 +695,6 @@ class StreamEngine {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using kimiserve::StreamEngine;
   m.doc() = "kimiserve weight-streaming engine (ring of device slots fed from host memory)";
-#ifdef KIMISERVE_WITH_CUDA
-  m.attr("WITH_CUDA") = true;
-#else
-  m.attr("WITH_CUDA") = false;
-#endif
   m.attr("ALIGN") = kimiserve::kAlign;
   m.def("register_errors", [](py::dict classes) {
     for (auto item : classes) (*kimiserve::g_errors)[item.first.cast<std::string>()] =
@@ -648,8 +713,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   py::class_<StreamEngine>(m, "StreamEngine")
-      .def(py::init<int64_t, int64_t, const std::string&>(), py::arg("num_slots"), py::arg("slot_bytes"),
-           py::arg("device"))
+      .def(py::init<int64_t, int64_t, const std::string&, int64_t, int64_t>(), py::arg("num_slots"),
+           py::arg("slot_bytes"), py::arg("device"), py::arg("copy_stream") = 0, py::arg("demand_stream") = 0)
       .def_property_readonly("num_slots", &StreamEngine::num_slots)
       .def_property_readonly("slot_bytes", &StreamEngine::slot_bytes)
       .def_property_readonly("is_cuda", &StreamEngine::is_cuda)
@@ -659,10 +724,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_slot_map", &StreamEngine::set_slot_map, py::arg("layer"), py::arg("ids"), py::arg("offsets"),
            py::arg("nbytes"))
       .def("fetch", &StreamEngine::fetch, py::arg("layer"), py::arg("ids") = py::none())
-      .def("acquire", &StreamEngine::acquire, py::arg("layer"))
-      .def("fetch_into", &StreamEngine::fetch_into, py::arg("layer"), py::arg("ids"))
+      .def("acquire", &StreamEngine::acquire, py::arg("layer"), py::arg("stream") = 0)
+      .def("fetch_into", &StreamEngine::fetch_into, py::arg("layer"), py::arg("ids"), py::arg("stream") = 0)
       .def("check_valid", &StreamEngine::check_valid, py::arg("layer"), py::arg("ids"))
-      .def("release", &StreamEngine::release, py::arg("layer"))
+      .def("release", &StreamEngine::release, py::arg("layer"), py::arg("stream") = 0)
       .def("drain", &StreamEngine::drain)
       .def("slots_state", &StreamEngine::slots_state)
       .def("occupancy", &StreamEngine::occupancy)

@@ -39,6 +39,10 @@ class NativeBuildError(StreamingError):
     """The native engine could not be built or loaded, or the build does not match the device."""
 
 
+class DeviceCopyError(StreamingError):
+    """A CUDA driver call of the copy engine failed; the message names the call and the CUDA error."""
+
+
 class HostMemoryError(CapacityError, StreamingError):
     """Host (pinned) memory is too small for what was asked; the message names the sizes."""
 
@@ -57,4 +61,5 @@ NATIVE_KINDS = {
     "NotPinned": NotPinnedError,
     "NotHost": NotHostTensorError,
     "NativeBuild": NativeBuildError,
+    "Cuda": DeviceCopyError,
 }

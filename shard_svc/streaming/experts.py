@@ -45,7 +45,7 @@ def w4a16_moe_experts(
     x: torch.Tensor,  # [T, Din]
     weights: torch.Tensor,  # [T, k] fp32
     ids: torch.Tensor,  # [T, k]
-    packed: dict[str, tuple[torch.Tensor, torch.Tensor]],  # 'w1'|'w3'|'w2' -> (packed [E, out, in/2], scale [E, out, in/32])
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]],  # w1 / w3 / w2: (packed [E, out, in/2], scale)
     activation: str,
     situ_betas: tuple[float, float],
 ) -> torch.Tensor:

@@ -48,8 +48,8 @@ class HostKVProfile:
     def index_of(self, engine_layer: int) -> int:
         """MLA cache index of an engine layer; a KDA layer has none."""
         if engine_layer not in self._index:
-            raise StreamingConfigError(f"{self.model_type}: engine layer {engine_layer} is not an MLA layer (MLA layers: "
-                                       f"{list(self.mla_layers)})")
+            raise StreamingConfigError(f"{self.model_type}: engine layer {engine_layer} is not an MLA layer "
+                                       f"(MLA layers: {list(self.mla_layers)})")
         return self._index[engine_layer]
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -76,8 +76,9 @@ class HostKVOffload:
     def __init__(self, cache: MLAKVCache, profile: HostKVProfile, host_pages: int,
                  metrics: StreamingMetrics | None = None):
         if cache.kv.shape[0] != profile.num_mla or cache.kv.shape[-1] != profile.latent_dim:
-            raise StreamingConfigError(f"device KV cache {list(cache.kv.shape)} does not match the {profile.model_type} "
-                                       f"profile ({profile.num_mla} MLA layers, latent {profile.latent_dim})")
+            raise StreamingConfigError(f"device KV cache {list(cache.kv.shape)} does not match the "
+                                       f"{profile.model_type} profile ({profile.num_mla} MLA layers, latent "
+                                       f"{profile.latent_dim})")
         if host_pages < 1:
             page = profile.page_bytes(cache.block_size, cache.kv.dtype)
             raise HostMemoryError(f"a host KV pool needs at least one page ({page} bytes for {profile.model_type}: "

@@ -118,10 +118,17 @@ class WeightStreamer:
             raise StreamingConfigError(f"prefetch depth {depth} with {num_slots} slots: the depth must be at least 1 "
                                        f"and the ring needs depth + 1 slots (a slot is refilled only after its layer "
                                        f"released it)")
-        self.cfg, self.host, self.device, self.options = cfg, host, torch.device(device), options
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.cfg, self.host, self.device, self.options = cfg, host, device, options
         self.depth, self.metrics = depth, metrics
         self.native = load_native(self.device)
-        self.engine = self.native.StreamEngine(num_slots, host.slot_bytes, str(self.device))
+        # CUDA: a copy stream for prefetches and a high-priority one for on-demand experts (kept alive here).
+        self._streams = ((torch.cuda.Stream(device), torch.cuda.Stream(device, priority=-1))
+                         if device.type == "cuda" else ())
+        handles = [st.cuda_stream for st in self._streams] or [0, 0]
+        self.engine = self.native.StreamEngine(num_slots, host.slot_bytes, str(self.device), *handles)
         self.order = sorted(host.plans)
         self._pos = {layer: i for i, layer in enumerate(self.order)}
         self._dense_ids: dict[int, list[int]] = {}
@@ -139,7 +146,7 @@ class WeightStreamer:
         log.info("weight streaming: %d layers from %s host memory (%.2f GiB), %d slots of %.2f GiB on %s, prefetch "
                  "depth %d, %s engine", len(self.order), "pinned" if host.pinned else "pageable",
                  host.total_bytes / (1 << 30), num_slots, self.engine.slot_bytes / (1 << 30), self.device, depth,
-                 "cuda" if self.native.WITH_CUDA else "cpu")
+                 self.device.type)
 
     # -- setup ----------------------------------------------------------------------------------------------------
     def _register(self) -> None:
@@ -230,7 +237,7 @@ class WeightStreamer:
         if not self._in_pass:
             raise MissingSlotError(f"streamed layer {layer} ran outside a forward pass's pass_scope: nothing fetched "
                                    "its weights (is the streamer attached to the runner?)")
-        slot = self.engine.acquire(layer)
+        slot = self.engine.acquire(layer, self._compute_stream())
         self._slot[layer] = slot
         targets = self._targets[layer]
         try:
@@ -246,7 +253,10 @@ class WeightStreamer:
             for module, attr, placeholder in targets:
                 module._parameters[attr] = placeholder
             del self._slot[layer]
-            self.engine.release(layer)
+            self.engine.release(layer, self._compute_stream())
+
+    def _compute_stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
     # -- views of a slot ------------------------------------------------------------------------------------------
     def _dense_views(self, layer: int, slot: int) -> list[torch.Tensor]:
@@ -284,7 +294,7 @@ class WeightStreamer:
         per_expert = self._expert_ids[layer]
         wanted = [hid for e in torch.unique(ids).tolist() for hid in per_expert[e]]
         if self._routed:
-            self.engine.fetch_into(layer, wanted)
+            self.engine.fetch_into(layer, wanted, self._compute_stream())
         self.engine.check_valid(layer, wanted)
         views = self._expert_views(layer, slot)
         if self.host.plans[layer].experts.format == "mxfp4":
