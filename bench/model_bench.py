@@ -5,7 +5,8 @@ ceilings measured in the same run; plus the kernels-vs-eager whole-model check o
 
 Prefill: 8 x 4,096 and 1 x 32,768 tokens. Decode: one step of batch 1, 16, 64, 256 at 4,096 tokens of context (the
 context's state and cache are filled with random values rather than prefilled: a decode step's cost does not depend
-on what the cache holds).
+on what the cache holds), each timed eager and as a replayed CUDA graph (shard_svc/engine/cuda_graphs.py; skipped
+with --enforce-eager). Parity on tiny checkpoints: kernels vs eager, and decode graphs vs the same kernels eager.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from bench.configs import KIMI_LINEAR_48B
 from shard_svc.config import ModelConfig
+from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
@@ -57,31 +59,42 @@ def ceilings() -> dict:
     return {"copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
 
 
-def kernel_parity(prompts: list[list[int]]) -> list[dict]:
-    """Kernels on vs eager on tiny checkpoints in bf16: logits within bf16 tolerance, greedy tokens equal."""
+def kernel_parity(prompts: list[list[int]], graphs: bool = True) -> tuple[list[dict], list[dict]]:
+    """On tiny checkpoints in bf16: kernels on vs eager (prompt logits within bf16 tolerance, greedy tokens equal),
+    and decode graphs vs the same kernels run eagerly (step logits, greedy tokens)."""
     from shard_svc.checkpoint.loader import load_model
     from shard_svc.make_tiny import make_tiny
 
-    out = []
+    cuda = torch.device("cuda")
+    out, graph_out = [], []
     for family in ("kimi_linear", "kimi_k3"):
         with tempfile.TemporaryDirectory() as tmp:
             make_tiny(family, Path(tmp) / "m", seed=0)
             cfg, model = load_model(Path(tmp) / "m", device="cuda", dtype=torch.bfloat16)
         runs = {}
-        for backend in ("eager", "triton"):
-            engine = Engine(cfg, model, select_ops(torch.device("cuda"), backend), torch.device("cuda"),
-                            EngineConfig(num_state_slots=len(prompts), num_kv_blocks=256))
+        for run in ("eager", "triton") + (("triton+graphs",) if graphs else ()):
+            backend = run.split("+")[0]
+            engine_cfg = EngineConfig(num_state_slots=len(prompts), num_kv_blocks=256)
+            engine = Engine(cfg, model, select_ops(cuda, backend), cuda,
+                            graph_engine_config(engine_cfg, cuda, enforce_eager=run != "triton+graphs"))
+            if run == "triton+graphs" and enable_cuda_graphs(engine) is None:
+                raise RuntimeError("decode graphs did not start for the Triton backend (the log says why)")
             seqs = [engine.add_request(f"p{i}", p, SamplingParams(max_tokens=16, ignore_eos=True),
                                        keep_prompt_logits=True) for i, p in enumerate(prompts)]
             while engine.has_work():
                 engine.step()
-            runs[backend] = seqs
+            runs[run] = seqs
         for a, b in zip(runs["eager"], runs["triton"]):
             la, lb = torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)
             rel = float((la - lb).abs().max() / la.abs().max())
             out.append({"family": family, "prompt_len": len(a.prompt), "prompt_logits_max_rel_err": rel,
                         "greedy_tokens_equal": a.output == b.output})
-    return out
+        for a, b in zip(runs["triton"], runs.get("triton+graphs", [])):
+            la, lb = torch.cat(a.step_logits), torch.cat(b.step_logits)
+            graph_out.append({"family": family, "prompt_len": len(a.prompt),
+                              "step_logits_max_rel_err": float((la - lb).abs().max() / la.abs().max()),
+                              "greedy_tokens_equal": a.output == b.output})
+    return out, graph_out
 
 
 def active_bytes(cfg: ModelConfig, model, batch: int) -> float:
@@ -123,16 +136,22 @@ def decode_bench(engine: Engine, batch: int, context: int) -> float:
         pool.recurrent[:, s.slot].normal_(0, 0.02)
         pool.conv[:, s.slot].normal_(0, 0.02)
         cache.reserve(s.request_id, context + 64)
-        s.num_computed, s.output = context, [7]
+        # Distinct tokens per sequence, so routing spreads over experts as real traffic does.
+        s.num_computed, s.output = context, [1 + (7919 * int(s.request_id[2:])) % 150000]
     for block in range(cache.blocks.num_blocks - cache.blocks.num_free):
         cache.kv[:, block].normal_(0, 1)
 
     def step():
         engine.runner.forward([(s, 1) for s in seqs], is_decode=True)
         for s in seqs:
-            s.output.append(7)
+            s.output.append(1 + (s.output[-1] * 31 + 17) % 150000)
 
-    seconds = timed(step, warmup=2, reps=5)
+    graphs = engine.runner.graphs
+    engine.runner.graphs = None
+    seconds = {"eager": timed(step, warmup=2, reps=5)}
+    engine.runner.graphs = graphs
+    if graphs is not None:
+        seconds["graphs"] = timed(step, warmup=2, reps=5)
     for s in seqs:
         engine.cancel(s.request_id)
     return seconds
@@ -148,6 +167,8 @@ def plots(result: dict, out: Path) -> list[str]:
     dec = result["decode"]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([d["batch"] for d in dec], [d["tpot_ms"] for d in dec], "o-", label="kimiserve TPOT")
+    if all("tpot_graphs_ms" in d for d in dec):
+        ax.plot([d["batch"] for d in dec], [d["tpot_graphs_ms"] for d in dec], "s-", label="kimiserve TPOT, graphs")
     ax.plot([d["batch"] for d in dec], [d["floor_ms"] for d in dec], "k--", label="bandwidth floor")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch (4k context)")
@@ -173,6 +194,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run (figures scale)")
     p.add_argument("--skip-parity", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="time decode without CUDA graphs only")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +202,8 @@ def main() -> None:
                     "torch": torch.__version__}
     result["ceilings"] = ceilings()
     if not args.skip_parity:
-        result["kernel_parity"] = kernel_parity([[1, 2, 3, 4, 5, 6, 7], list(range(10, 140)), [42] * 65])
+        result["kernel_parity"], result["graph_parity"] = kernel_parity(
+            [[1, 2, 3, 4, 5, 6, 7], list(range(10, 140)), [42] * 65], graphs=not args.enforce_eager)
     raw = dict(KIMI_LINEAR_48B)
     if args.layers:
         raw["num_hidden_layers"] = args.layers
@@ -193,9 +216,15 @@ def main() -> None:
     model = dummy_model(cfg, "cuda", torch.bfloat16)
     ops = select_ops(torch.device("cuda"))
     result["op_backends"] = dict(ops.backends)
+    engine_cfg = EngineConfig(num_state_slots=256, num_kv_blocks=256 * (4096 + 64) // 64 + 8, kv_block_size=64,
+                              prefill_token_budget=1 << 20)
     engine = Engine(cfg, model, ops, torch.device("cuda"),
-                    EngineConfig(num_state_slots=256, num_kv_blocks=256 * (4096 + 64) // 64 + 8, kv_block_size=64,
-                                 prefill_token_budget=1 << 20))
+                    graph_engine_config(engine_cfg, torch.device("cuda"), args.enforce_eager))
+    decode_batches = (1, 16, 64, 256)
+    if not args.enforce_eager:
+        start = time.perf_counter()
+        graphs = enable_cuda_graphs(engine, buckets=decode_batches)
+        result["graph_capture_s"] = time.perf_counter() - start if graphs is not None else None
     ceil = result["ceilings"]
     flops = linear_flops_per_token(cfg, model)
     result["prefill_ceiling_tokens_per_s"] = ceil["bf16_matmul_TFLOPs"] * 1e12 / flops
@@ -206,14 +235,20 @@ def main() -> None:
         result["prefill"].append({"batch": batch, "length": length, "seconds": s, "tokens_per_s": tps,
                                   "mfu": tps * flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)})
     result["decode"] = []
-    for batch in (1, 16, 64, 256):
-        s = decode_bench(engine, batch, 4096)
+    for batch in decode_batches:
+        timings = decode_bench(engine, batch, 4096)
+        s = timings["eager"]
         state = batch * cfg.layer_map.num_kda * engine.runner.kda_pool.recurrent[0, 0].numel() * 4 * 2
         kv = batch * 4096 * cfg.layer_map.num_mla * cfg.mla.latent_dim * 2
         moved = active_bytes(cfg, model, batch) + state + kv
         floor = moved / (ceil["copy_TBps"] * 1e12)
-        result["decode"].append({"batch": batch, "tpot_ms": s * 1e3, "floor_ms": floor * 1e3,
-                                 "bandwidth_utilisation": floor / s, "tokens_per_s": batch / s})
+        row = {"batch": batch, "tpot_ms": s * 1e3, "floor_ms": floor * 1e3, "bandwidth_utilisation": floor / s,
+               "tokens_per_s": batch / s}
+        if "graphs" in timings:
+            g = timings["graphs"]
+            row.update({"tpot_graphs_ms": g * 1e3, "bandwidth_utilisation_graphs": floor / g,
+                        "tokens_per_s_graphs": batch / g})
+        result["decode"].append(row)
     result["plots"] = plots(result, args.out)
     (args.out / "model_bench.json").write_text(json.dumps(result, indent=1))
     lines = [f"{result['device']}  copy {ceil['copy_TBps']:.2f} TB/s  bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
@@ -221,12 +256,17 @@ def main() -> None:
     for r in result.get("kernel_parity", []):
         lines.append(f"parity {r['family']:<12} P={r['prompt_len']:<4} rel err {r['prompt_logits_max_rel_err']:.2e} "
                      f"greedy equal {r['greedy_tokens_equal']}")
+    for r in result.get("graph_parity", []):
+        lines.append(f"graphs vs eager {r['family']:<12} P={r['prompt_len']:<4} step logits rel err "
+                     f"{r['step_logits_max_rel_err']:.2e} greedy equal {r['greedy_tokens_equal']}")
     for r in result["prefill"]:
         lines.append(f"prefill {r['batch']} x {r['length']:<6} {r['tokens_per_s'] / 1e3:8.1f} k tok/s  "
                      f"MFU {100 * r['mfu']:.1f}%")
     for r in result["decode"]:
+        graphed = (f"  graphs TPOT {r['tpot_graphs_ms']:8.2f} ms  bandwidth "
+                   f"{100 * r['bandwidth_utilisation_graphs']:.1f}%") if "tpot_graphs_ms" in r else ""
         lines.append(f"decode batch {r['batch']:<4} TPOT {r['tpot_ms']:8.2f} ms  floor {r['floor_ms']:.2f} ms  "
-                     f"bandwidth {100 * r['bandwidth_utilisation']:.1f}%")
+                     f"bandwidth {100 * r['bandwidth_utilisation']:.1f}%{graphed}")
     log.info("\n" + "\n".join(lines))
 
 

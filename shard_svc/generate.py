@@ -12,6 +12,7 @@ import torch
 
 from kimiserve.sampling_args import add_sampling_args
 from shard_svc.checkpoint import LOAD_FORMATS
+from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
@@ -35,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (default on CUDA when every decode op is graph-safe)")
     p.add_argument("--dump-logits", type=Path, default=None,
                    help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
     from shard_svc.parallel.launch import add_group_args
@@ -52,7 +55,11 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers in host memory --
     cfg, model, streamer = load_for_serving(args.model, args.load_format, device, dtype, weights_args(args))
-    engine = Engine(cfg, model, select_ops(device), device, EngineConfig(num_state_slots=1))
+    eager = args.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
+    engine = Engine(cfg, model, select_ops(device), device,
+                    graph_engine_config(EngineConfig(num_state_slots=1), device, eager))
+    if not eager:
+        enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
     if streamer is not None:
         streamer.attach(engine.runner)
     return _generate(args, engine)

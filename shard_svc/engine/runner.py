@@ -22,6 +22,8 @@ class ModelRunner:
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
         # -- weight streaming hook (shard_svc/streaming): a WeightStreamer attaches itself here. None: resident. --
         self.weights = None
+        # -- decode graph hook (engine/cuda_graphs.py): a CudaGraphRunner attaches itself here. None: eager. --
+        self.graphs = None
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.kv_cache.block_size
@@ -56,16 +58,19 @@ class ModelRunner:
     def forward(self, work: list[tuple[Sequence, int]], is_decode: bool) -> list[torch.Tensor]:
         """Runs one pass; returns per sequence fp32 logits [n_rows, vocab]: every new position for sequences that
         keep prompt logits, else only the last one. Advances each sequence's num_computed."""
-        input_ids, batch = self._batch(work, is_decode)
-        ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
-        if self.weights is None:
-            hidden = self.model(input_ids, ctx)
-        else:  # -- weight streaming hook: layers fetched into device slots during the pass --
-            with self.weights.pass_scope(batch, int(input_ids.shape[0])):
+        if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
+            hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
+        else:
+            input_ids, batch = self._batch(work, is_decode)
+            ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
+            if self.weights is None:
                 hidden = self.model(input_ids, ctx)
-        rows, spans = [], []
-        for i, (seq, n) in enumerate(work):
-            end = int(batch.cu_seqlens[i + 1])
+            else:  # -- weight streaming hook: layers fetched into device slots during the pass --
+                with self.weights.pass_scope(batch, int(input_ids.shape[0])):
+                    hidden = self.model(input_ids, ctx)
+        rows, spans, end = [], [], 0
+        for seq, n in work:
+            end += n  # host-side offsets: reading cu_seqlens back would sync once per sequence
             first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
             spans.append(end - first)
             rows.extend(range(first, end))

@@ -19,6 +19,7 @@ from prometheus_client import start_http_server
 from kimiserve import security
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
+from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
 from shard_svc.server.engine_loop import EngineLoop
@@ -49,6 +50,7 @@ class ShardServerConfig:
     ep: int = 1  # routed experts split ep ways; max(tp, ep) processes, this one is rank 0
     group_timeout_s: float = 60.0
     weights: WeightsArgs = WeightsArgs()  # --weights resident|stream|auto (shard_svc/streaming)
+    enforce_eager: bool = False  # no decode CUDA graphs (shard_svc/engine/cuda_graphs.py)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -67,6 +69,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (default on CUDA when every decode op is graph-safe)")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
@@ -82,7 +86,8 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
                              args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,
-                             group_timeout_s=args.group_timeout, weights=weights_args(args))
+                             group_timeout_s=args.group_timeout, weights=weights_args(args),
+                             enforce_eager=args.enforce_eager)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
@@ -103,7 +108,11 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
         # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers on the host --
         model_cfg, model, streamer = load_for_serving(cfg.model_dir, cfg.load_format, device, dtype, cfg.weights,
                                                       registry=metrics.registry, shard=cfg.shard_name)
-        engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device, cfg.engine)
+        eager = cfg.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
+        engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device,
+                        graph_engine_config(cfg.engine, device, eager))
+        if not eager:
+            enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
         if streamer is not None:
             streamer.attach(engine.runner)
         loop = EngineLoop(engine, metrics)
