@@ -36,7 +36,7 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dt
         table = _tables[packed.device] = _E2M1.to(packed.device)
     out, half = packed.shape
     codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(out, 2 * half)  # low nibble first
-    values = table[codes.long()].view(out, -1, GROUP)
+    values = table[codes.int()].view(out, -1, GROUP)
     multiplier = torch.exp2(scale.to(torch.int32).sub(E8M0_BIAS).float()).unsqueeze(-1)
     return (values * multiplier).view(out, 2 * half).to(dtype)
 
@@ -52,8 +52,16 @@ def w4a16_moe_experts(
     """Weighted sum over each token's chosen experts of w2(act(w1 x, w3 x)); [T, Din] in x's dtype."""
     w2p = packed["w2"][0]
     out = torch.zeros(x.shape[0], w2p.shape[1], dtype=acc_dtype(x.dtype), device=x.device)
-    for e in torch.unique(ids).tolist():
-        token_idx, which = (ids == e).nonzero(as_tuple=True)
+    # One host sync for the whole layer: pairs grouped by expert with a stable sort keep the row-major order that
+    # `(ids == e).nonzero()` gives, so every expert sees the same rows in the same order as the eager MoE.
+    k, flat = ids.shape[1], ids.flatten()
+    order = torch.sort(flat, stable=True).indices
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=w2p.shape[0]).tolist()):
+        if not n:
+            continue
+        pairs, start = order[start:start + n], start + n
+        token_idx, which = pairs // k, pairs % k
         xe = x[token_idx]
         w1, w3, w2 = (dequantize_packed(packed[w][0][e], packed[w][1][e], x.dtype) for w in ("w1", "w3", "w2"))
         h = glu(xe @ w1.t(), xe @ w3.t(), activation, situ_betas)

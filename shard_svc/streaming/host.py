@@ -110,6 +110,10 @@ class HostWeights:
         self.view(layer, m).copy_(value)
         self._filled[layer].add(name)
 
+    def mark_written(self, layer: int) -> None:
+        """Declares every member of `layer` written in place through its arena (benchmarks fill arenas directly)."""
+        self._filled[layer] = set(self._members[layer])
+
     def check_filled(self) -> None:
         """Every member of every layer written once: never stream uninitialised host memory (LESSONS.md 1)."""
         missing = [f"layer {layer} {name}" for layer, names in self._members.items() for name in names
