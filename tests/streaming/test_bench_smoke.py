@@ -28,7 +28,7 @@ def test_bench_pieces_run_on_cpu():
     assert len(result["prefill"]) == 3 and len(result["decode"]) == 2
     assert all(not row["routed_experts"] for row in result["prefill"])
     assert all(torch.isfinite(torch.tensor(row["tokens_per_s"])) for row in result["prefill"])
+    peak = {"peak_GBps": 10.0, "GBps_by_size": {"1MiB": 10.0}}
     text = bench.table({"device": "cpu", "torch": torch.__version__, "layers": 5, "slice_GiB": 0.01, "slots": 3,
-                        "slot_GiB": 0.001, "depth": 2, "pinned_copy": {"peak_GBps": 10.0, "GBps_by_size": {"1MiB": 10.0}},
-                        "ring": ring, "prefill": result})
+                        "slot_GiB": 0.001, "depth": 2, "pinned_copy": peak, "ring": ring, "prefill": result})
     assert "pinned-copy peak" in text and "prefill 2 x 16" in text and "decode batch 2" in text
