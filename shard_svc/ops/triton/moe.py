@@ -7,8 +7,8 @@ the M-block `BM` (`moe_align`), so every M-block of the GEMMs reads one expert's
 
 1. align: `sorted_ids` [max_blocks * BM] int32 (pair index, or `n_pairs` for padding), `expert_ids` [max_blocks],
    `num_padded` [1] (rows in use). One launch (one program) for up to `SMALL_ALIGN_MAX` pairs (decode); for more
-   pairs a histogram grid, a one-program scan and a placing grid. Positions inside an expert's run are taken with
-   atomics, so their order varies between runs, but no row's result depends on its position.
+   pairs a histogram grid, a one-program scan writing the runs, and a placing grid. Positions inside an expert's run
+   are taken with atomics, so their order varies between runs, but no row's result depends on its position.
 2. `_moe_gate_up_kernel`: per (M-block, N-tile) gather x rows, two accumulators (w1, w3), the activation in fp32
    (each product first rounded to x's dtype, as the eager path does) -> h [max_blocks * BM, I] by sorted position.
 3. `_moe_down_kernel`: h rows (contiguous) @ w2[e]^T -> y [T*k, Din] by pair index, in x's dtype.
@@ -45,17 +45,26 @@ def _expert_of(ids, o, N, E, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _scan_counts(counts, scratch, num_padded, E, E_PAD: tl.constexpr, BM: tl.constexpr):
-    """From per-expert counts: scratch[0:E_PAD] = padded starts (the running position of each expert),
-    scratch[E_PAD:2E_PAD] = padded ends, scratch[2E_PAD:3E_PAD] = counts; num_padded = rows in use."""
+def _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD: tl.constexpr, BM: tl.constexpr,
+                RB: tl.constexpr):
+    """From per-expert counts [E_PAD] (in registers): each run's start goes to scratch[0:E_PAD] (the next free row,
+    taken by atomics when the pairs are placed), the expert of each of its M-blocks to expert_ids, the sentinel N
+    to its padding rows, the rows in use to num_padded. Vectorised over experts: no search per block."""
     o_e = tl.arange(0, E_PAD)
     counts = tl.where(o_e < E, counts, 0)
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, 0)
-    tl.store(scratch + o_e, ends - padded)
-    tl.store(scratch + E_PAD + o_e, ends)
-    tl.store(scratch + 2 * E_PAD + o_e, counts)
+    starts = ends - padded
+    tl.store(scratch + o_e, starts)
     tl.store(num_padded, tl.sum(padded, 0))
+    blocks = padded // BM
+    for j in range(0, tl.max(blocks, 0)):
+        tl.store(expert_ids + starts // BM + j, o_e, mask=j < blocks)
+    # Padding lies in the last BM rows of a run, past its count (empty runs have none).
+    for r0 in tl.static_range(0, BM, RB):
+        rows = ends[:, None] - BM + r0 + tl.arange(0, RB)[None, :]  # [E_PAD, RB]
+        pad = (padded[:, None] > 0) & (rows >= (starts + counts)[:, None])
+        tl.store(sorted_ids + rows, tl.zeros_like(rows) + N, mask=pad)
 
 
 @triton.jit
@@ -67,43 +76,16 @@ def _place_pairs(ids, scratch, sorted_ids, o, N, E, E_PAD: tl.constexpr):
 
 
 @triton.jit
-def _place_blocks(scratch, sorted_ids, expert_ids, ob, max_blocks, N, E, E_PAD: tl.constexpr, BM: tl.constexpr,
-                  SEARCH: tl.constexpr):
-    """Expert of M-blocks ob (first expert whose padded end lies past the block start) and the padding rows."""
-    mb = ob < max_blocks
-    start = ob * BM
-    lo = tl.zeros_like(ob)
-    hi = lo + E
-    for _ in tl.static_range(SEARCH):
-        mid = (lo + hi) // 2
-        end_mid = tl.load(scratch + E_PAD + tl.minimum(mid, E - 1))
-        right = end_mid <= start
-        active = lo < hi
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (right == 0), mid, hi)
-    e_b = tl.minimum(lo, E - 1)
-    tl.store(expert_ids + ob, e_b, mask=mb)
-    cnt = tl.load(scratch + 2 * E_PAD + e_b)
-    run_start = tl.load(scratch + E_PAD + e_b) - (cnt + BM - 1) // BM * BM
-    rows = start[:, None] + tl.arange(0, BM)[None, :]  # [NB, BM]
-    pad = mb[:, None] & ((rows - run_start[:, None]) >= cnt[:, None])  # past the run's pairs (or past all runs)
-    tl.store(sorted_ids + rows, tl.zeros_like(rows) + N, mask=pad)
-
-
-@triton.jit
-def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E, max_blocks,
-                          BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, NB: tl.constexpr,
-                          SEARCH: tl.constexpr):
-    """The whole align in one program (few pairs). Barriers order the scratch writes before the reads."""
+def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E,
+                          BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, RB: tl.constexpr):
+    """The whole align in one program (few pairs). The barrier orders the run starts before the atomics."""
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, N, C):
         counts += tl.histogram(_expert_of(ids, c0 + tl.arange(0, C), N, E, E_PAD), E_PAD)
-    _scan_counts(counts, scratch, num_padded, E, E_PAD, BM)
+    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD, BM, RB)
     tl.debug_barrier()
     for c0 in range(0, N, C):
         _place_pairs(ids, scratch, sorted_ids, c0 + tl.arange(0, C), N, E, E_PAD)
-    for b0 in range(0, max_blocks, NB):
-        _place_blocks(scratch, sorted_ids, expert_ids, b0 + tl.arange(0, NB), max_blocks, N, E, E_PAD, BM, SEARCH)
 
 
 @triton.jit
@@ -111,29 +93,26 @@ def _moe_hist_kernel(ids, scratch, N, E, E_PAD: tl.constexpr, C: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
     hist = tl.histogram(_expert_of(ids, o, N, E, E_PAD), E_PAD)
     o_e = tl.arange(0, E_PAD)
-    tl.atomic_add(scratch + 2 * E_PAD + o_e, hist, mask=(o_e < E) & (hist > 0))
+    tl.atomic_add(scratch + E_PAD + o_e, hist, mask=(o_e < E) & (hist > 0))
 
 
 @triton.jit
-def _moe_scan_kernel(scratch, num_padded, E, E_PAD: tl.constexpr, BM: tl.constexpr):
-    counts = tl.load(scratch + 2 * E_PAD + tl.arange(0, E_PAD))
-    _scan_counts(counts, scratch, num_padded, E, E_PAD, BM)
+def _moe_runs_kernel(scratch, sorted_ids, expert_ids, num_padded, N, E,
+                     BM: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
+    counts = tl.load(scratch + E_PAD + tl.arange(0, E_PAD))
+    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD, BM, RB)
 
 
 @triton.jit
-def _moe_place_kernel(ids, sorted_ids, expert_ids, scratch, N, E, max_blocks,
-                      BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, NB: tl.constexpr,
-                      SEARCH: tl.constexpr):
-    pid = tl.program_id(0)
-    _place_pairs(ids, scratch, sorted_ids, pid.to(tl.int64) * C + tl.arange(0, C), N, E, E_PAD)
-    _place_blocks(scratch, sorted_ids, expert_ids, pid * NB + tl.arange(0, NB), max_blocks, N, E, E_PAD, BM, SEARCH)
+def _moe_place_kernel(ids, sorted_ids, scratch, N, E, E_PAD: tl.constexpr, C: tl.constexpr):
+    _place_pairs(ids, scratch, sorted_ids, tl.program_id(0).to(tl.int64) * C + tl.arange(0, C), N, E, E_PAD)
 
 
 @dataclass(frozen=True)
 class Layout:
     sorted_ids: torch.Tensor  # [max_blocks * BM] int32 pair index (t * k + j), n_pairs for padding rows
     expert_ids: torch.Tensor  # [max_blocks] int32 expert of each M-block
-    num_padded: torch.Tensor  # [1] int32 rows in use (M-blocks past it are idle)
+    num_padded: torch.Tensor  # [1] int32 rows in use; M-blocks past it hold stale values and are never read
     block_m: int
     max_blocks: int
 
@@ -151,24 +130,23 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int 
     n = flat.shape[0]
     max_blocks = max_blocks_for(n, num_experts, block_m)
     dev = ids.device
-    e_pad = pow2_at_least(num_experts + 1, 16)  # one spare bin for pairs outside [0, E)
-    search = max(1, (num_experts - 1).bit_length() + 1)
+    e_pad = pow2_at_least(num_experts + 1, 32)  # a spare bin for pairs outside [0, E); >= a warp for tl.histogram
+    rb = min(block_m, max(1, 8192 // e_pad))  # padding rows written [E_PAD, RB] at a time
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    nb = 16
     if n <= small_max:
-        scratch = torch.empty(3 * e_pad, dtype=torch.int32, device=dev)
-        _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts, max_blocks,
-                                    BM=block_m, E_PAD=e_pad, C=256, NB=nb, SEARCH=search, num_warps=4)
+        scratch = torch.empty(e_pad, dtype=torch.int32, device=dev)
+        _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts,
+                                    BM=block_m, E_PAD=e_pad, C=256, RB=rb, num_warps=8)
     else:
         c = 1024
-        scratch = torch.zeros(3 * e_pad, dtype=torch.int32, device=dev)
+        scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)  # run starts | counts
         _moe_hist_kernel[(triton.cdiv(n, c),)](flat, scratch, n, num_experts, E_PAD=e_pad, C=c, num_warps=4)
-        _moe_scan_kernel[(1,)](scratch, num_padded, num_experts, E_PAD=e_pad, BM=block_m, num_warps=4)
-        grid = max(triton.cdiv(n, c), triton.cdiv(max_blocks, nb))
-        _moe_place_kernel[(grid,)](flat, sorted_ids, expert_ids, scratch, n, num_experts, max_blocks,
-                                   BM=block_m, E_PAD=e_pad, C=c, NB=nb, SEARCH=search, num_warps=4)
+        _moe_runs_kernel[(1,)](scratch, sorted_ids, expert_ids, num_padded, n, num_experts,
+                               BM=block_m, E_PAD=e_pad, RB=rb, num_warps=8)
+        _moe_place_kernel[(triton.cdiv(n, c),)](flat, sorted_ids, scratch, n, num_experts, E_PAD=e_pad, C=c,
+                                                num_warps=4)
     return Layout(sorted_ids, expert_ids, num_padded, block_m, max_blocks)
 
 
