@@ -58,3 +58,16 @@ def test_generate_cli_streams_the_same_tokens(tmp_path):
         if weights == "stream":
             assert "weights: stream (--weights stream)" in out.stderr
     assert len(tokens["resident"]) == 3 and tokens["stream"] == tokens["resident"]
+
+
+def test_auto_streams_a_model_that_does_not_fit_the_device(monkeypatch):
+    from bench.streaming import k3_slice_config
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 << 30, 141 << 30))
+    k3 = ModelConfig.from_dict(k3_slice_config(4))  # 4 full-width layers: ~240 GB resident (experts dequantised)
+    mode, why = choose_mode("auto", k3, cuda, torch.bfloat16)
+    assert mode == "stream" and "needs" in why and "140.0 GiB free" in why
+    tiny = ModelConfig.from_dict(kimi_k3_config(8))
+    mode, why = choose_mode("auto", tiny, cuda, torch.bfloat16)
+    assert mode == "resident" and "fits" in why
