@@ -4,7 +4,8 @@ One file per kernel family, each next to the eager reference it is tested agains
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
 in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py`
 (ops/moe/eager.py::moe_experts), `mla_decode.py` (ops/mla/eager.py::mla_attention, decode layout).
-Ops not listed in `load()` stay eager.
+Ops not listed in `load()` stay eager. `moe_w4a16.py::moe_experts_w4a16` (packed MXFP4 experts, the contract of
+streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds packed experts calls it directly.
 
 An implementation with `graph_safe = True` makes no host sync and sizes every buffer and grid from shapes alone, so
 a decode step made of such ops can be captured in a CUDA graph (`shard_svc/engine/cuda_graphs.py`).

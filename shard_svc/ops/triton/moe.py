@@ -222,6 +222,12 @@ def _moe_gate_up_kernel(
         p_a += BK
         p_b1 += BK
         p_b3 += BK
+    _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
+
+
+@triton.jit
+def _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.constexpr, RNE: tl.constexpr):
+    """h[o_p, o_n] = act(gate, up) in h's dtype, every row of the block (padding rows give 0)."""
     dt = h.dtype.element_ty
     g = _round(acc1, dt, RNE).to(tl.float32)  # the eager path rounds each product to x's dtype first
     u = _round(acc3, dt, RNE).to(tl.float32)
