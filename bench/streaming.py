@@ -302,12 +302,18 @@ def main() -> None:
 
     from shard_svc.streaming.native import load_native
 
-    start = time.perf_counter()
-    load_native("cuda")
-    result["native_build_s"] = time.perf_counter() - start
     result["pinned_copy"] = pinned_copy_peak()
     log.info("pinned-copy peak %.1f GB/s", result["pinned_copy"]["peak_GBps"])
     save()
+    start = time.perf_counter()
+    try:
+        native = load_native("cuda")
+    except Exception:  # noqa: BLE001 - the peak is already saved; say why nothing else came
+        result["native_error"] = traceback.format_exc()
+        save()
+        raise
+    result["native_build"] = {"seconds": time.perf_counter() - start, "with": getattr(native, "BUILT_WITH", "?"),
+                              "dir": getattr(native, "BUILD_DIR", "?")}
     layers, result["host"] = choose_layers(args.layers, args.pinned_fraction, args.prefetch_depth)
     budget = int(result["host"]["pinned_budget_GiB"] * GiB)
     dev = torch.device("cuda", torch.cuda.current_device())

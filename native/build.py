@@ -77,7 +77,13 @@ def load(verbose: bool = False, use_ninja: bool | None = None):
     tag = _tag()
     name = f"kimiserve_stream_{tag.rsplit('-', 1)[1]}"
     build_dir = cache_root() / (tag if use_ninja else tag + "-direct")
-    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: the temp directory still works (and says so in BUILD_DIR)
+        import tempfile
+
+        build_dir = Path(tempfile.gettempdir()) / "kimiserve-native" / build_dir.name
+        build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
         module = _build_ninja(name, build_dir, verbose) if use_ninja else _build_direct(name, build_dir, verbose)

@@ -83,7 +83,10 @@ struct CudaDriver {
   CUresult (*stream_wait_event)(CUstream, CUevent, unsigned) = nullptr;
   CUresult (*stream_synchronize)(CUstream) = nullptr;
   CUresult (*error_string)(CUresult, const char**) = nullptr;
+  CUresult (*pointer_get_attribute)(void*, int, uint64_t) = nullptr;
 };
+constexpr int kPointerAttributeMemoryType = 2;  // CU_POINTER_ATTRIBUTE_MEMORY_TYPE
+constexpr unsigned kMemoryTypeHost = 1;         // CU_MEMORYTYPE_HOST: page-locked (cudaHostAlloc / cudaHostRegister)
 
 template <typename F>
 void resolve(void* lib, F& fn, std::initializer_list<const char*> names) {
@@ -116,6 +119,7 @@ const CudaDriver& cuda_driver() {
     resolve(lib, d.stream_wait_event, {"cuStreamWaitEvent"});
     resolve(lib, d.stream_synchronize, {"cuStreamSynchronize"});
     resolve(lib, d.error_string, {"cuGetErrorString"});
+    resolve(lib, d.pointer_get_attribute, {"cuPointerGetAttribute"});
     return d;
   }();
   return d;
@@ -223,7 +227,7 @@ class StreamEngine {
     if (!t.device().is_cpu())
       fail("NotHost", "host tensor ", name, " is on ", t.device().str(), "; streamed tensors live in host memory");
     if (!t.is_contiguous()) fail("NotHost", "host tensor ", name, " is not contiguous");
-    if (cuda_ && !t.is_pinned())
+    if (cuda_ && !page_locked(t))
       fail("NotPinned", "host tensor ", name, " (", t.nbytes(), " bytes) is in pageable memory; an asynchronous "
            "copy to ", device_.str(), " needs pinned memory");
     host_.push_back(t);
@@ -612,6 +616,16 @@ class StreamEngine {
       }
       cv_.notify_all();
     }
+  }
+
+  // Asked of the driver, not of torch's allocator: memory registered with cudaHostRegister counts too.
+  bool page_locked(const at::Tensor& t) {
+    if (t.nbytes() == 0) return true;
+    ensure_context();
+    unsigned type = 0;
+    CUresult r = cuda_driver().pointer_get_attribute(&type, kPointerAttributeMemoryType,
+                                                     reinterpret_cast<uint64_t>(t.data_ptr()));
+    return r == 0 && type == kMemoryTypeHost;
   }
 
   void ensure_context() {

@@ -53,8 +53,13 @@ def _alloc(nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
     buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
     if not pinned:
         return buf, False
-    rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)
-    if int(rc) != 0 or not buf.is_pinned():
+    register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
+    if register is None:  # an old binding: torch's pinned allocator (rounds sizes up to a power of two)
+        log.warning("torch.cuda.cudart() has no cudaHostRegister; pinning %.2f GiB with torch's pinned allocator",
+                    nbytes / GiB)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True), False
+    rc = register(buf.data_ptr(), buf.numel(), 0)
+    if int(rc) != 0:
         raise HostMemoryError(f"cannot page-lock {nbytes / GiB:.2f} GiB of host memory (cudaHostRegister returned "
                               f"{rc}); lower the pinned-memory budget or the number of streamed layers")
     return buf, True
