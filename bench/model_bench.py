@@ -97,6 +97,48 @@ def kernel_parity(prompts: list[list[int]], graphs: bool = True) -> tuple[list[d
     return out, graph_out
 
 
+@torch.inference_mode()
+def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
+    """The Triton MoE and MLA-decode ops against their eager references at the 48B shape (one layer's dummy weights,
+    random inputs; both align paths), with the kernel's time and the bytes it must read."""
+    from triton.testing import do_bench
+
+    from shard_svc.ops import EAGER
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
+    m, w = cfg.moe, moe.experts
+    out = []
+    for t in (1, 64, 256, 4096):
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        weights, ids = ops.moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, m.top_k, m.renormalize,
+                                     m.routed_scaling_factor)
+        args = (x, weights, ids, w.w1, w.w3, w.w2, "silu", (4.0, 25.0))
+        ms = do_bench(lambda: ops.moe_experts(*args), warmup=5, rep=50, return_mode="median")
+        touched = int(torch.unique(ids).numel()) * 3 * w.w1[0].numel() * 2
+        err = rel(ops.moe_experts(*args), EAGER["moe_experts"](*args))
+        out.append({"op": "moe_experts", "tokens": t, "rel_err": err, "ms": ms,
+                    "weight_TBps": touched / (ms * 1e-3) / 1e12})
+    mla = next(layer.self_attn for layer in model.model.layers if hasattr(layer.self_attn, "kv_b_proj"))
+    bs, ctx = 64, 4095
+    for b in (1, 16, 64, 256):
+        per = -(-(ctx + 1) // bs)
+        cache = torch.randn(b * per, bs, cfg.mla.latent_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tables = torch.randperm(b * per, device="cuda", generator=gen).view(b, per).int()
+        q = torch.randn(b, mla.nh, mla.nope + mla.rope, device="cuda", dtype=torch.bfloat16, generator=gen)
+        args = (q[..., :mla.nope], q[..., mla.nope:], cache, mla.kv_b_proj.weight, tables,
+                torch.full((b,), ctx, device="cuda"), torch.arange(b + 1, device="cuda"), mla.scale)
+        ms = do_bench(lambda: ops.mla_decode(*args), warmup=5, rep=50, return_mode="median")
+        check = rel(ops.mla_decode(*args), EAGER["mla_decode"](*args)) if b <= 64 else None  # eager loops on the host
+        out.append({"op": "mla_decode", "batch": b, "context": ctx + 1, "rel_err": check, "ms": ms,
+                    "kv_TBps": cache.numel() * 2 / (ms * 1e-3) / 1e12})
+        del cache
+    return out
+
+
 def active_bytes(cfg: ModelConfig, model, batch: int) -> float:
     """Weight bytes one decode step reads: everything but the unused experts and the embedding table."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -225,6 +267,8 @@ def main() -> None:
         start = time.perf_counter()
         graphs = enable_cuda_graphs(engine, buckets=decode_batches)
         result["graph_capture_s"] = time.perf_counter() - start if graphs is not None else None
+    if not args.skip_parity:
+        result["op_checks_48b"] = op_checks_48b(cfg, model, ops)
     ceil = result["ceilings"]
     flops = linear_flops_per_token(cfg, model)
     result["prefill_ceiling_tokens_per_s"] = ceil["bf16_matmul_TFLOPs"] * 1e12 / flops
@@ -256,6 +300,12 @@ def main() -> None:
     for r in result.get("kernel_parity", []):
         lines.append(f"parity {r['family']:<12} P={r['prompt_len']:<4} rel err {r['prompt_logits_max_rel_err']:.2e} "
                      f"greedy equal {r['greedy_tokens_equal']}")
+    for r in result.get("op_checks_48b", []):
+        size = f"T={r['tokens']}" if r["op"] == "moe_experts" else f"B={r['batch']} x {r['context']}"
+        err = "n/a" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
+        rate = r.get("weight_TBps", r.get("kv_TBps"))
+        lines.append(f"48B {r['op']:<12} {size:<14} rel err vs eager {err}  {r['ms'] * 1e3:8.1f} us  "
+                     f"{rate:.2f} TB/s of {'touched expert weights' if r['op'] == 'moe_experts' else 'latent KV'}")
     for r in result.get("graph_parity", []):
         lines.append(f"graphs vs eager {r['family']:<12} P={r['prompt_len']:<4} step logits rel err "
                      f"{r['step_logits_max_rel_err']:.2e} greedy equal {r['greedy_tokens_equal']}")
