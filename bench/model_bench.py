@@ -136,6 +136,20 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
         out.append({"op": "mla_decode", "batch": b, "context": ctx + 1, "rel_err": check, "ms": ms,
                     "kv_TBps": cache.numel() * 2 / (ms * 1e-3) / 1e12})
         del cache
+    for prefix, new in ((0, 4096), (1024, 3072)):  # a whole prompt, and a chunk after a cached prefix
+        b, total = 2, prefix + new
+        per = -(-total // bs)
+        cache = torch.randn(b * per, bs, cfg.mla.latent_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+        tables = torch.randperm(b * per, device="cuda", generator=gen).view(b, per).int()
+        q = torch.randn(b * new, mla.nh, mla.nope + mla.rope, device="cuda", dtype=torch.bfloat16, generator=gen)
+        args = (q[..., :mla.nope], q[..., mla.nope:], cache, mla.kv_b_proj.weight, tables,
+                torch.full((b,), prefix, device="cuda"), torch.arange(b + 1, device="cuda") * new, mla.scale)
+        ms = do_bench(lambda: ops.mla_prefill(*args), warmup=3, rep=20, return_mode="median")
+        pairs = b * mla.nh * sum(prefix + i + 1 for i in range(new))  # causal (query, key, head) triples
+        out.append({"op": "mla_prefill", "batch": b, "context": total, "new": new, "ms": ms,
+                    "rel_err": rel(ops.mla_prefill(*args), EAGER["mla_prefill"](*args)),
+                    "TFLOPs": 2 * pairs * (mla.nope + mla.rope + mla.v_dim) / (ms * 1e-3) / 1e12})
+        del cache
     return out
 
 
@@ -231,6 +245,11 @@ def plots(result: dict, out: Path) -> list[str]:
     return files
 
 
+def save(result: dict, out: Path) -> None:
+    """Written after every section, so a failure later leaves what was measured."""
+    (out / "model_bench.json").write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -246,6 +265,7 @@ def main() -> None:
     if not args.skip_parity:
         result["kernel_parity"], result["graph_parity"] = kernel_parity(
             [[1, 2, 3, 4, 5, 6, 7], list(range(10, 140)), [42] * 65], graphs=not args.enforce_eager)
+        save(result, args.out)
     raw = dict(KIMI_LINEAR_48B)
     if args.layers:
         raw["num_hidden_layers"] = args.layers
@@ -268,7 +288,12 @@ def main() -> None:
         graphs = enable_cuda_graphs(engine, buckets=decode_batches)
         result["graph_capture_s"] = time.perf_counter() - start if graphs is not None else None
     if not args.skip_parity:
-        result["op_checks_48b"] = op_checks_48b(cfg, model, ops)
+        try:
+            result["op_checks_48b"] = op_checks_48b(cfg, model, ops)
+        except Exception as e:  # noqa: BLE001 - recorded loudly; the timings below still run
+            log.exception("48B op checks failed")
+            result["op_checks_48b_error"] = repr(e)
+        save(result, args.out)
     ceil = result["ceilings"]
     flops = linear_flops_per_token(cfg, model)
     result["prefill_ceiling_tokens_per_s"] = ceil["bf16_matmul_TFLOPs"] * 1e12 / flops
@@ -278,6 +303,7 @@ def main() -> None:
         tps = batch * length / s
         result["prefill"].append({"batch": batch, "length": length, "seconds": s, "tokens_per_s": tps,
                                   "mfu": tps * flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)})
+        save(result, args.out)
     result["decode"] = []
     for batch in decode_batches:
         timings = decode_bench(engine, batch, 4096)
@@ -294,7 +320,7 @@ def main() -> None:
                         "tokens_per_s_graphs": batch / g})
         result["decode"].append(row)
     result["plots"] = plots(result, args.out)
-    (args.out / "model_bench.json").write_text(json.dumps(result, indent=1))
+    save(result, args.out)
     lines = [f"{result['device']}  copy {ceil['copy_TBps']:.2f} TB/s  bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
              f"TFLOP/s  ops {result['op_backends']}"]
     for r in result.get("kernel_parity", []):
@@ -303,9 +329,10 @@ def main() -> None:
     for r in result.get("op_checks_48b", []):
         size = f"T={r['tokens']}" if r["op"] == "moe_experts" else f"B={r['batch']} x {r['context']}"
         err = "n/a" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
-        rate = r.get("weight_TBps", r.get("kv_TBps"))
-        lines.append(f"48B {r['op']:<12} {size:<14} rel err vs eager {err}  {r['ms'] * 1e3:8.1f} us  "
-                     f"{rate:.2f} TB/s of {'touched expert weights' if r['op'] == 'moe_experts' else 'latent KV'}")
+        rate = {"moe_experts": f"{r.get('weight_TBps', 0):.2f} TB/s of touched expert weights",
+                "mla_decode": f"{r.get('kv_TBps', 0):.2f} TB/s of latent KV",
+                "mla_prefill": f"{r.get('TFLOPs', 0):.0f} TFLOP/s (causal attention)"}[r["op"]]
+        lines.append(f"48B {r['op']:<12} {size:<14} rel err vs eager {err}  {r['ms'] * 1e3:9.1f} us  {rate}")
     for r in result.get("graph_parity", []):
         lines.append(f"graphs vs eager {r['family']:<12} P={r['prompt_len']:<4} step logits rel err "
                      f"{r['step_logits_max_rel_err']:.2e} greedy equal {r['greedy_tokens_equal']}")
