@@ -319,6 +319,7 @@ def main() -> None:
             row.update({"tpot_graphs_ms": g * 1e3, "bandwidth_utilisation_graphs": floor / g,
                         "tokens_per_s_graphs": batch / g})
         result["decode"].append(row)
+        save(result, args.out)
     result["plots"] = plots(result, args.out)
     save(result, args.out)
     lines = [f"{result['device']}  copy {ceil['copy_TBps']:.2f} TB/s  bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
