@@ -133,12 +133,14 @@ class WeightStreamer:
         self._pos = {layer: i for i, layer in enumerate(self.order)}
         self._dense_ids: dict[int, list[int]] = {}
         self._expert_ids: dict[int, list[list[int]]] = {}
+        self._all_expert_ids: dict[int, list[int]] = {}
         self._register()
         self._targets: dict[int, list[tuple[torch.nn.Module, str, UnboundWeight]]] = {}
         self._views: dict[tuple[int, int], object] = {}
         self._slot: dict[int, int] = {}
         self._in_pass = False
         self._routed = False
+        self._w4a16 = w4a16_moe_experts  # wrap_ops picks the backend's kernel
         self.last_pass: PassStreamStats | None = None
         self.install(model)
         if metrics is not None:
@@ -163,6 +165,7 @@ class WeightStreamer:
             self.engine.set_members(layer, ids)
             self.engine.set_slot_map(layer, ids, offsets, sizes)
             self._dense_ids[layer], self._expert_ids[layer] = dense, per_expert
+            self._all_expert_ids[layer] = [hid for hids in per_expert for hid in hids]
 
     def install(self, model: KimiForCausalLM) -> None:
         """Swaps each streamed layer's parameters for placeholders and its class for StreamedDecoderLayer."""
@@ -186,7 +189,17 @@ class WeightStreamer:
             object.__setattr__(layer, "_streamer", self)
 
     def wrap_ops(self, ops: Ops) -> Ops:
-        """The runner's ops with `moe_experts` routed to the slots for streamed layers (others unchanged)."""
+        """The runner's ops with `moe_experts` routed to the slots for streamed layers (others unchanged). Packed
+        MXFP4 experts run the W4A16 kernel of the backend that serves `moe_experts` (Triton: the fused kernel;
+        eager: the reference loop), chosen here once and logged."""
+        backend = dict(ops.backends).get("moe_experts", "eager")
+        if backend == "triton":
+            from shard_svc.ops.triton.moe_w4a16 import moe_experts_w4a16
+
+            self._w4a16 = moe_experts_w4a16
+        else:
+            self._w4a16 = w4a16_moe_experts
+        log.info("streamed MXFP4 experts: %s W4A16 (%s.%s)", backend, self._w4a16.__module__, self._w4a16.__name__)
         backends = tuple((n, f"{b}+stream" if n == "moe_experts" else b) for n, b in ops.backends)
         return dataclasses.replace(ops, moe_experts=functools.partial(self._moe_experts, ops.moe_experts),
                                    backends=backends)
@@ -292,11 +305,13 @@ class WeightStreamer:
         if slot is None:
             raise MissingSlotError(f"experts of layer {layer} were called while the layer holds no slot")
         per_expert = self._expert_ids[layer]
-        wanted = [hid for e in torch.unique(ids).tolist() for hid in per_expert[e]]
-        if self._routed:
+        if self._routed:  # one host sync: which experts the batch routes to
+            wanted = [hid for e in torch.unique(ids).tolist() for hid in per_expert[e]]
             self.engine.fetch_into(layer, wanted, self._compute_stream())
+        else:  # every expert was prefetched with the layer: no host sync, the slot must hold them all
+            wanted = self._all_expert_ids[layer]
         self.engine.check_valid(layer, wanted)
         views = self._expert_views(layer, slot)
         if self.host.plans[layer].experts.format == "mxfp4":
-            return w4a16_moe_experts(x, weights, ids, views, activation, situ_betas)
+            return self._w4a16(x, weights, ids, views, activation, situ_betas)
         return base(x, weights, ids, views["w1"], views["w3"], views["w2"], activation, situ_betas)
