@@ -2,8 +2,8 @@
 
 One file per kernel family, each next to the eager reference it is tested against:
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
-in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py`
-(ops/moe/eager.py::moe_experts), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention).
+in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` and `moe_route.py`
+(ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention).
 Ops not listed in `load()` stay eager. `moe_w4a16.py::moe_experts_w4a16` (packed MXFP4 experts, the contract of
 streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds packed experts calls it directly.
 
@@ -35,6 +35,7 @@ def load() -> dict[str, Callable]:
     from shard_svc.ops.triton.mla_decode import mla_decode
     from shard_svc.ops.triton.mla_prefill import mla_prefill
     from shard_svc.ops.triton.moe import moe_experts
+    from shard_svc.ops.triton.moe_route import moe_route
     from shard_svc.ops.triton.norm import gated_rms_norm, rms_norm
     from shard_svc.ops.triton.short_conv import short_conv
 
@@ -45,6 +46,7 @@ def load() -> dict[str, Callable]:
         "gated_rms_norm": gated_rms_norm,
         "rms_norm": rms_norm,
         "moe_experts": moe_experts,
+        "moe_route": moe_route,
         "mla_decode": mla_decode,
         "mla_prefill": mla_prefill,
     }
