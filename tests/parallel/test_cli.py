@@ -20,7 +20,7 @@ from shard_svc.make_tiny import make_tiny
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     return {"kimi_linear": make_tiny("kimi_linear", root / "linear", seed=4),
-            "kimi_k3": make_tiny("kimi_k3", root / "k3", seed=5)}  # the full 93-layer topology
+            "kimi_k3": make_tiny("kimi_k3", root / "k3", seed=5, layers=14)}  # 93 layers: test_group_parity
 
 
 def generate(*args: str) -> tuple[dict, str]:
