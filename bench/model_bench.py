@@ -114,8 +114,13 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
     out = []
     for t in (1, 64, 256, 4096):
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        weights, ids = ops.moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, m.top_k, m.renormalize,
-                                     m.routed_scaling_factor)
+        route = (x, moe.gate.weight, moe.gate.e_score_correction_bias, m.top_k, m.renormalize,
+                 m.routed_scaling_factor)
+        weights, ids = ops.moe_route(*route)
+        ref_w, ref_ids = EAGER["moe_route"](*route)
+        out.append({"op": "moe_route", "tokens": t, "ids_equal_fraction": float((ids == ref_ids).float().mean()),
+                    "rel_err": rel(weights, ref_w),
+                    "ms": do_bench(lambda: ops.moe_route(*route), warmup=5, rep=50, return_mode="median")})
         args = (x, weights, ids, w.w1, w.w3, w.w2, "silu", (4.0, 25.0))
         ms = do_bench(lambda: ops.moe_experts(*args), warmup=5, rep=50, return_mode="median")
         touched = int(torch.unique(ids).numel()) * 3 * w.w1[0].numel() * 2
@@ -328,9 +333,10 @@ def main() -> None:
         lines.append(f"parity {r['family']:<12} P={r['prompt_len']:<4} rel err {r['prompt_logits_max_rel_err']:.2e} "
                      f"greedy equal {r['greedy_tokens_equal']}")
     for r in result.get("op_checks_48b", []):
-        size = f"T={r['tokens']}" if r["op"] == "moe_experts" else f"B={r['batch']} x {r['context']}"
+        size = f"T={r['tokens']}" if r["op"].startswith("moe") else f"B={r['batch']} x {r['context']}"
         err = "n/a" if r["rel_err"] is None else f"{r['rel_err']:.2e}"
-        rate = {"moe_experts": f"{r.get('weight_TBps', 0):.2f} TB/s of touched expert weights",
+        rate = {"moe_route": f"chosen experts equal to eager: {100 * r.get('ids_equal_fraction', 0):.2f}%",
+                "moe_experts": f"{r.get('weight_TBps', 0):.2f} TB/s of touched expert weights",
                 "mla_decode": f"{r.get('kv_TBps', 0):.2f} TB/s of latent KV",
                 "mla_prefill": f"{r.get('TFLOPs', 0):.0f} TFLOP/s (causal attention)"}[r["op"]]
         lines.append(f"48B {r['op']:<12} {size:<14} rel err vs eager {err}  {r['ms'] * 1e3:9.1f} us  {rate}")
