@@ -158,7 +158,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
 
     w = w_kv_b.view(nh, nope + v_dim, kv_lora)
     q_lat = torch.bmm(q_nope.transpose(0, 1), w[:, :nope, :])  # [nh, T, kv_lora]
-    bh = min(64, pow2_at_least(nh, 16))
+    bh = min(32, pow2_at_least(nh, 16))  # 64 heads a program spill registers (ptxas, sm_90)
     head_blocks = triton.cdiv(nh, bh)
     splits = num_splits or num_splits_for(t, head_blocks, block_tables.shape[1] * block_size,
                                           _sm_count(q_nope.device))

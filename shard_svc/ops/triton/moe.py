@@ -231,8 +231,8 @@ def _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.c
     dt = h.dtype.element_ty
     g = _round(acc1, dt, RNE).to(tl.float32)  # the eager path rounds each product to x's dtype first
     u = _round(acc3, dt, RNE).to(tl.float32)
-    if ACT == 0:  # SwiGLU: silu(g) rounded, times up
-        act = _round(g * tl.sigmoid(g), dt, RNE).to(tl.float32) * u
+    if ACT == 0:  # SwiGLU in fp32 (rounding silu(g) first, as eager bf16 does, made ptxas serialize the wgmma)
+        act = (g * tl.sigmoid(g)) * u
     else:  # SiTU-GLU in fp32
         act = beta * _tanh(g / beta) * tl.sigmoid(g) * (beta_lin * _tanh(u / beta_lin))
     p_h = h + o_p[:, None].to(tl.int64) * stride_h + o_n[None, :]

@@ -21,8 +21,8 @@ import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
 from shard_svc.ops.triton.moe import (
-    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, _moe_combine_kernel, _round, _store_glu, _tile_ids, block_m_for,
-    gemm_configs, moe_align)
+    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, _moe_combine_kernel, _round, _store_glu, _tile_ids,
+    block_m_for, gemm_configs, moe_align)
 
 GROUP = 32  # inputs per E8M0 scale
 TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127: scale byte 0 (a subnormal)
@@ -205,6 +205,8 @@ def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_m
     bm = block_m or block_m_for(n, num_experts)
     layout = moe_align(ids, num_experts, bm, small_align_max)
     up, down = gemm_configs(bm, 2)
+    if bm <= 32:  # decode: half-width K tiles keep the decoded weight tiles in registers (no spills)
+        up, down = (GemmConfig(c.block_n, 64, c.num_warps, c.num_stages) for c in (up, down))
     h = torch.empty(layout.max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     dot_fp32 = interpreting()
