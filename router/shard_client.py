@@ -18,6 +18,9 @@ from router.balancer import ShardView
 from router.errors import AlreadyExists, InvalidArgument, Overloaded, RouterError, ShardUnavailable
 
 log = logging.getLogger(__name__)
+# A busy shard can answer a probe late; only several misses in a row (or a broken stream) take it out of rotation.
+PROBE_TIMEOUT_S = 5.0
+PROBES_TO_FAIL = 3
 ERROR_CODES = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
                shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS: AlreadyExists,
                shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded}
@@ -36,6 +39,7 @@ class ShardClient:
         self._inflight: dict[str, asyncio.Queue] = {}
         self._stream_task: asyncio.Task | None = None
         self._poll_task: asyncio.Task | None = None
+        self._failed_probes = 0
 
     def start(self) -> None:
         self._poll_task = asyncio.create_task(self._poll(), name=f"poll {self.address}")
@@ -110,12 +114,12 @@ class ShardClient:
 
     # -- polling -----------------------------------------------------------------------------------------------
     async def _probe(self) -> bool:
-        reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return False
         if self.info is None:
-            self.info = await self._stub.Info(shard_pb2.ShardInfoRequest(), timeout=2.0)
-        load = await self._stub.Load(shard_pb2.ShardLoadRequest(), timeout=2.0)
+            self.info = await self._stub.Info(shard_pb2.ShardInfoRequest(), timeout=PROBE_TIMEOUT_S)
+        load = await self._stub.Load(shard_pb2.ShardLoadRequest(), timeout=PROBE_TIMEOUT_S)
         self.view.free_slots, self.view.queued, self.view.sent_since_poll = (
             load.free_state_slots, load.queued_seqs, 0)
         return True
@@ -127,12 +131,13 @@ class ShardClient:
                 reason = "health is not SERVING"
             except grpc.aio.AioRpcError as e:
                 ok, reason = False, f"{e.code().name} {e.details()}"
+            self._failed_probes = 0 if ok else self._failed_probes + 1
             if ok and not self.view.healthy:
                 self._outbox = asyncio.Queue()
                 self._stream_task = asyncio.create_task(self._run_stream(self._outbox))
                 self.view.healthy = True
                 log.info("shard in rotation", extra={"shard": self.address})
-            elif not ok and self.view.healthy:
+            elif self._failed_probes >= PROBES_TO_FAIL and self.view.healthy:
                 if self._stream_task:
                     self._stream_task.cancel()
                 self._mark_down(reason)

@@ -76,6 +76,7 @@ class GroupEngineLoop(EngineLoop):
                 last_sent = time.monotonic()
                 for event in result.events:
                     self._route(event)
+                self._take_snapshot()
             self._record(result)
 
     def _record(self, result) -> None:

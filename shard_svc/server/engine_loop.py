@@ -42,6 +42,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
+        with self._lock:
+            self._take_snapshot()
         self._publish_occupancy()
         self._thread.start()
 
@@ -55,6 +57,7 @@ class EngineLoop:
                 raise ShuttingDown(f"shard is draining; request {request_id!r} refused")
             self.engine.add_request(request_id, prompt, params)
             self._sinks[request_id] = sink
+            self._take_snapshot()
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
@@ -62,13 +65,19 @@ class EngineLoop:
             event = self.engine.cancel(request_id)
             if event is not None:
                 self._route(event)
+            self._take_snapshot()
             return event is not None
 
     def load(self) -> LoadSnapshot:
-        with self._lock:
-            s = self.engine.scheduler
-            return LoadSnapshot(s.queued_tokens, len(s.running), s.num_waiting, s.slots.num_free,
-                                s.blocks.num_free, s.slots.num_slots, s.blocks.num_blocks)
+        """The scheduler as of the last step, submit or cancel. Never waits for a step: Load and health probes
+        must answer while a long prefill pass runs."""
+        return self._snapshot
+
+    def _take_snapshot(self) -> None:
+        """Called with the engine lock held."""
+        s = self.engine.scheduler
+        self._snapshot = LoadSnapshot(s.queued_tokens, len(s.running), s.num_waiting, s.slots.num_free,
+                                      s.blocks.num_free, s.slots.num_slots, s.blocks.num_blocks)
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuses new work, lets in-flight sequences finish (drain), then stops the thread."""
@@ -87,6 +96,7 @@ class EngineLoop:
                 result = self.engine.step()
                 for event in result.events:
                     self._route(event)
+                self._take_snapshot()
             self._record(result)
 
     def _route(self, event: TokenEvent) -> None:
