@@ -207,6 +207,8 @@ def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_m
     up, down = gemm_configs(bm, 2)
     if bm <= 32:  # decode: half-width K tiles keep the decoded weight tiles in registers (no spills)
         up, down = (GemmConfig(c.block_n, 64, c.num_warps, c.num_stages) for c in (up, down))
+    elif bm == 64:  # 128-wide decoded down tiles spill at 4 warps
+        down = GemmConfig(64, down.block_k, down.num_warps, down.num_stages)
     h = torch.empty(layout.max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     dot_fp32 = interpreting()
