@@ -192,7 +192,9 @@ class CudaGraphRunner:
                 raise CudaGraphError(f"decode graphs take one token per sequence; {seq.request_id!r} has {n}")
             start = seq.num_computed
             kv.reserve(seq.request_id, start + 1)
-            rows.append(DecodeRow(seq.tokens[start], start, seq.slot, kv.blocks.table(seq.request_id)))
+            p = len(seq.prompt)  # not seq.tokens: that copies the whole context
+            token = seq.prompt[start] if start < p else seq.output[start - p]
+            rows.append(DecodeRow(token, start, seq.slot, kv.blocks.table(seq.request_id)))
         self._write(pad_rows(rows, bucket, self.width, self.block_size, self.pad_slot, self.pad_block))
         run, out = self._graphs[bucket]
         run()

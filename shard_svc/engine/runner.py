@@ -35,7 +35,9 @@ class ModelRunner:
             start = seq.num_computed
             self.kv_cache.reserve(seq.request_id, start + n)
             table = self.kv_cache.blocks.table(seq.request_id)
-            ids.extend(seq.tokens[start:start + n])
+            # slices of prompt and output: `seq.tokens` would copy the whole context for every sequence, every step
+            ids.extend(seq.prompt[start:start + n] + seq.output[max(0, start - len(seq.prompt)):
+                                                                max(0, start + n - len(seq.prompt))])
             cu.append(cu[-1] + n)
             ctx.append(start)
             slots.append(seq.slot)
