@@ -84,32 +84,49 @@ class PaddedRows:
     """One decode step's rows padded to a bucket, as host lists."""
 
     meta: list[list[int]]  # [4][bucket]: token ids, ctx lens, state slots, slot mapping
-    tables: list[list[int]]  # [bucket][used width]
+    tables: list[list[int]]  # [bucket] each row's block table (the padding rows': [pad block]), not copied
+    used: int  # columns in use: the longest table (at least 1)
 
 
 def pad_rows(rows: list[DecodeRow], bucket: int, width: int, block_size: int, pad_slot: int,
              pad_block: int) -> PaddedRows:
-    """Real rows first, then padding rows (token 0, empty context, the padding slot and block). Tables are cut to
-    the longest one (at least 1 column) and padded with the padding block; longer than `width` is refused."""
+    """Real rows first, then padding rows (token 0, empty context, the padding slot and block). A table longer than
+    the captured `width` is refused."""
     if len(rows) > bucket:
         raise CudaGraphError(f"{len(rows)} decode rows do not fit the bucket of {bucket}")
     used = max([1] + [len(r.table) for r in rows])
     if used > width:
         raise CudaGraphError(f"a block table of {used} blocks exceeds the captured width {width}")
     meta: list[list[int]] = [[], [], [], []]
-    tables = []
     for r in rows:
         if r.ctx_len // block_size >= len(r.table):
             raise CudaGraphError(f"position {r.ctx_len} is past the sequence's {len(r.table)} blocks")
         block = r.table[r.ctx_len // block_size]
         for column, value in zip(meta, (r.token, r.ctx_len, r.slot, block * block_size + r.ctx_len % block_size)):
             column.append(value)
-        tables.append(r.table + [pad_block] * (used - len(r.table)))
     for _ in range(bucket - len(rows)):
         for column, value in zip(meta, (0, 0, pad_slot, pad_block * block_size)):
             column.append(value)
-        tables.append([pad_block] * used)
-    return PaddedRows(meta, tables)
+    pad_table = [pad_block]
+    return PaddedRows(meta, [r.table for r in rows] + [pad_table] * (bucket - len(rows)), used)
+
+
+class TableStager:
+    """A host copy of the device block tables: a step rewrites only the rows whose table changed since the last
+    step (a new block every block_size tokens, or another sequence in that row), then copies the used columns.
+    Columns past a row's own table hold stale block ids that no kernel reads (they lie past its length)."""
+
+    def __init__(self, rows: int, width: int, fill: int):
+        self.host = torch.full((rows, width), fill, dtype=torch.int32)
+        self.staged: list[list[int] | None] = [None] * rows
+        self.rewrites = 0  # rows written since construction (tests)
+
+    def stage(self, tables: list[list[int]]) -> None:
+        for i, table in enumerate(tables):
+            if self.staged[i] != table:  # a list compare in C: cheap next to building a tensor every step
+                self.host[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+                self.staged[i] = list(table)
+                self.rewrites += 1
 
 
 class CudaGraphRunner:
@@ -128,6 +145,7 @@ class CudaGraphRunner:
         dev, top = runner.device, self.buckets[-1]
         self.meta = torch.zeros(4, top, dtype=torch.int64, device=dev)  # ids, ctx lens, slots, slot mapping
         self.tables = torch.full((top, self.width), self.pad_block, dtype=torch.int32, device=dev)
+        self.stager = TableStager(top, self.width, self.pad_block)
         self.cu_seqlens = torch.arange(top + 1, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         log.info("decode graphs: padding rows use a reserved slot and KV block",
@@ -145,9 +163,11 @@ class CudaGraphRunner:
         return self.meta[0, :bucket], ForwardContext(batch, r.kda_pool, r.kv_cache, r.ops)
 
     def _write(self, padded: PaddedRows) -> None:
-        bucket, used = len(padded.meta[0]), len(padded.tables[0])
+        """Synchronous copies: the host buffers may be rewritten as soon as they return."""
+        bucket, used = len(padded.meta[0]), padded.used
         self.meta[:, :bucket].copy_(torch.tensor(padded.meta, dtype=torch.int64))
-        self.tables[:bucket, :used].copy_(torch.tensor(padded.tables, dtype=torch.int32))
+        self.stager.stage(padded.tables)
+        self.tables[:bucket, :used].copy_(self.stager.host[:bucket, :used])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shard_svc.engine.cuda_graphs import (
-    PAD_OWNER, CudaGraphError, CudaGraphRunner, DecodeRow, bucket_sizes, enable_cuda_graphs, graph_engine_config,
-    pad_rows, pick_bucket, unsafe_decode_ops)
+    PAD_OWNER, CudaGraphError, CudaGraphRunner, DecodeRow, TableStager, bucket_sizes, enable_cuda_graphs,
+    graph_engine_config, pad_rows, pick_bucket, unsafe_decode_ops)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import EAGER, Ops, select_ops
@@ -43,13 +43,27 @@ def test_pad_rows_real_rows_first_then_padding():
     assert ctx == [5, 0, 0, 0]
     assert slots == [3, 1, 0, 0]
     assert slot_mapping == [9 * 4 + 1, 4 * 4 + 0, 2 * 4, 2 * 4]  # position 5 lies in the second block
-    assert padded.tables == [[7, 9], [4, 2], [2, 2], [2, 2]]  # cut to the longest table, padded with the pad block
+    assert padded.tables == [[7, 9], [4], [2], [2]] and padded.used == 2
 
 
 def test_pad_rows_empty_step_is_all_padding():
     padded = pad_rows([], bucket=2, width=3, block_size=16, pad_slot=5, pad_block=1)
     assert padded.meta == [[0, 0], [0, 0], [5, 5], [16, 16]]
-    assert padded.tables == [[1], [1]]
+    assert padded.tables == [[1], [1]] and padded.used == 1
+
+
+def test_table_stager_rewrites_only_changed_rows():
+    stager = TableStager(rows=3, width=4, fill=9)
+    a, b = [1, 2], [3]
+    stager.stage([a, b, [9]])
+    assert stager.host.tolist() == [[1, 2, 9, 9], [3, 9, 9, 9], [9, 9, 9, 9]] and stager.rewrites == 3
+    stager.stage([a, b, [9]])
+    assert stager.rewrites == 3, "unchanged tables are not rewritten"
+    a.append(5)  # the sequence got a new block
+    stager.stage([a, [3], [9]])
+    assert stager.host[0].tolist() == [1, 2, 5, 9] and stager.rewrites == 4
+    stager.stage([[3], [7, 8], [9]])  # the batch changed: same length as before in row 0, other blocks
+    assert stager.host[:2].tolist() == [[3, 2, 5, 9], [7, 8, 9, 9]] and stager.rewrites == 6
 
 
 def test_pad_rows_refusals():
