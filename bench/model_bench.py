@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -158,14 +159,31 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
     return out
 
 
-def active_bytes(cfg: ModelConfig, model, batch: int) -> float:
-    """Weight bytes one decode step reads: everything but the unused experts and the embedding table."""
+def active_bytes(model, routed_share: float) -> float:
+    """Weight bytes one decode step reads: everything but the embedding table and the experts nobody routed to.
+    `routed_share` is the measured share of (layer, expert) pairs some token of the step routed to."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
     embed = model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
-    e, k = cfg.moe.num_experts, cfg.moe.top_k
-    touched = 1 - (1 - k / e) ** batch  # expected share of experts some token in the batch routes to
-    return total - embed - experts + experts * touched
+    return total - embed - experts + experts * routed_share
+
+
+def routed_share(engine: Engine, step) -> float:
+    """Runs one eager step with the router recorded: the share of experts routed to, averaged over MoE layers.
+    The bandwidth floor needs the experts actually read, and dummy weights do not route uniformly."""
+    original, counts = engine.runner.ops, []
+
+    def recording(*args, **kwargs):
+        weights, ids = original.moe_route(*args, **kwargs)
+        counts.append(int(torch.unique(ids).numel()))
+        return weights, ids
+
+    engine.runner.ops, graphs, engine.runner.graphs = replace(original, moe_route=recording), engine.runner.graphs, None
+    try:
+        step()
+    finally:
+        engine.runner.ops, engine.runner.graphs = original, graphs
+    return sum(counts) / (len(counts) * engine.cfg.moe.num_experts) if counts else 0.0
 
 
 def linear_flops_per_token(cfg: ModelConfig, model) -> float:
@@ -207,9 +225,10 @@ def decode_bench(engine: Engine, batch: int, context: int) -> float:
         for s in seqs:
             s.output.append(1 + (s.output[-1] * 31 + 17) % 150000)
 
+    share = routed_share(engine, step)
     graphs = engine.runner.graphs
     engine.runner.graphs = None
-    seconds = {"eager": timed(step, warmup=2, reps=5)}
+    seconds = {"eager": timed(step, warmup=2, reps=5), "routed_share": share}
     engine.runner.graphs = graphs
     if graphs is not None:
         seconds["graphs"] = timed(step, warmup=2, reps=5)
@@ -315,10 +334,10 @@ def main() -> None:
         s = timings["eager"]
         state = batch * cfg.layer_map.num_kda * engine.runner.kda_pool.recurrent[0, 0].numel() * 4 * 2
         kv = batch * 4096 * cfg.layer_map.num_mla * cfg.mla.latent_dim * 2
-        moved = active_bytes(cfg, model, batch) + state + kv
+        moved = active_bytes(model, timings["routed_share"]) + state + kv
         floor = moved / (ceil["copy_TBps"] * 1e12)
         row = {"batch": batch, "tpot_ms": s * 1e3, "floor_ms": floor * 1e3, "bandwidth_utilisation": floor / s,
-               "tokens_per_s": batch / s}
+               "tokens_per_s": batch / s, "routed_expert_share": timings["routed_share"]}
         if "graphs" in timings:
             g = timings["graphs"]
             row.update({"tpot_graphs_ms": g * 1e3, "bandwidth_utilisation_graphs": floor / g,
