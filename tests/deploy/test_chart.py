@@ -134,11 +134,21 @@ def test_rendered_manifests_pass_kubernetes_schemas(helm_bin, variant):
     (["--set", "router.port=70000"], "/router/port"),
     (["--set", "model.source=s3"], "/model/source"),
     (["--set", "image.tag=latest"], "latest"),
+    (["--set", "shard.tp=2", "--set", "shard.gpus=4"], "max(shard.tp, shard.ep)"),
 ])
 def test_bad_values_are_refused(helm_bin, bad, message):
     proc = subprocess.run([helm_bin, "template", "rel", str(CHART), *bad], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_shard_group_runs_as_one_pod_with_n_gpus(helm_bin):
+    docs = helm_template(helm_bin, "--set", "shard.tp=2", "--set", "shard.ep=4", "--set", "shard.gpus=4")
+    (shard,) = _containers(find(docs, "StatefulSet", "-shard"))
+    assert shard["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert {"--tp=2", "--ep=4", "--group-timeout=60"} <= set(shard["args"])
+    (single,) = _containers(find(helm_template(helm_bin), "StatefulSet", "-shard"))
+    assert not any(a.startswith(("--tp=", "--ep=")) for a in single["args"])
 
 
 def _containers(doc):
