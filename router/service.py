@@ -8,8 +8,9 @@ import uuid
 import grpc
 
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.errors import InvalidArgument, RouterError
+from router.errors import RouterError
 from router.generation import Generation
+from router.prompts import chat_hidden_ids, chat_prompt, generate_prompt
 from tokenizer_svc.chat_template import SECTION_BEGIN, parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -24,17 +25,6 @@ def request_id_of(request, context) -> str:
         if key == REQUEST_ID_HEADER and value:
             return value
     return f"req-{uuid.uuid4().hex}"
-
-
-# Special tokens a chat reply shows: the tool-call markers (parsed into tool_calls) and the thinking markers.
-CHAT_VISIBLE_SPECIALS = frozenset({"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-                                   "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-                                   "<think>", "</think>"})
-
-
-def chat_hidden_ids(info) -> frozenset[int]:
-    """Ids returned in token_ids but never shown as text in a chat reply (end of turn, reserved tokens)."""
-    return frozenset(t.id for t in info.special_tokens if t.content not in CHAT_VISIBLE_SPECIALS)
 
 
 class RouterService(router_pb2_grpc.RouterServicer):
@@ -55,14 +45,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_id = request_id_of(request, context)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         try:
-            if request.WhichOneof("prompt") == "text":
-                if not request.text:
-                    raise InvalidArgument("empty prompt text")
-                prompt = await self.gen.tokenizer.tokenize(request.text)
-            elif request.WhichOneof("prompt") == "prompt_token_ids":
-                prompt = list(request.prompt_token_ids.ids)
-            else:
-                raise InvalidArgument("set either text or prompt_token_ids")
+            prompt = await generate_prompt(self.gen, request)
             async for chunk in self.gen.run("Generate", request_id, prompt, request.sampling):
                 yield router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                                   text=chunk.text, finish_reason=chunk.finish_reason,
@@ -76,9 +59,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_id = request_id_of(request, context)
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
         try:
-            if not request.messages:
-                raise InvalidArgument("messages is empty")
-            prompt = await self.gen.tokenizer.render_chat(request.messages, request.tools)
+            prompt = await chat_prompt(self.gen, request)
             hidden = chat_hidden_ids(self.gen.tokenizer.info)
             raw, shown = "", 0
             async for chunk in self.gen.run("Chat", request_id, prompt, request.sampling, keep_special_tokens=True,

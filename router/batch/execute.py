@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from kimiserve.v1 import common_pb2, router_pb2
 from router.batch.parse import CHAT, GENERATE
-from router.errors import InvalidArgument, NotFound, RouterError
+from router.errors import RouterError
 from router.generation import Generation
-from router.service import chat_hidden_ids
+from router.prompts import chat_hidden_ids, chat_prompt, generate_prompt
 from tokenizer_svc.chat_template import parse_tool_calls
 
 FINISHED_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -33,21 +33,8 @@ class BatchExecutor:
             return await self._chat(router_pb2.ChatRequest.FromString(payload), request_id)
         raise RouterError(f"request {request_id!r} has unknown kind {kind!r}")
 
-    def _check_model(self, model: str) -> None:
-        served = self.gen.model_info().model_name
-        if model and model != served:
-            raise NotFound(f"model {model!r} is not served here; this router serves {served!r}")
-
     async def _generate(self, req: router_pb2.GenerateRequest, request_id: str) -> router_pb2.BatchResponse:
-        self._check_model(req.model)
-        if req.WhichOneof("prompt") == "text":
-            if not req.text:
-                raise InvalidArgument("empty prompt text")
-            prompt = await self.gen.tokenizer.tokenize(req.text)
-        elif req.WhichOneof("prompt") == "prompt_token_ids":
-            prompt = list(req.prompt_token_ids.ids)
-        else:
-            raise InvalidArgument("set either text or prompt_token_ids")
+        prompt = await generate_prompt(self.gen, req)
         out, text, last = router_pb2.BatchResponse(), [], None
         async for chunk in self.gen.run("BatchGenerate", request_id, prompt, req.sampling):
             out.token_ids.extend(chunk.token_ids)
@@ -57,10 +44,7 @@ class BatchExecutor:
         return _finish(out, last, request_id)
 
     async def _chat(self, req: router_pb2.ChatRequest, request_id: str) -> router_pb2.BatchResponse:
-        self._check_model(req.model)
-        if not req.messages:
-            raise InvalidArgument("messages is empty")
-        prompt = await self.gen.tokenizer.render_chat(req.messages, req.tools)
+        prompt = await chat_prompt(self.gen, req)
         hidden = chat_hidden_ids(self.gen.tokenizer.info)
         out, raw, last = router_pb2.BatchResponse(), [], None
         async for chunk in self.gen.run("BatchChat", request_id, prompt, req.sampling, keep_special_tokens=True,

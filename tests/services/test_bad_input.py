@@ -71,3 +71,18 @@ def test_chat_rejects(stack, case):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert needle in info.value.details()
     _assert_still_serving(stack)
+
+
+@pytest.mark.parametrize("method", ["Generate", "Chat"])
+def test_unknown_model_is_not_found(stack, method):
+    if method == "Generate":
+        call = stack.stub.Generate(router_pb2.GenerateRequest(model="no-such-model", text="hi",
+                                                              sampling=common_pb2.SamplingParams(max_tokens=2)))
+    else:
+        req = chat_request([common_pb2.ChatMessage(role="user", content="hi")])
+        req.model = "no-such-model"
+        call = stack.stub.Chat(req)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "no-such-model" in info.value.details()
+    _assert_still_serving(stack)

@@ -1,0 +1,44 @@
+"""From a Generate / Chat request to prompt token ids: the model check, tokenization or chat rendering. Shared by
+the interactive RPCs and batch requests, so both validate and tokenize the same way."""
+
+from __future__ import annotations
+
+from kimiserve.v1 import router_pb2
+from router.errors import InvalidArgument, NotFound
+from router.generation import Generation
+
+# Special tokens a chat reply shows: the tool-call markers (parsed into tool_calls) and the thinking markers.
+CHAT_VISIBLE_SPECIALS = frozenset({"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                                   "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                                   "<think>", "</think>"})
+
+
+def chat_hidden_ids(info) -> frozenset[int]:
+    """Ids returned in token_ids but never shown as text in a chat reply (end of turn, reserved tokens)."""
+    return frozenset(t.id for t in info.special_tokens if t.content not in CHAT_VISIBLE_SPECIALS)
+
+
+def check_model(gen: Generation, model: str) -> None:
+    """Empty means the served model; any other name must be it (NOT_FOUND otherwise, as the proto says)."""
+    served = gen.model_info().model_name
+    if model and model != served:
+        raise NotFound(f"model {model!r} is not served here; this router serves {served!r}")
+
+
+async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> list[int]:
+    check_model(gen, req.model)
+    kind = req.WhichOneof("prompt")
+    if kind == "text":
+        if not req.text:
+            raise InvalidArgument("empty prompt text")
+        return await gen.tokenizer.tokenize(req.text)
+    if kind == "prompt_token_ids":
+        return list(req.prompt_token_ids.ids)
+    raise InvalidArgument("set either text or prompt_token_ids")
+
+
+async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> list[int]:
+    check_model(gen, req.model)
+    if not req.messages:
+        raise InvalidArgument("messages is empty")
+    return await gen.tokenizer.render_chat(req.messages, req.tools)
