@@ -48,3 +48,28 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
     while p < n:
         p *= 2
     return p
+
+
+def check_mla_layer(op: str, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
+                    block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor
+                    ) -> tuple[int, int, int, int, int, int, int, int]:
+    """Validates the MLA op contract (ops/mla/eager.py::mla_attention) shared by the MLA kernels.
+
+    Returns (tokens, heads, nope, rope, kv_lora, v_dim, block_size, cache width)."""
+    check(op, "q_nope", q_nope, dims=3)
+    check(op, "q_pe", q_pe, dims=3)
+    check(op, "kv_cache", kv_cache, dims=3)
+    check(op, "w_kv_b", w_kv_b, dims=2)
+    check(op, "block_tables", block_tables, dtypes=(torch.int32, torch.int64), dims=2)
+    t, nh, nope = q_nope.shape
+    rope, kv_lora = q_pe.shape[2], w_kv_b.shape[1]
+    v_dim = w_kv_b.shape[0] // nh - nope
+    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
+    check_index(op, "ctx_lens", ctx_lens, block_tables.shape[0])
+    check_index(op, "cu_seqlens", cu_seqlens, block_tables.shape[0] + 1)
+    if tuple(q_pe.shape[:2]) != (t, nh) or width != kv_lora + rope or v_dim <= 0 or \
+            w_kv_b.shape[0] != nh * (nope + v_dim):
+        raise TritonKernelError(f"{op}: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, kv_cache "
+                                f"{tuple(kv_cache.shape)}, w_kv_b {tuple(w_kv_b.shape)} do not fit one MLA layer "
+                                f"(cache width must be kv_lora {kv_lora} + rope {rope})")
+    return t, nh, nope, rope, kv_lora, v_dim, block_size, width

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, check_index, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -127,26 +127,11 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     """Same contract as `ops.mla.eager.mla_attention` for a decode batch (one new token per sequence, T == B);
     returns o [T, nh, v] in q's dtype."""
     op = "mla_decode"
-    check(op, "q_nope", q_nope, dims=3)
-    check(op, "q_pe", q_pe, dims=3)
-    check(op, "kv_cache", kv_cache, dims=3)
-    check(op, "w_kv_b", w_kv_b, dims=2)
-    check(op, "block_tables", block_tables, dtypes=(torch.int32, torch.int64), dims=2)
-    t, nh, nope = q_nope.shape
-    rope = q_pe.shape[2]
-    kv_lora = w_kv_b.shape[1]
-    v_dim = w_kv_b.shape[0] // nh - nope
-    block_size, width = kv_cache.shape[1], kv_cache.shape[2]
-    check_index(op, "ctx_lens", ctx_lens, block_tables.shape[0])
-    check_index(op, "cu_seqlens", cu_seqlens, block_tables.shape[0] + 1)
+    t, nh, nope, rope, kv_lora, v_dim, block_size, width = check_mla_layer(
+        op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
     if block_tables.shape[0] != t:
         raise TritonKernelError(f"{op}: {t} query tokens for {block_tables.shape[0]} sequences; decode takes one "
                                 "token per sequence")
-    if tuple(q_pe.shape[:2]) != (t, nh) or width != kv_lora + rope or v_dim <= 0 or \
-            w_kv_b.shape[0] != nh * (nope + v_dim):
-        raise TritonKernelError(f"{op}: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, kv_cache "
-                                f"{tuple(kv_cache.shape)}, w_kv_b {tuple(w_kv_b.shape)} do not fit one MLA layer "
-                                f"(cache width must be kv_lora {kv_lora} + rope {rope})")
     if kv_cache.stride(1) != width or block_tables.stride(1) != 1:
         raise TritonKernelError(f"{op}: kv_cache strides {kv_cache.stride()} and block_tables strides "
                                 f"{block_tables.stride()} must be row-contiguous")

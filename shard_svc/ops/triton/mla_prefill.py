@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, check_index, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
 
 LOG2E = 1.4426950408889634
 
@@ -109,23 +109,9 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
                 block_m: int = 128, block_n: int = 64) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype."""
     op = "mla_prefill"
-    check(op, "q_nope", q_nope, dims=3)
-    check(op, "q_pe", q_pe, dims=3)
-    check(op, "kv_cache", kv_cache, dims=3)
-    check(op, "w_kv_b", w_kv_b, dims=2)
-    check(op, "block_tables", block_tables, dtypes=(torch.int32, torch.int64), dims=2)
-    t, nh, nope = q_nope.shape
-    rope = q_pe.shape[2]
-    kv_lora = w_kv_b.shape[1]
-    v_dim = w_kv_b.shape[0] // nh - nope
-    bs, width = kv_cache.shape[1], kv_cache.shape[2]
+    t, nh, nope, rope, kv_lora, v_dim, bs, width = check_mla_layer(
+        op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
     n_seq = block_tables.shape[0]
-    check_index(op, "ctx_lens", ctx_lens, n_seq)
-    check_index(op, "cu_seqlens", cu_seqlens, n_seq + 1)
-    if tuple(q_pe.shape[:2]) != (t, nh) or width != kv_lora + rope or v_dim <= 0 or \
-            w_kv_b.shape[0] != nh * (nope + v_dim):
-        raise TritonKernelError(f"{op}: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, kv_cache "
-                                f"{tuple(kv_cache.shape)}, w_kv_b {tuple(w_kv_b.shape)} do not fit one MLA layer")
     if max(nope, rope, v_dim) > 256:
         raise TritonKernelError(f"{op}: head dims nope {nope}, rope {rope}, v {v_dim} above 256 are not supported")
     out = torch.empty(t, nh, v_dim, dtype=q_nope.dtype, device=q_nope.device)
