@@ -66,7 +66,8 @@ class Generation:
             raise InvalidArgument("empty prompt")
         bad = [t for t in prompt if t >= info.vocab_size]
         if bad:
-            raise InvalidArgument(f"token ids {bad[:8]} are >= the model's vocab size {info.vocab_size}")
+            raise InvalidArgument(f"{len(bad)} token ids >= the model's vocab size {info.vocab_size}, first: "
+                                  f"{bad[:8]}")
         room = info.capacity.max_context_tokens - len(prompt)
         if room < 1:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens leaves no room in the maximum context of "

@@ -130,7 +130,7 @@ class JinjaChatTemplate:
         for end in range(1, len(messages)):
             try:
                 self._render(messages[:end], tools, gen)
-            except Exception:
+            except Exception:  # noqa: BLE001 - only locates the failure render() already re-raises as RenderError
                 return end - 1
         return len(messages) - 1
 

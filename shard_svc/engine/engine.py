@@ -80,7 +80,8 @@ class Engine:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise InvalidRequest(f"request {request_id!r}: token ids {bad[:8]} outside [0, {self.cfg.vocab_size})")
+            raise InvalidRequest(f"request {request_id!r}: {len(bad)} token ids outside [0, {self.cfg.vocab_size}), "
+                                 f"first: {bad[:8]}")
         params.validate(self.cfg.vocab_size)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
@@ -90,8 +91,10 @@ class Engine:
         if blocks.blocks_for(total) > blocks.num_blocks:
             raise KVBlocksExhausted(f"request {request_id!r} needs {blocks.blocks_for(total)} KV blocks for "
                                     f"{total} tokens; the cache has {blocks.num_blocks} in all")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
+                                                       else frozenset(self.cfg.eos_token_ids))
         seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
-                       keep_prompt_logits=keep_prompt_logits)
+                       keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         if self.sync:
@@ -156,10 +159,7 @@ class Engine:
         if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
             seq.step_logits.append(logits.cpu().unsqueeze(0))
         seq.output.append(token)
-        stops = set(seq.params.stop_token_ids)
-        if not seq.params.ignore_eos:
-            stops.update(self.cfg.eos_token_ids)
-        if token in stops:
+        if token in seq.stop_ids:
             return self._finish(seq, "stop", token=token, logprob=lp)
         if len(seq.output) >= seq.params.max_tokens:
             return self._finish(seq, "length", token=token, logprob=lp)

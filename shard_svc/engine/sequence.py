@@ -23,6 +23,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None
     keep_prompt_logits: bool = False  # for --dump-logits: keep logits at every prompt position
+    stop_ids: frozenset[int] = frozenset()  # sampled ids that end the sequence (stop ids, EOS unless ignored)
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
