@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
 from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
@@ -81,7 +82,7 @@ def copy_ceiling() -> float:
     return 2 * n / (t * 1e-3) / 1e12
 
 
-def prefill_rows(fla, sweep: bool, quick: bool):
+def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
     from fla.ops.kda.gate import naive_kda_gate
 
     rows = []
@@ -127,6 +128,13 @@ def prefill_rows(fla, sweep: bool, quick: bool):
         with torch.inference_mode():
             row["fla_ms"] = timed(lambda: fla.chunk_kda(q4, k4, v4, g4, beta4, use_qk_l2norm_in_kernel=True,
                                                         output_final_state=True))
+            if profile and (b, t) == (1, 16384):  # where fla's time goes, kernel by kernel, beside ours
+                row["fla_profile"] = kernel_profile(lambda: fla.chunk_kda(
+                    q4, k4, v4, g4, beta4, use_qk_l2norm_in_kernel=True, output_final_state=True), top=12)
+        if profile and (b, t) == (1, 16384):
+            row["ours_profile"] = kernel_profile(lambda: kda_prefill(*args, pool, slots, cu), top=12)
+            print("\n".join(format_profile("fla chunk_kda B=1 T=16k", row["fla_profile"])
+                            + format_profile("ours B=1 T=16k", row["ours_profile"])), flush=True)
         row["speedup"] = row["fla_ms"] / row["ours_ms"]
         row["ours_Mtok_s"] = n_tok / (row["ours_ms"] * 1e-3) / 1e6
         row["fla_Mtok_s"] = n_tok / (row["fla_ms"] * 1e-3) / 1e6
@@ -232,6 +240,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--sweep", action="store_true", help="also time kernel configurations and report the best")
     ap.add_argument("--quick", action="store_true", help="only the two smallest prefill shapes")
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of fla and ours at B=1 T=16k")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
     a = ap.parse_args()
     import fla
@@ -245,7 +254,7 @@ def main() -> None:
     skip = set(a.skip.split(","))
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
     json.dump(res, open(path, "w"), indent=1)
-    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick)
+    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
     json.dump(res, open(path, "w"), indent=1)
     print(table(res))
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.configs import KIMI_LINEAR_48B
+from bench.kernel_profile import format_profile, kernel_profile
 from shard_svc.config import ModelConfig
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -194,7 +195,7 @@ def linear_flops_per_token(cfg: ModelConfig, model) -> float:
     return 2 * (other + expert * cfg.moe.top_k / cfg.moe.num_experts)
 
 
-def prefill_bench(engine: Engine, batch: int, length: int) -> float:
+def prefill_bench(engine: Engine, batch: int, length: int, profile: bool = False) -> tuple[float, dict | None]:
     def run():
         seqs = [engine.add_request(f"pf{i}", [1 + (i + t) % 1000 for t in range(length)],
                                    SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(batch)]
@@ -203,10 +204,10 @@ def prefill_bench(engine: Engine, batch: int, length: int) -> float:
         for s in seqs:
             engine.cancel(s.request_id)
 
-    return timed(run, warmup=1, reps=3)
+    return timed(run, warmup=1, reps=3), kernel_profile(run, steps=1) if profile else None
 
 
-def decode_bench(engine: Engine, batch: int, context: int) -> float:
+def decode_bench(engine: Engine, batch: int, context: int, profile: bool = False) -> dict:
     seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(max_tokens=64, ignore_eos=True))
             for i in range(batch)]
     engine.scheduler.schedule()  # admits: slots and KV promises
@@ -232,6 +233,8 @@ def decode_bench(engine: Engine, batch: int, context: int) -> float:
     engine.runner.graphs = graphs
     if graphs is not None:
         seconds["graphs"] = timed(step, warmup=2, reps=5)
+    if profile:
+        seconds["profile"] = kernel_profile(step)
     for s in seqs:
         engine.cancel(s.request_id)
     return seconds
@@ -280,6 +283,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers for a quick run (figures scale)")
     p.add_argument("--skip-parity", action="store_true")
     p.add_argument("--enforce-eager", action="store_true", help="time decode without CUDA graphs only")
+    p.add_argument("--profile", action="store_true",
+                   help="also record per-kernel GPU time of prefill 8 x 4k and of decode steps at batch 1 and 64")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -323,14 +328,16 @@ def main() -> None:
     result["prefill_ceiling_tokens_per_s"] = ceil["bf16_matmul_TFLOPs"] * 1e12 / flops
     result["prefill"] = []
     for batch, length in ((8, 4096), (1, 32768)):
-        s = prefill_bench(engine, batch, length)
+        s, prof = prefill_bench(engine, batch, length, profile=args.profile and batch == 8)
         tps = batch * length / s
         result["prefill"].append({"batch": batch, "length": length, "seconds": s, "tokens_per_s": tps,
                                   "mfu": tps * flops / (ceil["bf16_matmul_TFLOPs"] * 1e12)})
+        if prof is not None:
+            result["prefill"][-1]["profile"] = prof
         save(result, args.out)
     result["decode"] = []
     for batch in decode_batches:
-        timings = decode_bench(engine, batch, 4096)
+        timings = decode_bench(engine, batch, 4096, profile=args.profile and batch in (1, 64))
         s = timings["eager"]
         state = batch * cfg.layer_map.num_kda * engine.runner.kda_pool.recurrent[0, 0].numel() * 4 * 2
         kv = batch * 4096 * cfg.layer_map.num_mla * cfg.mla.latent_dim * 2
@@ -338,6 +345,8 @@ def main() -> None:
         floor = moved / (ceil["copy_TBps"] * 1e12)
         row = {"batch": batch, "tpot_ms": s * 1e3, "floor_ms": floor * 1e3, "bandwidth_utilisation": floor / s,
                "tokens_per_s": batch / s, "routed_expert_share": timings["routed_share"]}
+        if "profile" in timings:
+            row["profile"] = timings["profile"]
         if "graphs" in timings:
             g = timings["graphs"]
             row.update({"tpot_graphs_ms": g * 1e3, "bandwidth_utilisation_graphs": floor / g,
@@ -370,6 +379,10 @@ def main() -> None:
                    f"{100 * r['bandwidth_utilisation_graphs']:.1f}%") if "tpot_graphs_ms" in r else ""
         lines.append(f"decode batch {r['batch']:<4} TPOT {r['tpot_ms']:8.2f} ms  floor {r['floor_ms']:.2f} ms  "
                      f"bandwidth {100 * r['bandwidth_utilisation']:.1f}%{graphed}")
+    for r in result["prefill"] + result["decode"]:
+        if "profile" in r:
+            kind = f"prefill {r['batch']} x {r['length']}" if "length" in r else f"decode batch {r['batch']}"
+            lines += format_profile(kind + (" (graphs)" if "tpot_graphs_ms" in r else ""), r["profile"])
     log.info("\n" + "\n".join(lines))
 
 
