@@ -12,6 +12,7 @@ bandwidth is measured in the same run. Prints a table and writes kda_kernels.jso
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,11 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
-from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
+from shard_svc.ops.triton.kda_chunk import IntraConfig, kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
 
 H, K, V = 32, 128, 128
 DEV = torch.device("cuda")
+# Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (see IntraConfig).
+INTRA_SWEEP = [IntraConfig(split=sp, sub=sub, level_bf16=bf, warps=wp) for sp, sub, bf, wp in (
+    (False, 16, False, 4), (True, 16, False, 8), (True, 16, False, 4), (False, 1, False, 8), (True, 1, False, 8),
+    (True, 1, False, 4), (True, 16, True, 4), (True, 1, True, 4), (True, 1, True, 8))]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 DECODE = [1, 16, 64, 256, 1024]
 
@@ -114,13 +119,19 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
         row["ours_intra_ms"], row["ours_state_ms"] = timed(intra), timed(state)
         if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
-            row["sweep_intra_ms"] = {}
-            for warps in (4, 16):  # 8 is the default, timed above
+            row["sweep_intra"] = []
+            for cfg in INTRA_SWEEP:
+                entry = {"config": dataclasses.asdict(cfg)}
                 try:
-                    _, it, _ = kda_prefill_stages(*args, pool, slots, cu, intra_warps=warps)
-                    row["sweep_intra_ms"][warps] = timed(it)
+                    p_cfg = pool0.clone()
+                    entry["err_o_vs_fla"] = rel(kda_prefill(*args, p_cfg, slots, cu, intra=cfg), o_fla.view(n_tok, H, V))
+                    entry["err_state_vs_fla"] = rel(p_cfg, s_fla)
+                    _, it, _ = kda_prefill_stages(*args, pool, slots, cu, intra=cfg)
+                    entry["intra_ms"] = timed(it)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
-                    row["sweep_intra_ms"][warps] = f"{type(e).__name__}: {str(e)[:120]}"
+                    entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+                print("intra config", json.dumps(entry), flush=True)
+                row["sweep_intra"].append(entry)
             row["sweep_state_ms"] = {}
             for bv, stages in ((64, 2), (16, 3)):
                 _, _, st = kda_prefill_stages(*args, pool, slots, cu, block_v=bv, state_stages=stages)

@@ -93,6 +93,17 @@ def test_mla_decode_splits_agree():
         assert_close(f"splits={splits}", mod.mla_decode(*args, scale, num_splits=splits), one, 1e-5)
 
 
+@pytest.mark.parametrize("block_n,num_stages,waves", [(64, 3, 4), (16, 1, 8)])
+def test_mla_decode_layouts_agree(block_n, num_stages, waves):
+    """The layout knobs the benchmark sweeps (token tile, pipeline depth, split waves) change no result."""
+    mod = mla_module()
+    args = make_decode_batch([70, 2, 130], 4, 16, 8, 16, 32, 8, torch.float32, seed=3)
+    scale = 24**-0.5
+    ref = eager.mla_attention(*args, scale)
+    out = mod.mla_decode(*args, scale, block_n=block_n, num_stages=num_stages, waves=waves)
+    assert_close(f"block_n={block_n} stages={num_stages} waves={waves}", out, ref, 1e-5)
+
+
 def test_mla_decode_split_choice_is_from_shapes():
     mod = mla_module()
     assert mod.num_splits_for(1, 1, 4160, 132) == mod.MAX_SPLITS

@@ -115,17 +115,19 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def num_splits_for(batch: int, head_blocks: int, max_tokens: int, sm_count: int) -> int:
-    """Enough programs for two waves over the multiprocessors, at least one token tile per split."""
-    want = triton.cdiv(2 * sm_count, max(1, batch * head_blocks))
-    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_tokens, BLOCK_N)))
+def num_splits_for(batch: int, head_blocks: int, max_tokens: int, sm_count: int, waves: int = 2,
+                   block_n: int = BLOCK_N) -> int:
+    """Enough programs for `waves` waves over the multiprocessors, at least one token tile per split."""
+    want = triton.cdiv(waves * sm_count, max(1, batch * head_blocks))
+    return max(1, min(want, MAX_SPLITS, triton.cdiv(max_tokens, block_n)))
 
 
 def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
                block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-               num_splits: int | None = None) -> torch.Tensor:
+               num_splits: int | None = None, waves: int = 2, block_n: int = BLOCK_N,
+               num_stages: int = 2) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention` for a decode batch (one new token per sequence, T == B);
-    returns o [T, nh, v] in q's dtype."""
+    returns o [T, nh, v] in q's dtype. The keyword arguments after `scale` are layout knobs (bench sweeps)."""
     op = "mla_decode"
     t, nh, nope, rope, kv_lora, v_dim, block_size, width = check_mla_layer(
         op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
@@ -146,7 +148,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     bh = min(32, pow2_at_least(nh, 16))  # 64 heads a program spill registers (ptxas, sm_90)
     head_blocks = triton.cdiv(nh, bh)
     splits = num_splits or num_splits_for(t, head_blocks, block_tables.shape[1] * block_size,
-                                          _sm_count(q_nope.device))
+                                          _sm_count(q_nope.device), waves, block_n)
     kv_pad, rope_pad = pow2_at_least(kv_lora, 16), pow2_at_least(rope, 16)
     part_dtype = torch.float32 if splits > 1 else out_dtype
     o_part = torch.empty(t, nh, splits, kv_lora, dtype=part_dtype, device=q_nope.device)
@@ -156,8 +158,9 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         nh, q_lat.stride(1), q_lat.stride(0), q_pe.stride(0), q_pe.stride(1), kv_cache.stride(0),
         kv_cache.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         scale * LOG2E,
-        KV_LORA=kv_lora, ROPE=rope, KV_PAD=kv_pad, ROPE_PAD=rope_pad, BLOCK_SIZE=block_size, BH=bh, BN=BLOCK_N,
-        NUM_SPLITS=splits, DOT_FP32=interpreting(), num_warps=8 if kv_pad * bh >= 16384 else 4, num_stages=2)
+        KV_LORA=kv_lora, ROPE=rope, KV_PAD=kv_pad, ROPE_PAD=rope_pad, BLOCK_SIZE=block_size, BH=bh, BN=block_n,
+        NUM_SPLITS=splits, DOT_FP32=interpreting(), num_warps=8 if kv_pad * bh >= 16384 else 4,
+        num_stages=num_stages)
     if splits > 1:
         o_lat = torch.empty(t, nh, kv_lora, dtype=out_dtype, device=q_nope.device)
         bc = min(128, kv_pad)
