@@ -3,12 +3,14 @@
 Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (the UT/WY chunk form of MODELS.md section 1) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
 
-1. `_kda_chunk_intra_kernel`, one program per (chunk, head), all chunks in parallel. Fuses the gate, its
-   cumulative sum G inside the chunk (log2 units), the q/k L2 norm and beta = sigmoid, then builds
+1. `_kda_chunk_intra_kernel`, all chunks in parallel, in two parts per (chunk, head) that share no accumulators
+   (as two programs or one after the other; `IntraConfig`). Both fuse the gate, its cumulative sum G inside the
+   chunk (log2 units), the q/k L2 norm and beta = sigmoid. Part 0 builds
        A_qk[i, j] = sum_c q_ic k_jc 2^(G_ic - G_jc)             (j <= i)
+   and writes it with q 2^G; part 1 builds
        A_kk[i, j] = beta_i sum_c k_ic k_jc 2^(G_ic - G_jc)      (j <  i)
-   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v), q 2^G,
-   k 2^(G_last - G), A_qk and 2^G_last.
+   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v),
+   k 2^(G_last - G) and 2^G_last.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
    starting from the pool slot's state and writing the final state back to it.
@@ -17,9 +19,9 @@ Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per st
 softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^x with x <= 0. A pair j < i is split by the
 first row r of the second half of the smallest power-of-two block (64, 32, ..., 2 rows) holding both, and
 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
-on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
-over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
-Products run in tf32 (fp32 operands), as fla's intra-chunk kernels.
+on the tensor cores (batched [16, 16] tiles for levels up to 16 rows, or [64, 64] products at every level).
+(I + A_kk)^-1 is built by block merges over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
+Products run in tf32 (fp32 operands), as fla's intra-chunk kernels, or with bf16 level operands.
 """
 
 from __future__ import annotations
