@@ -246,6 +246,43 @@ def table(res) -> str:
     return "\n".join(lines)
 
 
+def plots(res: dict, out: str) -> list[str]:
+    """kda_prefill.png: Mtok/s vs sequence length, ours vs fla. kda_decode.png: achieved state bandwidth vs batch,
+    ours vs fla, with the copy-bandwidth roofline measured in the same run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    files = []
+    single = [r for r in res["prefill"] if r["B"] == 1]
+    if single:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r["T"] for r in single], [r["ours_Mtok_s"] for r in single], "o-", label="kimiserve kda_prefill")
+        ax.plot([r["T"] for r in single], [r["fla_Mtok_s"] for r in single], "s--", label="fla chunk_kda")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (B=1, H=32, K=V=128, bf16)")
+        ax.set_ylabel("M tokens/s")
+        ax.legend()
+        fig.savefig(os.path.join(out, "kda_prefill.png"), dpi=120, bbox_inches="tight")
+        files.append("kda_prefill.png")
+    if res["decode"]:
+        dec = res["decode"]
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ns = [r["N"] for r in dec]
+        ax.plot(ns, [r["ours_graph_TBps"] for r in dec], "o-", label="kimiserve kda_decode (CUDA graph)")
+        ax.plot(ns, [r["ours_TBps"] for r in dec], "o:", label="kimiserve kda_decode (launch incl.)")
+        ax.plot(ns, [r["fla_TBps"] for r in dec], "s--", label="fla fused_recurrent_kda (launch incl.)")
+        ax.axhline(res["copy_TBps"], color="k", ls="--", label="copy bandwidth (roofline)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequences (one token each)")
+        ax.set_ylabel("state TB/s (read + write)")
+        ax.legend()
+        fig.savefig(os.path.join(out, "kda_decode.png"), dpi=120, bbox_inches="tight")
+        files.append("kda_decode.png")
+    return files
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
@@ -266,6 +303,7 @@ def main() -> None:
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
     json.dump(res, open(path, "w"), indent=1)
     res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
+    res["plots"] = plots(res, a.out)
     json.dump(res, open(path, "w"), indent=1)
     print(table(res))
 
