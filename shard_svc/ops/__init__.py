@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from shard_svc.ops import conv, norm
 from shard_svc.ops.kda import eager as kda_eager
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Ops:
+    linear: Callable  # (x [..., K], weight [N, K]) -> [..., N]: every linear layer but the routed experts
     rms_norm: Callable
     gated_rms_norm: Callable
     short_conv: Callable
@@ -36,6 +38,7 @@ class Ops:
 
 
 EAGER: dict[str, Callable] = {
+    "linear": F.linear,  # exactly what nn.Linear(bias=False) runs
     "rms_norm": norm.rms_norm,
     "gated_rms_norm": norm.gated_rms_norm,
     "short_conv": conv.short_conv,

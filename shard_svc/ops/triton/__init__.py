@@ -1,6 +1,7 @@
 """Triton kernels behind the op seam (`BACKENDS["triton"]`), selected automatically on CUDA.
 
 One file per kernel family, each next to the eager reference it is tested against:
+`linear.py` (F.linear; a shape dispatch: the skinny decode GEMM for at most 16 rows, F.linear above),
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
 in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` and `moe_route.py`
 (ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention).
@@ -32,6 +33,7 @@ def load() -> dict[str, Callable]:
         raise TritonKernelError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
     from shard_svc.ops.triton.kda_chunk import kda_prefill
     from shard_svc.ops.triton.kda_decode import kda_decode
+    from shard_svc.ops.triton.linear import linear
     from shard_svc.ops.triton.mla_decode import mla_decode
     from shard_svc.ops.triton.mla_prefill import mla_prefill
     from shard_svc.ops.triton.moe import moe_experts
@@ -40,6 +42,7 @@ def load() -> dict[str, Callable]:
     from shard_svc.ops.triton.short_conv import short_conv
 
     impls = {
+        "linear": linear,
         "kda_prefill": kda_prefill,
         "kda_decode": kda_decode,
         "short_conv": short_conv,
