@@ -12,7 +12,6 @@ bandwidth is measured in the same run. Prints a table and writes kda_kernels.jso
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -26,15 +25,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
-from shard_svc.ops.triton.kda_chunk import IntraConfig, kda_prefill, kda_prefill_stages  # noqa: E402
+from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
 
 H, K, V = 32, 128, 128
 DEV = torch.device("cuda")
-# Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (see IntraConfig).
-INTRA_SWEEP = [IntraConfig(split=sp, sub=sub, level_bf16=bf, warps=wp) for sp, sub, bf, wp in (
-    (False, 16, False, 4), (True, 16, False, 8), (True, 16, False, 4), (False, 1, False, 8), (True, 1, False, 8),
-    (True, 1, False, 4), (True, 16, True, 4), (True, 1, True, 4), (True, 1, True, 8))]
+# Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (kda_prefill_stages' intra_* arguments).
+INTRA_SWEEP = [dict(intra_flat=flat, intra_warps=warps) for flat, warps in
+               ((False, 4), (False, 8), (True, 4), (True, 8), (True, 16))]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 DECODE = [1, 16, 64, 256, 1024]
 
@@ -121,12 +119,12 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
             row["sweep_intra"] = []
             for cfg in INTRA_SWEEP:
-                entry = {"config": dataclasses.asdict(cfg)}
+                entry = {"config": cfg}
                 try:
                     p_cfg = pool0.clone()
-                    entry["err_o_vs_fla"] = rel(kda_prefill(*args, p_cfg, slots, cu, intra=cfg), o_fla.view(n_tok, H, V))
+                    entry["err_o_vs_fla"] = rel(kda_prefill(*args, p_cfg, slots, cu, **cfg), o_fla.view(n_tok, H, V))
                     entry["err_state_vs_fla"] = rel(p_cfg, s_fla)
-                    _, it, _ = kda_prefill_stages(*args, pool, slots, cu, intra=cfg)
+                    _, it, _ = kda_prefill_stages(*args, pool, slots, cu, **cfg)
                     entry["intra_ms"] = timed(it)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                     entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"

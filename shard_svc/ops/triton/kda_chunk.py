@@ -3,14 +3,12 @@
 Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (the UT/WY chunk form of MODELS.md section 1) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
 
-1. `_kda_chunk_intra_kernel`, all chunks in parallel, in two parts per (chunk, head) that share no accumulators
-   (as two programs or one after the other; `IntraConfig`). Both fuse the gate, its cumulative sum G inside the
-   chunk (log2 units), the q/k L2 norm and beta = sigmoid. Part 0 builds
+1. `_kda_chunk_intra_kernel`, one program per (chunk, head), all chunks in parallel. Fuses the gate, its
+   cumulative sum G inside the chunk (log2 units), the q/k L2 norm and beta = sigmoid, then builds
        A_qk[i, j] = sum_c q_ic k_jc 2^(G_ic - G_jc)             (j <= i)
-   and writes it with q 2^G; part 1 builds
        A_kk[i, j] = beta_i sum_c k_ic k_jc 2^(G_ic - G_jc)      (j <  i)
-   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v),
-   k 2^(G_last - G) and 2^G_last.
+   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v), q 2^G,
+   k 2^(G_last - G), A_qk and 2^G_last.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
    starting from the pool slot's state and writing the final state back to it.
@@ -19,15 +17,14 @@ Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per st
 softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^x with x <= 0. A pair j < i is split by the
 first row r of the second half of the smallest power-of-two block (64, 32, ..., 2 rows) holding both, and
 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
-on the tensor cores (batched [16, 16] tiles for levels up to 16 rows, or [64, 64] products at every level).
-(I + A_kk)^-1 is built by block merges over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
-Products run in tf32 (fp32 operands), as fla's intra-chunk kernels, or with bf16 level operands.
+on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
+over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
+Products run in tf32 (fp32 operands), as fla's intra-chunk kernels.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -66,18 +63,17 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, want_q, want_k, stride_q, stride_k, stride_f, a,
-                lower_bound, K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat).
-    A caller that needs only q or only k masks the other's load off (want_q / want_k false: no memory traffic)."""
+def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
+                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
     m_ks = o_ks < K
     if K == BK:
         m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
     else:
         m = m_t[:, None] & m_ks[None, :]
-    b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m & want_q,
+    b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
-    b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m & want_k,
+    b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
     b_f = tl.load(f + t0 * stride_f + i_h * K + (o_t[:, None] * stride_f + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
@@ -89,18 +85,6 @@ def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, want_q, want_k, strid
 
 
 @triton.jit
-def _level_dot(a, b, LEVEL_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """a @ b for the level products: tf32 on fp32 operands, or bf16 operands (half the registers and twice the
-    tensor-core rate; every factor is <= 1, so bf16's 8-bit mantissa bounds the relative error per term).
-    The interpreter multiplies bf16 dot operands wrongly, so there the rounding is applied and the product is fp32."""
-    if LEVEL_BF16:
-        a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
-        if INTERPRET:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-    return tl.dot(a, b)
-
-
-@triton.jit
 def _kda_chunk_intra_kernel(
     q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
     w, u, qg, kg, aqk, decay,
@@ -108,8 +92,7 @@ def _kda_chunk_intra_kernel(
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PARTS_PER_PROGRAM: tl.constexpr,
-    LEVEL_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -136,101 +119,201 @@ def _kda_chunk_intra_kernel(
     b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
     b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
                                               other=0.0).to(tl.float32)), 0.0)
+
+    # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
+    # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure).
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks
+    a_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # pairs inside a BC-block, one [BC, BC] tile per block
+    d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
+    diag_qk = tl.zeros([BT], dtype=tl.float32)
+    ssq_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
     o_i = o_t[:, None]
     o_j = o_t[None, :]
     ri = tl.arange(0, BC)[None, :, None]
     cj = tl.arange(0, BC)[None, None, :]
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
+                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        ssq_q += tl.sum(b_q * b_q, 1)
+        ssq_k += tl.sum(b_k * b_k, 1)
+        diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
+        # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
+        # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
+        for lvl in tl.static_range(FAR_LEVELS):
+            e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
+            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+            same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
+            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f), 0.0)
+            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f), 0.0)
+        # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
+        for lvl in tl.static_range(NEAR_LEVELS):
+            e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
+            k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
+            same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
+            d_qk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
+            d_kk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
+
+    rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
+    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    rk_col = rk[None, :]
+    rk3 = tl.reshape(rk, [NB, BC])
+    rkb3 = tl.reshape(rk * b_beta, [NB, BC])
+    a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)) * rq[:, None] * rk_col
+    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
+             mask=m_t[:, None])
+    d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
+    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
+
+    # (I + A_kk)^-1 by block merges, 2 rows up to BT: with X block-diagonal holding the inverses of the halves,
+    # the doubled block's inverse is X - X (A21 X), A21 its lower-left quadrant. Only bounded blocks multiply,
+    # unlike a Neumann series, so it stays accurate when (I + A) is badly conditioned (e.g. repeated keys).
+    x3 = tl.where(ri == cj, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for lvl in tl.static_range(NEAR_LEVELS):
+        span = 2 << lvl
+        quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
+        x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3))
+    b_x = _block_diag(x3, NB, BC, BT)
+    for lvl in tl.static_range(FAR_LEVELS):
+        span = BC * (2 << lvl)
+        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
+        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
+
+    # Pass 2 over channel slices (inputs again, from L2): q 2^G, k 2^(G_last - G), 2^G_last and w.
     base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
-
-    # Part 0 builds A_qk and q 2^G; part 1 builds A_kk, its inverse, w, u, k 2^(G_last - G) and the decay. The
-    # parts share no accumulators, so they run as two programs (PARTS_PER_PROGRAM 1: twice the parallelism, half
-    # the live registers) or one after the other in one program (2).
-    for part in range(tl.program_id(2) * PARTS_PER_PROGRAM, (tl.program_id(2) + 1) * PARTS_PER_PROGRAM):
-        is_qk = part == 0
-        # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
-        # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure). The left operand is q for
-        # part 0 and k for part 1 (q's load is masked off there: no traffic).
-        a_lk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks
-        d_lk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # pairs inside a BC-block, one [BC, BC] tile per block
-        diag = tl.zeros([BT], dtype=tl.float32)
-        ssq_l = tl.zeros([BT], dtype=tl.float32)
-        ssq_k = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(0, BK // BKS):
-            o_ks = i_k * BKS + tl.arange(0, BKS)
-            b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, is_qk, True, stride_q,
-                                            stride_k, stride_f, b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-            b_l = tl.where(is_qk, b_q, b_k)
-            ssq_l += tl.sum(b_l * b_l, 1)
-            ssq_k += tl.sum(b_k * b_k, 1)
-            diag += tl.sum(b_l * b_k, 1)  # i == j: no decay
-            # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
-            # Levels of BT down to 2 * BC rows: full [BT, BT] products, masked to same-block (second, first) halves.
-            for lvl in tl.static_range(FAR_LEVELS):
-                e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
-                k_f = tl.trans(tl.where(second, 0.0, b_k * e))
-                same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
-                a_lk += tl.where(same, _level_dot(tl.where(second, b_l * e, 0.0), k_f, LEVEL_BF16, INTERPRET), 0.0)
-            # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
-            for lvl in tl.static_range(NEAR_LEVELS):
-                e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
-                k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
-                same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
-                d_lk += tl.where(same, _level_dot(tl.reshape(tl.where(second, b_l * e, 0.0), [NB, BC, BKS]), k_f,
-                                                  LEVEL_BF16, INTERPRET), 0.0)
-        rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
-        if is_qk:
-            rq = scale / tl.sqrt(ssq_l + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
-            a_qk = (a_lk + _block_diag(d_lk, NB, BC, BT) + tl.where(o_i == o_j, diag[:, None], 0.0)) * rq[:, None] \
-                * rk[None, :]
-            tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]),
-                     a_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
-            for i_k in range(0, BK // BKS):
-                o_ks = i_k * BKS + tl.arange(0, BKS)
-                b_q, _k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, True, False, stride_q,
-                                              stride_k, stride_f, b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-                off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
-                tl.store(qg + off, (b_q * rq[:, None] * tl.exp2(b_G)).to(qg.dtype.element_ty), mask=m)
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        b_q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
+                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
+        b_eg = tl.exp2(b_G)
+        b_k = b_k * rk[:, None]
+        off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
+        tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
+        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
+        tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * b_eg)).to(w.dtype.element_ty), mask=m)
+        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
+    for i_v in range(0, BV // BKS):
+        o_vs = i_v * BKS + tl.arange(0, BKS)
+        if V == BV:
+            m_v = m_t[:, None]
         else:
-            rk3 = tl.reshape(rk, [NB, BC])
-            rkb3 = tl.reshape(rk * b_beta, [NB, BC])
-            d_kk = d_lk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
-            a_kk = a_lk * (rk * b_beta)[:, None] * rk[None, :]
-            # (I + A_kk)^-1 by block merges, 2 rows up to BT: with X block-diagonal holding the inverses of the
-            # halves, the doubled block's inverse is X - X (A21 X), A21 its lower-left quadrant. Only bounded blocks
-            # multiply, unlike a Neumann series, so it stays accurate when (I + A) is badly conditioned.
-            x3 = tl.where(ri == cj, 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-            for lvl in tl.static_range(NEAR_LEVELS):
-                span = 2 << lvl
-                quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
-                x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3))
-            b_x = _block_diag(x3, NB, BC, BT)
-            for lvl in tl.static_range(FAR_LEVELS):
-                span = BC * (2 << lvl)
-                quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
-                b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
+            m_v = m_t[:, None] & (o_vs < V)[None, :]
+        b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
+                      other=0.0).to(tl.float32)
+        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
+                 tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
 
-            # Pass 2 over channel slices (inputs again, from L2): k 2^(G_last - G), 2^G_last and w.
-            for i_k in range(0, BK // BKS):
-                o_ks = i_k * BKS + tl.arange(0, BKS)
-                _q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, False, True, stride_q,
-                                              stride_k, stride_f, b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-                b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
-                b_k = b_k * rk[:, None]
-                off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
-                tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
-                tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * tl.exp2(b_G))).to(w.dtype.element_ty),
-                         mask=m)
-                tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
-            for i_v in range(0, BV // BKS):
-                o_vs = i_v * BKS + tl.arange(0, BKS)
-                if V == BV:
-                    m_v = m_t[:, None]
-                else:
-                    m_v = m_t[:, None] & (o_vs < V)[None, :]
-                b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
-                              other=0.0).to(tl.float32)
-                tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
-                         tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
+
+@triton.jit
+def _kda_chunk_intra_flat_kernel(
+    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+    w, u, qg, kg, aqk, decay, gbuf,
+    stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
+    n_seqs, scale, lower_bound,
+    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
+    BT: tl.constexpr, LEVELS: tl.constexpr, SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+):
+    """The intra-chunk stage with every level a [BT, BT] product and no reshapes: the cumulative gate G goes to a
+    per-program scratch tile `gbuf` once, and each level's reference rows are gathered from it (an L1 hit) rather
+    than reduced out of registers; pass 2 reads G back instead of recomputing the gate."""
+    i_c = tl.program_id(0)
+    i_h = tl.program_id(1)
+    lo = i_c * 0
+    hi = lo + n_seqs
+    for _step in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
+        right = i_c >= end
+        active = lo < hi
+        lo = tl.where(active & right, mid + 1, lo)
+        hi = tl.where(active & (right == 0), mid, hi)
+    if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
+        return
+    bos = tl.load(cu_seqlens + lo).to(tl.int64)
+    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT
+
+    o_t = tl.arange(0, BT)
+    m_t = (t0 + o_t) < eos
+    b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
+    b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
+                                              other=0.0).to(tl.float32)), 0.0)
+    # This program's [BT, BK] G tile; padded rows hold the last real row's G (flat), as in registers.
+    p_g = gbuf + (i_c.to(tl.int64) * H + i_h) * (BT * BK)
+
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)
+    a_kk = tl.zeros([BT, BT], dtype=tl.float32)
+    diag_qk = tl.zeros([BT], dtype=tl.float32)
+    ssq_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
+    o_i = o_t[:, None]
+    o_j = o_t[None, :]
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
+                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        tl.store(p_g + o_t[:, None] * BK + o_ks[None, :], b_G)
+        tl.debug_barrier()  # the gathers below read rows other threads stored
+        ssq_q += tl.sum(b_q * b_q, 1)
+        ssq_k += tl.sum(b_k * b_k, 1)
+        diag_qk += tl.sum(b_q * b_k, 1)
+        for lvl in tl.static_range(LEVELS):
+            S: tl.constexpr = BT >> lvl
+            ref = (o_t // S) * S + S // 2
+            g_ref = tl.load(p_g + ref[:, None] * BK + o_ks[None, :])
+            second = ((o_t % S) >= S // 2)[:, None]
+            e = tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G))
+            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+            same = (o_i // S) == (o_j // S)
+            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f), 0.0)
+            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f), 0.0)
+
+    rq = scale / tl.sqrt(ssq_q + 1e-6)
+    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    a_qk = (a_qk + tl.where(o_i == o_j, diag_qk[:, None], 0.0)) * rq[:, None] * rk[None, :]
+    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
+             mask=m_t[:, None])
+    a_kk = a_kk * (rk * b_beta)[:, None] * rk[None, :]
+    # (I + A_kk)^-1 by block merges from 2 rows up to BT (see the module docstring)
+    b_x = tl.where(o_i == o_j, 1.0, 0.0)
+    for lvl in tl.static_range(LEVELS):
+        span = 2 << lvl
+        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
+        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
+
+    base_k = (t0 * H + i_h) * K
+    for i_k in range(0, BK // BKS):
+        o_ks = i_k * BKS + tl.arange(0, BKS)
+        m_ks = o_ks < K
+        if K == BK:
+            m = m_t[:, None]
+        else:
+            m = m_t[:, None] & m_ks[None, :]
+        b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
+                      other=0.0).to(tl.float32)
+        b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
+                      other=0.0).to(tl.float32) * rk[:, None]
+        b_G = tl.load(p_g + o_t[:, None] * BK + o_ks[None, :])
+        b_glast = tl.load(p_g + (BT - 1) * BK + o_ks)  # [BKS]
+        b_eg = tl.exp2(b_G)
+        off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
+        tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
+        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
+        tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * b_eg)).to(w.dtype.element_ty), mask=m)
+        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=m_ks)
+    for i_v in range(0, BV // BKS):
+        o_vs = i_v * BKS + tl.arange(0, BKS)
+        if V == BV:
+            m_v = m_t[:, None]
+        else:
+            m_v = m_t[:, None] & (o_vs < V)[None, :]
+        b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
+                      other=0.0).to(tl.float32)
+        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
+                 tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -322,28 +405,9 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
     check_index(op, "cu_seqlens", cu_seqlens, slots.shape[0] + 1)
 
 
-@dataclass(frozen=True)
-class IntraConfig:
-    """How the intra-chunk kernel is laid out (the benchmark sweeps these; the default is the fastest measured).
-
-    split: A_qk and A_kk in two programs per (chunk, head) rather than one after the other in one program.
-    sub: rows per diagonal block of batched [sub, sub] level products (16), or 1: every level a [64, 64] product.
-    level_bf16: bf16 operands for the level products (tf32 otherwise).
-    """
-
-    split: bool = False
-    sub: int = SUB
-    level_bf16: bool = False
-    warps: int = 8
-
-    def __post_init__(self):
-        if self.sub not in (1, 16) or self.warps not in (2, 4, 8, 16):
-            raise TritonKernelError(f"kda_prefill: intra config {self} (sub must be 1 or 16, warps 2..16)")
-
-
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-                       intra: IntraConfig = IntraConfig()):
+                       intra_warps: int = 8, intra_flat: bool = False):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
@@ -369,19 +433,29 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     lb = float(lower_bound) if lower_bound is not None else 0.0
     bv = block_v or min(bvp, 32)
 
-    cfg = intra
+    gbuf = torch.empty(max_chunks, heads, CHUNK, bk, dtype=torch.float32, device=q.device) if intra_flat else None
 
     def intra():
-        _kda_chunk_intra_kernel[(max_chunks, heads, 2 if cfg.split else 1)](
+        if intra_flat:
+            _kda_chunk_intra_flat_kernel[(max_chunks, heads)](
+                q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+                w, u, qg, kg, aqk, decay, gbuf,
+                q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
+                n, dk**-0.5, lb,
+                H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK,
+                LEVELS=int(math.log2(CHUNK)), SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1),
+                USE_LOWER_BOUND=lower_bound is not None, num_warps=intra_warps,
+            )
+            return
+        _kda_chunk_intra_kernel[(max_chunks, heads)](
             q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             n, dk**-0.5, lb,
-            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK, BC=cfg.sub,
-            FAR_LEVELS=int(math.log2(CHUNK // cfg.sub)), NEAR_LEVELS=int(math.log2(cfg.sub)),
+            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK, BC=SUB,
+            FAR_LEVELS=int(math.log2(CHUNK // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
-            PARTS_PER_PROGRAM=1 if cfg.split else 2, LEVEL_BF16=cfg.level_bf16, INTERPRET=interpreting(),
-            num_warps=cfg.warps,
+            num_warps=intra_warps,
         )
 
     def state():
