@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.sequence import Sequence
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
 from shard_svc.model import KimiForCausalLM
+from shard_svc.model.kimi import pack_weights
 from shard_svc.ops import Ops
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -17,6 +22,9 @@ class ModelRunner:
                  num_slots: int, num_blocks: int, block_size: int, kda_heads: int | None = None):
         """kda_heads: this rank's KDA heads in a shard group (None: all of the model's)."""
         self.cfg, self.model, self.ops, self.device = cfg, model, ops, device
+        # Once, after loading, tensor parallelism and weight streaming have edited the model: q/k/v weights packed so
+        # a KDA layer runs one projection without a per-step concatenation (names and values unchanged).
+        log.info("packed q/k/v weights of %d KDA layers", pack_weights(model))
         dtype = next(model.parameters()).dtype
         self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype, num_heads=kda_heads)
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
@@ -76,7 +84,7 @@ class ModelRunner:
             first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
             spans.append(end - first)
             rows.extend(range(first, end))
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], self.ops)
         for seq, n in work:
             seq.num_computed += n
         return list(logits.split(spans))

@@ -18,8 +18,9 @@ class GatedMLP(nn.Module):
         self.down_proj = linear(hidden, intermediate, dtype)
         self.activation, self.betas = cfg.activation, (cfg.situ_beta, cfg.situ_linear_beta)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.activation, self.betas))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        ops = ctx.ops
+        return self.down_proj(glu(self.gate_proj(x, ops), self.up_proj(x, ops), self.activation, self.betas), ops)
 
 
 class Router(nn.Module):
@@ -61,13 +62,13 @@ class MoE(nn.Module):
         ops, m = ctx.ops, self.cfg
         weights, ids = ops.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
                                      m.renormalize, m.routed_scaling_factor)
-        z = self.routed_expert_down_proj(x) if m.latent_size else x
+        z = self.routed_expert_down_proj(x, ops) if m.latent_size else x
         y = ops.moe_experts(z, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2, self.activation,
                             self.betas)
         if m.latent_size:
             if m.latent_norm:
                 y = self.routed_expert_norm(y, ops)
-            y = self.routed_expert_up_proj(y)
+            y = self.routed_expert_up_proj(y, ops)
         if m.num_shared_experts:
-            y = y + self.shared_experts(x)
+            y = y + self.shared_experts(x, ctx)
         return y

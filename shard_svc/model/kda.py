@@ -1,11 +1,17 @@
-"""KDA (Kimi Delta Attention) mixer: projections, short convs, gate, delta-rule recurrence, gated output norm."""
+"""KDA (Kimi Delta Attention) mixer: projections, short convs, gate, delta-rule recurrence, gated output norm.
+
+q/k/v run as one projection and one short conv over [T, 3HK]. `pack` (called once by the model runner) moves the
+three projection weights, and the three conv weights, into one buffer each that the checkpoint-named parameters
+then view, so a step reads the packed weights without a per-step `torch.cat`. Layers whose weights are not packed
+(streamed layers: their parameters are bound to slot views per pass) concatenate per step, with the same values.
+"""
 
 import torch
 from torch import nn
 
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
-from shard_svc.model.layers import linear
+from shard_svc.model.layers import linear, pack_rows, packed_rows
 
 
 class KDAttention(nn.Module):
@@ -32,23 +38,44 @@ class KDAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(c.num_heads, dtype=torch.float32), requires_grad=False)
         self.dt_bias = nn.Parameter(torch.empty(hk, dtype=torch.float32), requires_grad=False)
 
-    def _output_gate(self, x: torch.Tensor) -> torch.Tensor:
+    def _projections(self) -> tuple[nn.Module, ...]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def _convs(self) -> tuple[nn.Module, ...]:
+        return self.q_conv1d, self.k_conv1d, self.v_conv1d
+
+    def pack(self) -> bool:
+        """Packs the q/k/v projection and conv weights (see the module docstring); False when they are not
+        materialised (streamed placeholders), leaving them as they are."""
+        return pack_rows(self._projections()) and pack_rows(self._convs())
+
+    def _qkv(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """[T, 3HK] projections, one product when the weights are packed."""
+        w = packed_rows([m.weight for m in self._projections()])
+        if w is not None:
+            return ops.linear(x, w)
+        return torch.cat([m(x, ops) for m in self._projections()], dim=-1)
+
+    def _conv_weight(self) -> torch.Tensor:
+        parts = [m.weight for m in self._convs()]
+        w = packed_rows(parts)
+        return (torch.cat(parts) if w is None else w).squeeze(1)  # [3HK, W]
+
+    def _output_gate(self, x: torch.Tensor, ops) -> torch.Tensor:
         if hasattr(self, "g_proj"):
-            return self.g_proj(x)
-        return self.g_b_proj(self.g_a_proj(x))
+            return self.g_proj(x, ops)
+        return self.g_b_proj(self.g_a_proj(x, ops), ops)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, h, k = x.shape[0], self.num_heads, self.head_dim
         ops, batch = ctx.ops, ctx.batch
         recurrent, conv_state = ctx.kda_pool.layer(self.layer_idx)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3HK]
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight]).squeeze(1)
-        qkv = ops.short_conv(qkv, weight, conv_state, batch.state_slots, batch.cu_seqlens)
+        qkv = ops.short_conv(self._qkv(x, ops), self._conv_weight(), conv_state, batch.state_slots, batch.cu_seqlens)
         q, kk, v = (part.view(t, h, k) for part in qkv.split(h * k, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x)).view(t, h, k)
-        beta_logits = self.b_proj(x)  # [T, H]
+        f = self.f_b_proj(self.f_a_proj(x, ops), ops).view(t, h, k)
+        beta_logits = self.b_proj(x, ops)  # [T, H]
         kda = ops.kda_decode if batch.is_decode else ops.kda_prefill
         o = kda(q, kk, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound, recurrent,
                 batch.state_slots, batch.cu_seqlens)  # [T, H, V]
-        o = ops.gated_rms_norm(o, self.o_norm.weight, self._output_gate(x).view(t, h, k), self.eps)
-        return self.o_proj(o.reshape(t, h * k))
+        o = ops.gated_rms_norm(o, self.o_norm.weight, self._output_gate(x, ops).view(t, h, k), self.eps)
+        return self.o_proj(o.reshape(t, h * k), ops)

@@ -10,7 +10,7 @@ from shard_svc.forward_batch import ForwardContext
 from shard_svc.model.attn_res import AttnResMix, BlockCarry
 from shard_svc.model.ffn import MoE, GatedMLP
 from shard_svc.model.kda import KDAttention
-from shard_svc.model.layers import RMSNorm
+from shard_svc.model.layers import RMSNorm, linear
 from shard_svc.model.mla import MLAttention
 from shard_svc.ops.precision import upcast
 
@@ -83,18 +83,24 @@ class KimiModel(nn.Module):
         return self.norm(self.output_attn_res(h, carry.filled(), ctx.ops), ctx.ops)
 
 
+def pack_weights(model: nn.Module) -> int:
+    """Packs each KDA layer's q/k/v projection and conv weights into one buffer (`KDAttention.pack`); done once
+    before serving, after loading. Returns how many layers were packed (streamed layers are left alone)."""
+    return sum(attn.pack() for attn in model.modules() if isinstance(attn, KDAttention))
+
+
 class KimiForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
         self.cfg = cfg
         self.model = KimiModel(cfg, dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype)
+            self.lm_head = linear(cfg.vocab_size, cfg.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, vocab]."""
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return upcast(hidden @ weight.t())
+        return upcast(ops.linear(hidden, weight))

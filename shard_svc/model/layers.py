@@ -1,11 +1,56 @@
 """Leaf modules shared by every block. Parameters are created empty: the loader fills every one of them."""
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 
-def linear(out_features: int, in_features: int, dtype: torch.dtype) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=False, dtype=dtype)
+class Linear(nn.Linear):
+    """nn.Linear without bias whose forward runs the op seam's `linear`, so a backend can serve decode-sized
+    products with its own kernel. The parameter (`weight`), its name and the nn.Linear type that tensor parallelism
+    narrows are unchanged."""
+
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
+        return ops.linear(x, self.weight)
+
+
+def linear(out_features: int, in_features: int, dtype: torch.dtype) -> Linear:
+    return Linear(in_features, out_features, bias=False, dtype=dtype)
+
+
+def packed_rows(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(params)` without a copy: a view of their common storage when they lie back to back in it (as
+    `pack_rows` leaves them); None otherwise. Host-side checks only: no copy, no device sync."""
+    first = params[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for p in params:
+        if (p.untyped_storage().data_ptr() != storage or p.storage_offset() != offset or not p.is_contiguous()
+                or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]):
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in params)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+@torch.no_grad()
+def pack_rows(modules: Sequence[nn.Module], attr: str = "weight") -> bool:
+    """Moves the `attr` parameters of `modules` into one new buffer, stacked on dim 0, and rebinds each as a view of
+    its rows: names, shapes and values are unchanged and nothing is held twice, so `packed_rows` then returns the
+    whole buffer for free. False (nothing changed) when a parameter is not materialised (on the meta device, e.g. a
+    streamed layer's placeholder) or the parts differ in dtype, device or trailing shape."""
+    params = [getattr(m, attr) for m in modules]
+    first = params[0]
+    if any(p.is_meta or p.dtype != first.dtype or p.device != first.device or p.shape[1:] != first.shape[1:]
+           for p in params):
+        return False
+    if packed_rows(params) is None:
+        buf = torch.cat([p.detach() for p in params])
+        start = 0
+        for module, p in zip(modules, params):
+            setattr(module, attr, nn.Parameter(buf[start:start + p.shape[0]], requires_grad=False))
+            start += p.shape[0]
+    return True
 
 
 class RMSNorm(nn.Module):

@@ -37,14 +37,14 @@ class MLAttention(nn.Module):
 
     def _queries(self, x: torch.Tensor, ops) -> torch.Tensor:
         if hasattr(self, "q_proj"):
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x), ops))
+            return self.q_proj(x, ops)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, ops), ops), ops)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         ops, batch = ctx.ops, ctx.batch
         q = self._queries(x, ops).view(t, self.nh, self.nope + self.rope)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x, ops).split([self.kv_lora, self.rope], dim=-1)
         cache = ctx.kv_cache.layer(self.layer_idx)
         # The cache stores the normed c_kv, so decode never re-normalises old tokens.
         ops.mla_cache_write(cache, torch.cat([self.kv_a_layernorm(c_kv, ops), k_pe], dim=-1), batch.slot_mapping)
@@ -52,5 +52,5 @@ class MLAttention(nn.Module):
         o = attend(q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
                    batch.ctx_lens, batch.cu_seqlens, self.scale).reshape(t, self.nh * self.v_dim)
         if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x))
-        return self.o_proj(o)
+            o = o * torch.sigmoid(self.g_proj(x, ops))
+        return self.o_proj(o, ops)

@@ -53,15 +53,15 @@ class ExpertParallelMoE(nn.Module):
         ops, m = ctx.ops, self.cfg
         weights, ids = ops.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
                                      m.renormalize, m.routed_scaling_factor)
-        z = self.routed_expert_down_proj(x) if m.latent_size else x
+        z = self.routed_expert_down_proj(x, ops) if m.latent_size else x
         y = local_expert_sum(ops, z, weights, ids, self.experts, self.first_expert, self.activation, self.betas)
         if m.latent_size:
             y = self.comm.all_reduce_world(y)  # the norm below needs the whole routed sum
             if m.latent_norm:
                 y = self.routed_expert_norm(y, ops)
-            y = self.routed_expert_up_proj(y[:, self.latent_cols])  # partial over this rank's latent columns
+            y = self.routed_expert_up_proj(y[:, self.latent_cols], ops)  # partial over this rank's latent columns
         if m.num_shared_experts:
-            y = y + self.shared_experts(x)  # partial over this rank's shared-expert width
+            y = y + self.shared_experts(x, ctx)  # partial over this rank's shared-expert width
         return self.comm.all_reduce_world(y)
 
 

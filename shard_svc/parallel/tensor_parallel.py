@@ -106,10 +106,10 @@ class VocabParallelCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         return self.model(input_ids, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, ops) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits [N, vocab], the same on every rank."""
         weight = self.model.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
-        return self.comm.all_gather_last_dim(upcast(hidden @ weight.t()))
+        return self.comm.all_gather_last_dim(upcast(ops.linear(hidden, weight)))
 
 
 def shard_attention(model: KimiForCausalLM, comm: ModelComm, plan: ShardPlan) -> None:

@@ -13,6 +13,7 @@ from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 from tests.engine.conftest import linear_config, random_model
 from tests.kernels.conftest import DEVICE, ON_GPU
+from tests.kernels.test_linear import linear_module
 from tests.kernels.test_mla_decode import mla_module
 from tests.kernels.test_moe_experts import moe_module
 
@@ -41,7 +42,7 @@ def generate(backend: str, graphs: bool):
 
 @pytest.mark.slow
 def test_triton_backend_with_decode_graph_buffers_matches_eager():
-    moe_module(), mla_module()
+    moe_module(), mla_module(), linear_module()
     eager = generate("eager", graphs=False)
     triton = generate("triton", graphs=True)
     for a, b in zip(eager, triton):

@@ -311,7 +311,7 @@ def test_dense_mlp_uses_situ(k3_26):
     mlp = model.model.layers[0].mlp
     x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     expected = refs.gated_mlp(x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, act_of(cfg))
-    assert_close(mlp(x), expected, 1e-6, "dense SiTU MLP")
+    assert_close(mlp(x, one_sequence_ctx(cfg, 7)), expected, 1e-6, "dense SiTU MLP")
 
 
 # -- KDA gates -----------------------------------------------------------------------------------------------------

@@ -153,8 +153,9 @@ def prefill_logits(cfg: ModelConfig, model, ids: torch.Tensor) -> torch.Tensor:
     batch = ForwardBatch(cu_seqlens=torch.tensor([0, t]), ctx_lens=torch.tensor([0]), state_slots=torch.tensor([0]),
                          block_tables=torch.tensor([[0]], dtype=torch.int32), slot_mapping=torch.arange(t),
                          is_decode=False)
-    hidden = model(ids, ForwardContext(batch, pool, cache, select_ops(cpu, "eager")))
-    return model.compute_logits(hidden)
+    ops = select_ops(cpu, "eager")
+    hidden = model(ids, ForwardContext(batch, pool, cache, ops))
+    return model.compute_logits(hidden, ops)
 
 
 @pytest.mark.parametrize("family", ["tiny_linear", "tiny_k3"])

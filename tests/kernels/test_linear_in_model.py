@@ -1,0 +1,64 @@
+"""The Triton `linear` op inside a tiny model: every other op eager, so a difference is the linear's alone. Decode
+steps run through the graph runner's padded buffers (eagerly on the CPU), so the skinny kernel sees the model's real
+decode shapes (1, 2 and 4 padded rows, the packed q/k/v weight, lm_head); prefill passes of more than 16 tokens take
+the F.linear side of the dispatch. Greedy tokens must equal the all-eager run's, logits agree to fp32 rounding."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shard_svc.engine.cuda_graphs import CudaGraphRunner
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.ops import select_ops
+from tests.engine.conftest import k3_config, linear_config, random_model
+from tests.kernels.conftest import DEVICE, ON_GPU
+from tests.kernels.test_linear import linear_module
+
+PROMPTS = [(23, 4), (5, 2), (40, 5)]  # (prompt length, tokens): decode batches of 3, 2 and 1 rows
+
+
+def generate(raw: dict, triton_linear: bool, paths: list[bool] | None = None):
+    """paths: filled with `uses_skinny` of every linear call (triton_linear only)."""
+    cfg, model = random_model(raw, seed=0)
+    model = model.to(DEVICE)
+    ops = select_ops(DEVICE, "eager")
+    if triton_linear:
+        mod = linear_module()
+
+        def recorded(x, w):
+            paths.append(mod.uses_skinny(x, w))
+            return mod.linear(x, w)
+
+        ops = dataclasses.replace(ops, linear=recorded)
+    engine = Engine(cfg, model, ops, DEVICE, EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=4,
+                                                          prefill_token_budget=1000))
+    runner = CudaGraphRunner(engine.runner, (1, 2, 4), max_blocks_per_seq=16, capture=ON_GPU)
+    runner.capture()
+    engine.runner.graphs = runner
+    gen = torch.Generator().manual_seed(0)
+    seqs = [engine.add_request(f"r{i}", torch.randint(0, 255, (n,), generator=gen).tolist(),
+                               SamplingParams(max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
+            for i, (n, m) in enumerate(PROMPTS)]
+    while engine.has_work():
+        engine.step()
+    return seqs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["linear", "k3-6"])
+def test_triton_linear_in_model_matches_eager(family):
+    raw = linear_config() if family == "linear" else k3_config(6)  # K3: q-LoRA, output gates, latent MoE
+    eager = generate(raw, triton_linear=False)
+    paths: list[bool] = []
+    triton = generate(raw, triton_linear=True, paths=paths)
+    assert any(paths) and not all(paths), "decode must run the skinny kernel and long prefill F.linear"
+    for a, b in zip(eager, triton):
+        assert a.output == b.output
+        for la, lb in ((torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)),
+                       (torch.cat(a.step_logits), torch.cat(b.step_logits))):
+            err = float((la - lb).abs().max() / la.abs().max())
+            assert err <= 1e-5, f"logits differ by {err:.2e} of the largest"
