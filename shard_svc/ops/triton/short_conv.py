@@ -2,12 +2,18 @@
 
 Reference: `shard_svc/ops/conv.py::short_conv`. out[t, c] = SiLU(sum_w weight[c, w] * x[t - (W-1) + w, c]) where
 positions before a sequence's first new token come from its pool slot (the last W-1 inputs, oldest first); the
-slot then holds the last W-1 inputs of (old state ++ new tokens).
+slot then holds the last W-1 inputs of (old state ++ new tokens). Products and sums in fp32, tap by tap; a state
+value is cast to x's dtype first, as the eager path concatenates it to x before upcasting.
 
-Prefill: `_conv_fwd_kernel` over (token block, channel block) reads the *old* state, then `_conv_state_kernel`
-writes the new one; two launches because a token block at a sequence's end would otherwise overwrite the state
-that a block at its start still has to read. Decode (T == B): `_conv_seq_kernel`, one program per (sequence,
-channel block) reads then writes its own slot in one launch; it is correct for any lengths, just serial per sequence.
+Prefill: `_conv_fwd_kernel` reads the *old* state, then `_conv_state_kernel` writes the new one; two launches because
+the program that reads a sequence's first tokens is not the one that reads its last. A prefill program owns a channel
+block (4 contiguous channels per thread) and a span of token tiles; it loads the weights once, keeps the next tile's
+rows in flight while it computes the current one, and per tile decides with two scalar comparisons whether the tile
+and its W-1 halo rows lie inside one sequence. Such a tile (nearly all of a long prefill) uses each loaded row for
+all its taps, with no masks along tokens (none at all when C is a multiple of the block) and no state reads; a tile
+at a sequence start or boundary goes token by token, reading the state where a tap falls before the sequence.
+Decode (T == B): `_conv_seq_kernel`, one program per (sequence, channel block) reads then writes its own slot in
+one launch; it is correct for any lengths, just serial per sequence.
 """
 
 from __future__ import annotations
@@ -22,45 +28,98 @@ from shard_svc.ops.triton.common import TritonKernelError, check, check_index, p
 
 
 @triton.jit
+def _load_c(p, m_c, EVEN_C: tl.constexpr):
+    """A [BC] channel vector; unmasked when C is a multiple of BC, so it compiles to plain vector loads."""
+    if EVEN_C:
+        return tl.load(p)
+    else:
+        return tl.load(p, mask=m_c, other=0.0)
+
+
+@triton.jit
+def _store_c(p, value, m_c, EVEN_C: tl.constexpr):
+    if EVEN_C:
+        tl.store(p, value)
+    else:
+        tl.store(p, value, mask=m_c)
+
+
+@triton.jit
+def _tile_rows(x, t0, T, stride_x, o_c, m_c, W: tl.constexpr, BT: tl.constexpr, EVEN_C: tl.constexpr):
+    """Rows t0-(W-1) .. t0+BT-1 of x (clamped into [0, T): rows outside are loaded but never used)."""
+    rows = ()
+    for r in tl.static_range(BT + W - 1):
+        row = tl.minimum(tl.maximum(t0 + (r - (W - 1)), 0), T - 1)
+        rows = rows + (_load_c(x + tl.cast(row, tl.int64) * stride_x + o_c, m_c, EVEN_C),)
+    return rows
+
+
+@triton.jit
 def _conv_fwd_kernel(
     x, weight, conv_state, slots, cu_seqlens, out,
-    T, C, n_seqs, stride_x, stride_o, stride_s_slot, stride_s_c,
-    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    T, C, n_seqs, span, stride_x, stride_o, stride_s_slot, stride_s_c,
+    W: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, SEARCH_STEPS: tl.constexpr, EVEN_C: tl.constexpr,
 ):
-    i_t = tl.program_id(0)
-    i_c = tl.program_id(1)
-    tok = i_t.to(tl.int64) * BT + tl.arange(0, BT)
-    o_c = i_c * BC + tl.arange(0, BC)
-    m_t = tok < T
+    o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     m_c = o_c < C
-    m = m_t[:, None] & m_c[None, :]
-    # Sequence of each token: the n with cu_seqlens[n] <= t < cu_seqlens[n + 1].
-    lo = tl.zeros([BT], dtype=tl.int32)
-    hi = lo + n_seqs
+    ws = ()
+    for i_w in tl.static_range(W):
+        ws = ws + (_load_c(weight + o_c * W + i_w, m_c, EVEN_C).to(tl.float32),)
+
+    t_start = tl.program_id(0) * span
+    t_end = tl.minimum(t_start + span, T)
+    # Software pipelining by hand: the next tile's rows are requested before this tile is computed (the compiler
+    # otherwise spreads a tile's loads between its arithmetic, a memory round trip each).
+    nxt = _tile_rows(x, t_start, T, stride_x, o_c, m_c, W, BT, EVEN_C)
+    # Sequence of this program's first token (the n with cu_seqlens[n] <= t < cu_seqlens[n + 1]); later tiles only
+    # move forward from it.
+    lo = 0
+    hi = n_seqs
     for _ in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        end = tl.load(cu_seqlens + tl.minimum(mid, n_seqs - 1) + 1)
-        right = tok >= end
+        right = tl.load(cu_seqlens + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32) <= t_start
         active = lo < hi
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & (right == 0), mid, hi)
     seq = tl.minimum(lo, n_seqs - 1)
-    bos = tl.load(cu_seqlens + seq)
-    slot = tl.load(slots + seq).to(tl.int64)
+    bos = tl.load(cu_seqlens + seq).to(tl.int32)
+    eos = tl.load(cu_seqlens + seq + 1).to(tl.int32)
 
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for i_w in tl.static_range(W):
-        pos = tok - (W - 1) + i_w
-        from_x = (pos >= bos)[:, None]
-        b_x = tl.load(x + pos[:, None] * stride_x + o_c[None, :], mask=m & from_x, other=0.0)
-        b_s = tl.load(conv_state + slot[:, None] * stride_s_slot + o_c[None, :] * stride_s_c
-                      + (pos - bos + W - 1)[:, None], mask=m & (from_x == 0), other=0.0)
-        # the eager path concatenates the state cast to x's dtype, then upcasts
-        b_val = tl.where(from_x, b_x, b_s.to(x.dtype.element_ty)).to(tl.float32)
-        b_w = tl.load(weight + o_c * W + i_w, mask=m_c, other=0.0).to(tl.float32)
-        acc += b_val * b_w[None, :]
-    y = acc * tl.sigmoid(acc)
-    tl.store(out + tok[:, None] * stride_o + o_c[None, :], y.to(out.dtype.element_ty), mask=m)
+    for t0 in range(t_start, t_end, BT):
+        cur = nxt
+        if t0 + BT < t_end:  # the program's last tile prefetches nothing
+            nxt = _tile_rows(x, t0 + BT, T, stride_x, o_c, m_c, W, BT, EVEN_C)
+        while (eos <= t0) & (seq < n_seqs - 1):
+            seq += 1
+            bos = eos
+            eos = tl.load(cu_seqlens + seq + 1).to(tl.int32)
+        if (t0 - (W - 1) >= bos) & (t0 + BT <= eos):
+            # The tile and its W-1 halo rows lie inside one sequence: no state, no masks along tokens.
+            p_o = out + tl.cast(t0, tl.int64) * stride_o + o_c
+            for r in tl.static_range(BT):
+                acc = tl.zeros([BC], dtype=tl.float32)
+                for i_w in tl.static_range(W):
+                    acc += cur[r + i_w].to(tl.float32) * ws[i_w]
+                _store_c(p_o + r * stride_o, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), m_c, EVEN_C)
+        else:
+            # A sequence starts (or the packed batch ends) within reach of this tile: token by token, with the
+            # state for taps before the token's sequence. Tokens past cu_seqlens[-1] count as the last sequence's.
+            for t in range(t0, tl.minimum(t0 + BT, T)):
+                while (eos <= t) & (seq < n_seqs - 1):
+                    seq += 1
+                    bos = eos
+                    eos = tl.load(cu_seqlens + seq + 1).to(tl.int32)
+                p_s = conv_state + tl.load(slots + seq).to(tl.int64) * stride_s_slot + o_c * stride_s_c
+                acc = tl.zeros([BC], dtype=tl.float32)
+                for i_w in tl.static_range(W):
+                    pos = t - (W - 1) + i_w
+                    if pos >= bos:
+                        b_val = tl.load(x + tl.cast(pos, tl.int64) * stride_x + o_c, mask=m_c, other=0.0)
+                    else:
+                        b_val = tl.load(p_s + (pos - bos + W - 1), mask=m_c, other=0.0).to(x.dtype.element_ty)
+                    acc += b_val.to(tl.float32) * ws[i_w]
+                tl.store(out + tl.cast(t, tl.int64) * stride_o + o_c, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty),
+                         mask=m_c)
 
 
 @triton.jit
@@ -124,9 +183,21 @@ def _conv_seq_kernel(
     tl.store(p_s[:, None] + tl.arange(0, WP)[None, :], new, mask=m)
 
 
+def _prefill_warps(c: int) -> int:
+    """4 warps (512 channels), fewer when C would leave most of the block masked."""
+    warps = 4
+    while warps > 1 and 4 * 32 * warps // 2 >= c:
+        warps //= 2
+    return warps
+
+
 def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor,
-               cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Same contract as `ops.conv.short_conv`: x [T, C], weight [C, W], conv_state [slots, C, W-1] (in place)."""
+               cu_seqlens: torch.Tensor, *, block_t: int | None = None, tiles_per_program: int | None = None,
+               num_warps: int | None = None) -> torch.Tensor:
+    """Same contract as `ops.conv.short_conv`: x [T, C], weight [C, W], conv_state [slots, C, W-1] (in place).
+
+    The keyword arguments override the prefill tiling (benchmarks and tests): tokens per tile, tiles per program,
+    warps per program (the channel block is 4 channels x 32 lanes x warps)."""
     op = "short_conv"
     check(op, "x", x, dims=2)
     check(op, "weight", weight, dims=2)
@@ -151,10 +222,23 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
             x, weight, conv_state, slots, cu_seqlens, out, c, strides[0], out.stride(0), strides[1], strides[2],
             W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4)
         return out
-    bt, bc = 16, 128  # [16, 128] tiles x 4 taps stay in registers (32 rows spilled)
-    _conv_fwd_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc))](
-        x, weight, conv_state, slots, cu_seqlens, out, t, c, n, strides[0], out.stride(0), strides[1], strides[2],
-        W=width, BT=bt, BC=bc, SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), num_warps=4)
+    warps = _prefill_warps(c) if num_warps is None else num_warps
+    # 8 tokens: a thread holds 2 x (8 + W-1) rows of 4 channels (this tile's and the next), ~128 registers in bf16;
+    # 16 would double that and halve the programs per SM.
+    bt = 8 if block_t is None else block_t
+    if bt < 1 or warps not in (1, 2, 4, 8, 16) or (tiles_per_program is not None and tiles_per_program < 1):
+        raise TritonKernelError(f"{op}: block_t {block_t}, tiles_per_program {tiles_per_program}, num_warps "
+                                f"{num_warps} (block_t and tiles_per_program >= 1, num_warps a power of two <= 16)")
+    bc = 4 * 32 * warps
+    n_cb = triton.cdiv(c, bc)
+    # Several tiles per program amortise the weight loads, the sequence search and the first tile's exposed load;
+    # about 3072 programs or more (~6 waves of 4 x 4-warp programs per SM on 132 SMs) keep the idle tail small.
+    nb = tiles_per_program if tiles_per_program is not None else max(1, min(8, triton.cdiv(t, bt) * n_cb // 3072))
+    _conv_fwd_kernel[(triton.cdiv(t, bt * nb), n_cb)](
+        x, weight, conv_state, slots, cu_seqlens, out, t, c, n, bt * nb, strides[0], out.stride(0), strides[1],
+        strides[2], W=width, BT=bt, BC=bc, SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1),
+        EVEN_C=c % bc == 0, num_warps=warps)
+    bc = 128
     _conv_state_kernel[(n, triton.cdiv(c, bc))](
         x, conv_state, slots, cu_seqlens, c, strides[0], strides[1], strides[2], W=width, WP=wp, BC=bc,
         num_warps=4)
