@@ -2,10 +2,13 @@
 
 Reference: `shard_svc/ops/moe/eager.py::moe_route`. `_router_logits_kernel` computes x W_gate^T with fp32
 accumulation (products of bf16 inputs are exact in fp32, as in the eager path's upcast GEMM; only the summation
-order differs), tiled over tokens and experts so a single decode token still spreads over many programs.
+order differs), tiled over tokens and experts. With few tokens those tiles alone are too few programs to stream the
+gate weight (E/16 for a decode token), so the hidden dimension is also split over a third grid axis; each split
+writes its partial logits and `_router_topk_kernel` adds them in a fixed order (deterministic, no atomics).
 `_router_topk_kernel` then takes, per token, the sigmoid, chooses the top k by score + correction bias (one
 arg-max per choice, ties to the lower expert id as torch.topk), gathers the unbiased scores of the chosen experts,
-renormalises (+1e-20) and scales. No host sync: graph-safe.
+renormalises (+1e-20) and scales; its tile has as many rows as the batch needs (up to the register budget) and
+fewer warps when it is small. No host sync: graph-safe.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, 
 
 
 @triton.jit
-def _router_logits_kernel(x, w, logits, T, D, E, stride_x, stride_w, stride_l,
+def _router_logits_kernel(x, w, logits, T, D, E, k_span, stride_x, stride_w, stride_l, stride_split,
                           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                           PRECISION: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
@@ -26,28 +29,35 @@ def _router_logits_kernel(x, w, logits, T, D, E, stride_x, stride_w, stride_l,
     m_t = o_t < T
     m_e = o_e < E
     o_k = tl.arange(0, BK)
+    k_lo = tl.program_id(2) * k_span  # this program's part of the hidden dimension
+    k_hi = tl.minimum(k_lo + k_span, D)
     acc = tl.zeros([BT, BE], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        m_k = (k0 + o_k) < D
+    for k0 in range(k_lo, k_hi, BK):
+        m_k = (k0 + o_k) < k_hi
         a = tl.load(x + o_t[:, None] * stride_x + (k0 + o_k)[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b = tl.load(w + o_e[None, :].to(tl.int64) * stride_w + (k0 + o_k)[:, None],
                     mask=m_k[:, None] & m_e[None, :], other=0.0)  # [BK, BE]
         if DOT_FP32:  # the interpreter multiplies bf16 dot operands wrongly
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    tl.store(logits + o_t[:, None] * stride_l + o_e[None, :], acc, mask=m_t[:, None] & m_e[None, :])
+    tl.store(logits + tl.program_id(2).to(tl.int64) * stride_split + o_t[:, None] * stride_l + o_e[None, :], acc,
+             mask=m_t[:, None] & m_e[None, :])
 
 
 @triton.jit
-def _router_topk_kernel(logits, bias, weights, ids, T, E, stride_l, scaling,
+def _router_topk_kernel(logits, bias, weights, ids, T, E, stride_l, stride_split, scaling,
                         K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
-                        RENORMALIZE: tl.constexpr):
+                        SPLIT: tl.constexpr, RENORMALIZE: tl.constexpr):
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_e = tl.arange(0, E_PAD)
     m_e = o_e < E
-    score = tl.sigmoid(tl.load(logits + o_t[:, None] * stride_l + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
-                               other=0.0))
+    p_l = logits + o_t[:, None] * stride_l + o_e[None, :]
+    m_l = m_t[:, None] & m_e[None, :]
+    logit = tl.load(p_l, mask=m_l, other=0.0)
+    for s in tl.static_range(1, SPLIT):  # unrolled: the partial tiles are requested together
+        logit += tl.load(p_l + s * stride_split, mask=m_l, other=0.0)
+    score = tl.sigmoid(logit)
     b = tl.load(bias + o_e, mask=m_e, other=0.0).to(tl.float32)
     ranked = tl.where(m_e[None, :], score + b[None, :], float("-inf"))
     o_j = tl.arange(0, K_PAD)
@@ -67,10 +77,16 @@ def _router_topk_kernel(logits, bias, weights, ids, T, E, stride_l, scaling,
     tl.store(ids + o_t[:, None] * K + o_j[None, :], chosen_e.to(tl.int64), mask=m)
 
 
+# Programs the logits launch aims for at small T: about two per SM of an H100/H200 (132 SMs).
+_MIN_PROGRAMS = 256
+
+
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-              renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool, scaling: float, *, split_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ops.moe.eager.moe_route`: x [T, D], gate_weight [E, D], correction_bias [E] ->
-    (weights [T, k] fp32, expert ids [T, k] int64)."""
+    (weights [T, k] fp32, expert ids [T, k] int64).
+
+    `split_k` overrides how many parts the hidden dimension is split into (benchmarks and tests)."""
     op = "moe_route"
     check(op, "x", x, dims=2)
     check(op, "gate_weight", gate_weight, dtypes=(x.dtype,), dims=2)
@@ -86,18 +102,30 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return weights, ids
-    logits = torch.empty(t, e, dtype=torch.float32, device=x.device)
-    bt = 16 if t <= 256 else 64
-    be = 16 if t <= 256 else 64  # a lone decode token still spreads over E / 16 programs
-    _router_logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be))](
-        x, gate_weight, logits, t, d, e, x.stride(0), gate_weight.stride(0), logits.stride(0),
-        BT=bt, BE=be, BK=128 if t <= 256 else 64, DOT_FP32=interpreting(),
+    small = t <= 256
+    bt, be, bk = (16, 16, 128) if small else (64, 64, 64)  # 16 x 16: the smallest tl.dot tile
+    k_steps = triton.cdiv(d, bk)
+    if split_k is not None:
+        if split_k < 1:
+            raise TritonKernelError(f"{op}: split_k {split_k} must be >= 1")
+        split = min(split_k, k_steps)
+    elif small:  # split D until there are about _MIN_PROGRAMS programs, at least two BK steps each
+        split = max(1, min(triton.cdiv(_MIN_PROGRAMS, triton.cdiv(t, bt) * triton.cdiv(e, be)), k_steps // 2))
+    else:
+        split = 1
+    k_span = triton.cdiv(k_steps, split) * bk
+    split = triton.cdiv(d, k_span)  # no empty split
+    logits = torch.empty(split, t, e, dtype=torch.float32, device=x.device)
+    _router_logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), split)](
+        x, gate_weight, logits, t, d, e, k_span, x.stride(0), gate_weight.stride(0), logits.stride(1),
+        logits.stride(0), BT=bt, BE=be, BK=bk, DOT_FP32=interpreting(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
     e_pad = pow2_at_least(e, 16)
-    bt2 = max(1, min(64, 4096 // e_pad))
+    bt2 = min(pow2_at_least(t), max(1, min(64, 4096 // e_pad)))  # rows per program: no more than the batch has
     _router_topk_kernel[(triton.cdiv(t, bt2),)](
-        logits, correction_bias, weights, ids, t, e, logits.stride(0), float(scaling),
-        K=top_k, K_PAD=pow2_at_least(top_k, 2), BT=bt2, E_PAD=e_pad, RENORMALIZE=bool(renormalize), num_warps=4)
+        logits, correction_bias, weights, ids, t, e, logits.stride(1), logits.stride(0), float(scaling),
+        K=top_k, K_PAD=pow2_at_least(top_k, 2), BT=bt2, E_PAD=e_pad, SPLIT=split, RENORMALIZE=bool(renormalize),
+        num_warps=max(1, min(4, bt2 * e_pad // 1024)))  # at most 32 scores per thread; one warp for a decode token
     return weights, ids
 
 
