@@ -122,7 +122,8 @@ class Engine:
             self.sync.check_plan(plan)
         result = StepResult()
         if plan.prefill:
-            self._run_pass("prefill", plan.prefill, result)
+            # weight streaming: the layers fetched ahead during the prefill are for this step's decode pass
+            self._run_pass("prefill", plan.prefill, result, next_tokens=len(plan.decode) or None)
         decode = [(s, 1) for s in plan.decode if not s.finished]
         if decode:
             self._run_pass("decode", decode, result)
@@ -130,8 +131,12 @@ class Engine:
             self.sync.end_step(self, result)  # events leave only once every rank agrees on every sequence
         return result
 
-    def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult) -> None:
+    def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult,
+                  next_tokens: int | None = None) -> None:
+        """next_tokens: the size of the pass that follows this one, where the plan says (None: unknown)."""
         start = time.perf_counter()
+        if self.runner.weights is not None:
+            self.runner.weights.expect_next_pass(next_tokens)
         try:
             logits = self.runner.forward(work, is_decode=kind == "decode")
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving

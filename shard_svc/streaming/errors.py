@@ -27,6 +27,10 @@ class SlotBusyError(StreamingError):
     """A fetch would overwrite a slot that a kernel may still read (or that holds an unused prefetch)."""
 
 
+class UnusedPrefetchError(StreamingError):
+    """A forward pass ended with layers fetched for it that it never ran (a skipped streamed layer)."""
+
+
 class NotPinnedError(StreamingError):
     """A host tensor in pageable memory was given to the CUDA engine, which copies asynchronously."""
 

@@ -1,7 +1,7 @@
 """Prometheus metrics of weight streaming and host KV offload, registered on the registry the caller passes in.
 
-Per pass: bytes streamed, copy time, compute time and stall time (the compute stream waiting on a copy); slot
-occupancy as a gauge; KV pages on the host. Series carry `shard` and `rank` labels like the shard's own metrics.
+Per pass: bytes streamed, copy time, compute time and stall time (the compute stream waiting on a copy), and the
+layer fetches issued ahead for the next pass; slot occupancy as a gauge; KV pages on the host. Series carry `shard` and `rank` labels like the shard's own metrics.
 A shard that streams nothing observes nothing (histograms start empty).
 """
 
@@ -27,6 +27,10 @@ class StreamingMetrics:
         self.stall_seconds = Histogram("kimiserve_stream_stall_seconds",
                                        "Time compute waited for weight copies, per forward pass", buckets=PASS_BUCKETS,
                                        **kw)
+        self.fetched_ahead = Counter("kimiserve_stream_fetched_ahead_layers",
+                                     "Layer fetches issued during a forward pass for the next one (cross-pass "
+                                     "prefetch: the next pass's first layers copy while this one's last compute)",
+                                     **kw)
         self.slots_used = Gauge("kimiserve_stream_slots_used", "Device weight slots holding a layer (loading or in "
                                 "use), sampled when a layer acquires its slot", **kw)
         self.slots_total = Gauge("kimiserve_stream_slots_total", "Device weight slots in the ring", **kw)
@@ -37,8 +41,10 @@ class StreamingMetrics:
                                          **kw)
         self.labels = {"shard": shard, "rank": str(rank)}
 
-    def observe_pass(self, nbytes: int, tensors: int, copy_s: float, compute_s: float, stall_s: float) -> None:
+    def observe_pass(self, nbytes: int, tensors: int, copy_s: float, compute_s: float, stall_s: float,
+                     fetched_ahead: int) -> None:
         self.bytes_streamed.labels(**self.labels).inc(nbytes)
+        self.fetched_ahead.labels(**self.labels).inc(fetched_ahead)
         self.tensors_streamed.labels(**self.labels).inc(tensors)
         self.copy_seconds.labels(**self.labels).observe(copy_s)
         self.compute_seconds.labels(**self.labels).observe(compute_s)

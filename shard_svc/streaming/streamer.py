@@ -3,14 +3,24 @@
 `WeightStreamer.install` edits the model after construction (as tensor parallelism does elsewhere): each streamed
 layer becomes a `StreamedDecoderLayer`, its parameters become `UnboundWeight` placeholders that raise
 MissingSlotError on any use, and its stacked experts become `StreamedExperts` handles. Per forward pass
-(`pass_scope`, entered by the runner) the first `prefetch_depth` layers are fetched; when layer l acquires its slot
-the streamer fetches layer l + depth, binds l's parameters to views of the slot, runs it, then puts the placeholders
-back and releases the slot (an event on the compute stream: the slot is refilled only after the kernels that read it).
+(`pass_scope`, entered by the runner) the first `prefetch_depth` layers are fetched unless the previous pass already
+did; when layer l acquires its slot the streamer fetches layer l + depth, binds l's parameters to views of the slot,
+runs it, then puts the placeholders back and releases the slot (an event on the compute stream: the slot is refilled
+only after the kernels that read it).
+
+Across passes: a forward always starts at the first streamed layer, so once l + depth runs past the last layer the
+ring wraps and the next pass's first `prefetch_depth` layers are fetched while this pass's last layers compute (the
+next pass then starts warm). Each goes into a slot only after its own release in this pass, in ring order, with the
+same event guard. A pass that fails drains the ring, so the next one starts cold rather than on a half-known state.
 
 Routed experts: when the pass is expected to touch fewer than `all_experts_share` of a layer's experts (decode, small
 batches), only the layer's dense tensors are prefetched and the experts its tokens route to are copied on demand;
 otherwise every expert is prefetched with the layer. Before experts are read the engine checks that each was copied
-into this slot in this occupancy.
+into this slot in this occupancy. Fetching ahead for the next pass, whose size is not known yet, the streamer takes
+the engine's word for it (`expect_next_pass`: a prefill is followed by the step's decode) or else assumes the next
+pass is like this one. A guess that turns out wrong costs copies, never correctness: a layer fetched with every
+expert serves a routed pass (its on-demand copies find the experts already there), and a layer fetched with its dense
+tensors only gets the rest of its experts copied when an all-experts pass acquires it.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.model.kimi import DecoderLayer, KimiForCausalLM
 from shard_svc.ops import Ops
-from shard_svc.streaming.errors import MissingSlotError, StreamingConfigError
+from shard_svc.streaming.errors import MissingSlotError, StreamingConfigError, UnusedPrefetchError
 from shard_svc.streaming.experts import StreamedExperts, w4a16_moe_experts
 from shard_svc.streaming.host import HostWeights
 from shard_svc.streaming.metrics import StreamingMetrics
@@ -107,6 +117,8 @@ class PassStreamStats:
     stall_s: float  # time the compute side waited for copies
     wall_s: float
     routed: bool  # experts copied on demand (True) or all prefetched
+    ready: int  # first layers found already fetched (by the previous pass) when this pass started
+    ahead: int  # layer fetches this pass issued for the next pass (its bytes and copy time are counted here)
 
 
 class WeightStreamer:
@@ -138,8 +150,14 @@ class WeightStreamer:
         self._targets: dict[int, list[tuple[torch.nn.Module, str, UnboundWeight]]] = {}
         self._views: dict[tuple[int, int], object] = {}
         self._slot: dict[int, int] = {}
+        # Layers fetched into a slot and not yet acquired -> whether every member (all experts) was copied. Between
+        # passes it holds the next pass's first layers, fetched ahead.
+        self._fetched: dict[int, bool] = {}
         self._in_pass = False
         self._routed = False
+        self._next_routed = False  # expert mode the fetches for the next pass are made for
+        self._next_tokens: int | None = None  # set by `expect_next_pass`, consumed by the next pass_scope
+        self._ahead = 0
         self._w4a16 = w4a16_moe_experts  # wrap_ops picks the backend's kernel
         self.last_pass: PassStreamStats | None = None
         self.install(model)
@@ -221,42 +239,89 @@ class WeightStreamer:
         touched = 1.0 - (1.0 - m.top_k / m.num_experts) ** num_tokens
         return touched < self.options.all_experts_share
 
+    def expect_next_pass(self, num_tokens: int | None) -> None:
+        """Called before a pass: the pass that follows it will run `num_tokens` tokens (None: unknown). Decides
+        whether the layers fetched ahead for that pass carry every expert or only their dense tensors; a wrong or
+        missing hint costs copies, never correctness."""
+        self._next_tokens = num_tokens
+
     @contextmanager
     def pass_scope(self, batch, num_tokens: int) -> Iterator[None]:
         self._routed = self.routed_for(num_tokens)
+        hint, self._next_tokens = self._next_tokens, None
+        self._next_routed = self._routed if hint is None else self.routed_for(hint)
         self.engine.reset_stats()
         start = time.perf_counter()
+        first = self.order[: self.depth]
+        ready = sum(layer in self._fetched for layer in first)
+        self._ahead = 0
         self._in_pass = True
+        completed = False
         try:
-            for layer in self.order[: self.depth]:
-                self._fetch(layer)
+            for layer in first:
+                if layer not in self._fetched:
+                    self._fetch(layer, self._routed)
             yield
+            self._fetch_ahead(len(self.order))  # what the last layer's release made room for (depth >= layers)
+            self._check_only_next_pass_fetched()
+            completed = True
         finally:
             self._in_pass = False
-            self.engine.drain()  # an aborted pass leaves no prefetch behind to block the next one
+            if not completed:
+                self.discard_prefetch()  # an aborted pass leaves no prefetch behind to block the next one
             s = self.engine.stats()
             self.last_pass = PassStreamStats(s["bytes"], s["tensors"], s["copies"], s["copy_s"], s["compute_s"],
-                                             s["stall_s"], time.perf_counter() - start, self._routed)
+                                             s["stall_s"], time.perf_counter() - start, self._routed, ready,
+                                             self._ahead)
             if self.metrics is not None:
-                self.metrics.observe_pass(s["bytes"], s["tensors"], s["copy_s"], s["compute_s"], s["stall_s"])
+                self.metrics.observe_pass(s["bytes"], s["tensors"], s["copy_s"], s["compute_s"], s["stall_s"],
+                                          self._ahead)
                 self.metrics.set_slots(self.engine.occupancy(), self.engine.num_slots)
 
-    def _fetch(self, layer: int) -> None:
-        routed = self._routed and self.host.plans[layer].experts is not None
-        self.engine.fetch(layer, self._dense_ids[layer] if routed else None)
+    def discard_prefetch(self) -> None:
+        """Waits for every queued copy and frees the slots of layers fetched but not acquired (the next pass then
+        fetches its first layers itself)."""
+        self.engine.drain()
+        self._fetched.clear()
+
+    def _fetch(self, layer: int, routed: bool) -> None:
+        dense_only = routed and self.host.plans[layer].experts is not None
+        self.engine.fetch(layer, self._dense_ids[layer] if dense_only else None)
+        self._fetched[layer] = not dense_only
+
+    def _fetch_ahead(self, pos: int) -> None:
+        """Fetches the next pass's layer at position q once this pass has released it (q < pos) and is within
+        `depth` layers of its end (q + layers - depth <= pos): the ring keeps its order and its depth across passes."""
+        n = len(self.order)
+        for q in range(min(self.depth, n, pos)):
+            layer = self.order[q]
+            if q + n - self.depth <= pos and layer not in self._fetched:
+                self._fetch(layer, self._next_routed)
+                self._ahead += 1
+
+    def _check_only_next_pass_fetched(self) -> None:
+        stray = sorted(set(self._fetched) - set(self.order[: self.depth]))
+        if stray:
+            raise UnusedPrefetchError(f"the forward pass ended with streamed layers {stray} fetched for it but never "
+                                      f"run (the model skipped them); slots hold {self.engine.slots_state()}")
 
     @contextmanager
     def layer_scope(self, layer: int) -> Iterator[int]:
         if not self._in_pass:
             raise MissingSlotError(f"streamed layer {layer} ran outside a forward pass's pass_scope: nothing fetched "
                                    "its weights (is the streamer attached to the runner?)")
-        slot = self.engine.acquire(layer, self._compute_stream())
+        stream = self._compute_stream()
+        slot = self.engine.acquire(layer, stream)
+        complete = self._fetched.pop(layer)
         self._slot[layer] = slot
         targets = self._targets[layer]
         try:
-            nxt = self._pos[layer] + self.depth
-            if nxt < len(self.order):
-                self._fetch(self.order[nxt])
+            if not (complete or self._routed):  # fetched ahead with its dense tensors only: the experts now
+                self.engine.fetch_into(layer, self._all_expert_ids[layer], stream)
+            pos = self._pos[layer]
+            if pos + self.depth < len(self.order):
+                self._fetch(self.order[pos + self.depth], self._routed)
+            self._fetch_ahead(pos)
             for (module, attr, _), view in zip(targets, self._dense_views(layer, slot)):
                 module._parameters[attr] = view
             if self.metrics is not None:
@@ -266,7 +331,7 @@ class WeightStreamer:
             for module, attr, placeholder in targets:
                 module._parameters[attr] = placeholder
             del self._slot[layer]
-            self.engine.release(layer, self._compute_stream())
+            self.engine.release(layer, stream)
 
     def _compute_stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
