@@ -4,7 +4,7 @@ Reference: `torch.nn.functional.linear` (the eager `linear` op). With a handful 
 its weight, so the kernel is shaped for bandwidth, not FLOPs: the weight's rows are the long side of the tile
 (w[BN, BK] @ x^T[BK, 16]: the 16 padded token rows are the short side, their padding loads nothing), the grid runs
 over N blocks sized so that the model's shapes give at least one program per SM (two where N allows), each program
-streams wide K steps (16 KB of weight per step) through a multi-stage software pipeline so several loads are in
+streams wide K steps (8-16 KB of weight per step) through a multi-stage software pipeline so several loads are in
 flight, and when N is too small to fill the SMs the K range is split over programs whose fp32 partial sums a second,
 small launch adds up in a fixed order (deterministic: no atomics). Accumulation is fp32; products of bf16/fp16
 inputs are exact in fp32, so the result differs from cuBLAS only by summation order before the one rounding to x's
@@ -30,6 +30,9 @@ from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
 BLOCK_M = 16  # tl.dot's smallest tile side; the masked padding rows read no memory
 TILE_BYTES = 16 * 1024  # weight bytes per K step of one program
+# Narrow tiles (block_n < 64) run mma.sync, which holds a program's whole [block_n, block_k] weight tile in every
+# warp's registers: at 512 the sm_90 compile of block_n 16 needed 255 registers and spilled (offline ptxas check).
+MAX_BLOCK_K = 256
 SMEM_PER_PROGRAM = 96 * 1024  # pipelined tiles of one program, so two programs share an H200 SM (227 KB)
 SPLIT_STEP_BYTES = 256  # bytes of each weight row per K step when K is split (short ranges, many programs)
 MIN_STEPS_PER_SPLIT = 2
@@ -113,8 +116,8 @@ def _largest_pow2_divisor(k: int, cap: int) -> int:
 
 
 def _block_k(k: int, block_n: int, elem: int) -> int:
-    """K step: about TILE_BYTES of weight, preferring a power of two that divides K (no K mask)."""
-    want = max(16, min(512, TILE_BYTES // (block_n * elem)))
+    """K step: about TILE_BYTES of weight (at most MAX_BLOCK_K), preferring a power of two that divides K (no mask)."""
+    want = max(16, min(MAX_BLOCK_K, TILE_BYTES // (block_n * elem)))
     even = _largest_pow2_divisor(k, want)
     return even if even >= 16 else min(want, pow2_at_least(k, 16))
 
@@ -124,29 +127,36 @@ def _stages(block_n: int, block_k: int, elem: int) -> int:
     return max(2, min(4, SMEM_PER_PROGRAM // per_stage))
 
 
+def tile_config(k: int, elem: int, block_n: int, splits: int) -> SkinnyConfig:
+    """The K step and pipeline depth for a chosen N block and split count: about TILE_BYTES of weight per step
+    when K is whole, SPLIT_STEP_BYTES per row when it is split (short ranges over many programs)."""
+    if splits > 1:
+        block_k = max(16, min(pow2_at_least(k, 16), SPLIT_STEP_BYTES // elem))
+    else:
+        block_k = _block_k(k, block_n, elem)
+    return SkinnyConfig(block_n, block_k, splits, num_stages=_stages(block_n, block_k, elem))
+
+
 def skinny_config(n: int, k: int, elem: int, sms: int) -> SkinnyConfig:
     """Tiles for an [N, K] weight on a device with `sms` SMs (from shapes only: graph-safe).
 
     The widest N block that still gives two programs per SM; failing that 16 rows. When even that leaves SMs idle
     (N < 16 * sms: the small projections) K is split so there are about two programs per SM, each with at least
-    MIN_STEPS_PER_SPLIT steps of SPLIT_STEP_BYTES per row; between one and two programs per SM K stays whole (a
-    second launch costs about what it would win)."""
+    MIN_STEPS_PER_SPLIT steps; between one and two programs per SM K stays whole (a second launch costs about what
+    it would win)."""
     target = 2 * sms
     block_n = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= target), 16)
     n_blocks = triton.cdiv(n, block_n)
+    splits = 1
     if n_blocks < sms:
-        block_k = max(16, min(pow2_at_least(k, 16), SPLIT_STEP_BYTES // elem))
-        k_steps = triton.cdiv(k, block_k)
+        k_steps = triton.cdiv(k, tile_config(k, elem, block_n, 2).block_k)
         splits = max(1, min(triton.cdiv(target, n_blocks), k_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
         splits = triton.cdiv(k_steps, triton.cdiv(k_steps, splits))  # equal whole-step ranges, none empty
-        if splits > 1:
-            return SkinnyConfig(block_n, block_k, splits, num_stages=_stages(block_n, block_k, elem))
-    block_k = _block_k(k, block_n, elem)
-    return SkinnyConfig(block_n, block_k, 1, num_stages=_stages(block_n, block_k, elem))
+    return tile_config(k, elem, block_n, splits)
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -174,7 +184,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
         return y
     if k == 0:
         return y.zero_()
-    cfg = config or skinny_config(n, k, x.element_size(), _sm_count(x.device))
+    cfg = config or skinny_config(n, k, x.element_size(), sm_count(x.device))
     k_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_split)
     even_k = k % cfg.block_k == 0
