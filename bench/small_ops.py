@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 C, W = 12288, 4
 CONV_SHAPES = [(1, 4096), (8, 4096), (1, 32768), (8, 32768)]  # (B, total tokens)
+CONV_DETAIL = (8, 32768)  # the shape --sweep and --profile look at (the profiled 8 x 4096 prefill)
 E, TOP_K, D = 256, 8, 2304
 ROUTE_T = [1, 16, 64, 256, 4096]
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50-60 MB; graph replays cycle through >= 3x this
@@ -105,7 +106,7 @@ def conv_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
         row["ours_TBps"] = moved / (row["ours_ms"] * 1e-3) / 1e12
         row["ours_frac_copy"] = row["ours_TBps"] / copy
         row["speedup_vs_eager"] = row["eager_ms"] / row["ours_ms"]
-        if sweep and (b, t) == (8, 32768):
+        if sweep and (b, t) == CONV_DETAIL:
             row["sweep_ms"] = {}
             for bt in (4, 8, 16):
                 for nb in (1, 2, 4, 8, 16):
@@ -118,9 +119,9 @@ def conv_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
                             row["sweep_ms"][key] = f"{type(e).__name__}: {str(e)[:120]}"
             ok = {k: v for k, v in row["sweep_ms"].items() if isinstance(v, float)}
             row["sweep_best"] = min(ok, key=ok.get) if ok else None
-        if profile and (b, t) == (8, 32768):
+        if profile and (b, t) == CONV_DETAIL:
             row["ours_profile"] = kernel_profile(lambda: short_conv(x, weight, pool, slots, cu), top=6)
-            print("\n".join(format_profile("short_conv B=8 T=32768", row["ours_profile"])), flush=True)
+            print("\n".join(format_profile(f"short_conv B={b} T={t}", row["ours_profile"])), flush=True)
         print("short_conv", json.dumps({k: v for k, v in row.items() if k not in ("sweep_ms", "ours_profile")}),
               flush=True)
         rows.append(row)
@@ -195,7 +196,8 @@ def table(res: dict) -> str:
         for r in res["moe_route"]:
             lines.append(f"  {'T=%d' % r['T']:<8}{r['ours_us']:15.1f}{r['eager_us']:8.1f} | {r['ours_graph_us']:11.1f}"
                          f"{r['eager_graph_us']:8.1f}{r['graph_speedup_vs_eager']:8.1f}x"
-                         f"{r['ours_graph_frac_copy']:9.1%} | {r['ids_equal_frac']:9.2%}{r['err_weights_vs_eager']:9.1e}")
+                         f"{r['ours_graph_frac_copy']:9.1%} | {r['ids_equal_frac']:9.2%}"
+                         f"{r['err_weights_vs_eager']:9.1e}")
             if r.get("sweep_graph_us"):
                 lines.append("    graph us by split: " + "  ".join(f"{k} {v:.1f}"
                                                                    for k, v in r["sweep_graph_us"].items()))
