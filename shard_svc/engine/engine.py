@@ -16,6 +16,8 @@ from shard_svc.engine.sequence import Sequence
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest, KVBlocksExhausted
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
+from shard_svc.streaming.kv_offload import HostKVOffload
+from shard_svc.streaming.metrics import StreamingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +29,9 @@ class EngineConfig:
     kv_block_size: int = 16  # tokens per block
     prefill_token_budget: int = 512  # new prompt tokens per prefill pass (bounds decode step time)
     max_model_len: int | None = None  # None: the model's own context length
+    # Host memory for the MLA KV pages of sequences moved off the device when its blocks run short (the scheduler's
+    # offload policy, shard_svc/engine/scheduler.py); 0: off, every KV promise stays within the device's blocks.
+    host_kv_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,14 +63,17 @@ class StepResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 engine_cfg: EngineConfig = EngineConfig(), sync=None):
+                 engine_cfg: EngineConfig = EngineConfig(), sync=None, kv_metrics: StreamingMetrics | None = None):
+        """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves."""
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
         # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
         self.sync = sync
         self.runner = ModelRunner(cfg, model, ops, device, engine_cfg.num_state_slots, engine_cfg.num_kv_blocks,
                                   engine_cfg.kv_block_size, kda_heads=sync.kda_heads if sync else None)
+        self.kv_offload = (HostKVOffload.for_budget(self.runner.kv_cache, cfg, engine_cfg.host_kv_bytes, kv_metrics)
+                           if engine_cfg.host_kv_bytes else None)
         self.scheduler = Scheduler(self.runner.kda_pool.slots, self.runner.kv_cache.blocks,
-                                   engine_cfg.num_state_slots, engine_cfg.prefill_token_budget)
+                                   engine_cfg.num_state_slots, engine_cfg.prefill_token_budget, self.kv_offload)
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position_embeddings,
                                  cfg.max_position_embeddings)
         self.sequences: dict[str, Sequence] = {}

@@ -4,15 +4,30 @@ Each step admits waiting sequences while a state slot and their KV promise fit, 
 (prompt chunks under a token budget, so decode step time stays bounded) and one decode pass (every sequence
 past its prompt). A sequence's KV promise is the blocks for prompt + its decode budget, so an admitted sequence
 never runs out of cache mid-decode, while physical blocks are taken only as tokens arrive.
+
+Host KV offload (opt-in: `offload`, from `EngineConfig.host_kv_bytes` / `kimiserve shard --host-kv-gb`): promises may
+then exceed the device, backed by a host pool. A sequence is also admitted when its whole prompt fits beside the
+running batch's next step and all promises together stay within device blocks + host pages - M (M: the largest
+single promise). When a step's new blocks do not fit, whole sequences' MLA pages move to the host, first those the
+step does not run, then the most recently admitted, until they fit; those sequences wait, keeping their state slot
+(the KDA state is fixed-size per slot and stays on the device). Offloaded sequences come back, oldest first, as soon
+as their pages and next step fit beside the running batch's, and nothing new is admitted while any waits.
+Why the host always has room: every sequence holds at most its promise, so a step that does not fit means the
+promises exceed device + the pages already on the host; with all promises within device + host - M, more than M
+host pages are then free, and no sequence holds more than M.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from shard_svc.engine.sequence import Sequence, SeqStatus
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -25,12 +40,28 @@ class StepPlan:
         return not self.prefill and not self.decode
 
 
+class KVOffloader(Protocol):
+    """A host pool for whole sequences' KV pages (shard_svc/streaming/kv_offload.py HostKVOffload)."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def offload(self, owner: str) -> int: ...
+
+    def restore(self, owner: str) -> int: ...
+
+    def drop(self, owner: str) -> int: ...
+
+
 class Scheduler:
-    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, prefill_budget: int):
+    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, prefill_budget: int,
+                 offload: KVOffloader | None = None):
         self.slots, self.blocks = slots, blocks
         self.max_running, self.prefill_budget = max_running, prefill_budget
+        self.offload = offload
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # every sequence holding a state slot, in admission order
+        self.offloaded: dict[str, int] = {}  # request id -> its KV pages on the host; it holds a slot but waits
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         (self.waiting.appendleft if front else self.waiting.append)(seq)
@@ -39,11 +70,13 @@ class Scheduler:
         return sum(self.blocks.extra_blocks_needed(s.request_id, s.max_total_tokens) for s in self.running)
 
     def _admit(self) -> None:
+        if self.offloaded:
+            return  # offloaded sequences come back before anything new is admitted
         promised = self._outstanding_promise()
         while self.waiting and len(self.running) < self.max_running and self.slots.num_free:
             seq = self.waiting[0]
             need = self.blocks.blocks_for(seq.max_total_tokens)
-            if need > self.blocks.num_free - promised:
+            if need > self.blocks.num_free - promised and not self._fits_with_host(seq):
                 break  # FIFO: a large request is not overtaken forever by small ones
             self.waiting.popleft()
             seq.slot = self.slots.allocate(seq.request_id)
@@ -51,12 +84,49 @@ class Scheduler:
             promised += need
             self.running.append(seq)
 
+    def _fits_with_host(self, seq: Sequence) -> bool:
+        """Past the device's promise (host KV offload only): the bound that keeps room on the host for any
+        offload (module docstring), and the whole prompt beside the running batch's next step."""
+        if self.offload is None:
+            return False
+        promises = [self.blocks.blocks_for(s.max_total_tokens) for s in [*self.running, seq]]
+        device = self.blocks.num_free + sum(len(self.blocks.table(s.request_id)) for s in self.running)
+        if sum(promises) > device + self.offload.num_pages - max(promises):
+            return False
+        step = sum(self._step_blocks(s) for s in self.running)
+        return self.blocks.blocks_for(len(seq.prompt)) <= self.blocks.num_free - step
+
+    def _step_blocks(self, seq: Sequence) -> int:
+        """New device blocks `seq` takes in its next step, its prefill chunk counted at the largest it can be (all
+        of them, its pages included, for an offloaded sequence: it holds no device block)."""
+        n = min(len(seq.prompt) - seq.num_computed, self.prefill_budget) if seq.is_prefilling else 1
+        return self.blocks.extra_blocks_needed(seq.request_id, seq.num_computed + n)
+
+    def _restore(self) -> None:
+        """Offloaded sequences back to the device, oldest first, while each fits beside the running batch's next
+        step (with that headroom the step they come back for never has to offload them again)."""
+        waiting = [s for s in self.running if s.request_id in self.offloaded]
+        step = sum(self._step_blocks(s) for s in self.running if s.request_id not in self.offloaded)
+        for seq in waiting:
+            need = self._step_blocks(seq)
+            if step + need > self.blocks.num_free:
+                return
+            pages = self.offload.restore(seq.request_id)
+            del self.offloaded[seq.request_id]
+            step += need
+            log.info("KV restored from host", extra={"request_id": seq.request_id, "pages": pages,
+                                                     "free_blocks": self.blocks.num_free})
+
     def schedule(self) -> StepPlan:
+        if self.offload is not None:
+            self._restore()
         self._admit()
         budget = self.prefill_budget
         prefill: list[tuple[Sequence, int]] = []
         decode: list[Sequence] = []
         for seq in self.running:
+            if seq.request_id in self.offloaded:
+                continue
             if seq.is_prefilling:
                 if budget > 0:
                     n = min(len(seq.prompt) - seq.num_computed, budget)
@@ -64,14 +134,39 @@ class Scheduler:
                     budget -= n
             else:
                 decode.append(seq)
-        return StepPlan(prefill, decode)
+        plan = StepPlan(prefill, decode)
+        if self.offload is not None:
+            self._fit(plan)
+        return plan
+
+    def _fit(self, plan: StepPlan) -> None:
+        """Offloads whole sequences until the new blocks of the step fit on the device; they wait, off the plan."""
+        need = {s.request_id: self.blocks.extra_blocks_needed(s.request_id, s.num_computed + n)
+                for s, n in plan.prefill}
+        need.update((s.request_id, self.blocks.extra_blocks_needed(s.request_id, s.num_computed + 1))
+                    for s in plan.decode)
+        if sum(need.values()) <= self.blocks.num_free:
+            return
+        resident = [s for s in reversed(self.running) if s.request_id not in self.offloaded]  # newest first
+        for seq in sorted(resident, key=lambda s: s.request_id in need):  # those off this step first
+            if sum(need.values()) <= self.blocks.num_free or list(need) == [seq.request_id]:
+                break  # it fits; or one sequence is left, and one alone always fits (its promise fits the device)
+            if self.blocks.table(seq.request_id):
+                self.offloaded[seq.request_id] = pages = self.offload.offload(seq.request_id)
+                log.info("KV offloaded to host", extra={"request_id": seq.request_id, "pages": pages,
+                                                        "free_blocks": self.blocks.num_free})
+            need.pop(seq.request_id, None)  # offloaded, or no KV yet: it sits this step out either way
+        plan.prefill = [(s, n) for s, n in plan.prefill if s.request_id in need]
+        plan.decode = [s for s in plan.decode if s.request_id in need]
 
     def finish(self, seq: Sequence) -> None:
-        """Return the sequence's slot and blocks at once; it is never scheduled again."""
+        """Return the sequence's slot and blocks (or host pages) at once; it is never scheduled again."""
         if seq in self.running:
             self.running.remove(seq)
             self.slots.free(seq.slot)
             self.blocks.release(seq.request_id)
+            if self.offloaded.pop(seq.request_id, None) is not None:
+                self.offload.drop(seq.request_id)
             seq.slot = None
         elif seq in self.waiting:
             self.waiting.remove(seq)

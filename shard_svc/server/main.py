@@ -26,6 +26,7 @@ from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
 from shard_svc.server.service import ShardService
 from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
+from shard_svc.streaming.metrics import StreamingMetrics  # --weights and --host-kv-gb
 from shard_svc.streaming.mode import WeightsArgs, add_weights_args, load_for_serving, weights_args  # --weights hook
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-block-size", type=int, default=16)
     p.add_argument("--prefill-token-budget", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--host-kv-gb", type=float, default=0.0,
+                   help="host memory (GiB, pinned on a GPU) for the MLA KV cache of sequences moved off the device. "
+                        "With it, admission may promise more KV than the device's blocks hold (up to device + host "
+                        "minus one sequence's promise); when a step's blocks run short, whole sequences' KV pages "
+                        "move to the host, the most recently admitted first, and those sequences wait until blocks "
+                        "free up and their pages come back. 0 (default): off, every promise stays on the device")
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
@@ -82,7 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
-                          args.max_model_len)
+                          args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)))
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
                              args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,
@@ -96,6 +103,8 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     metrics = ShardMetrics(cfg.shard_name)
     if cfg.weights.mode == "stream" and max(cfg.tp, cfg.ep) > 1:  # -- weights hook: one process only, for now --
         raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
+    if cfg.engine.host_kv_bytes and max(cfg.tp, cfg.ep) > 1:  # -- host KV offload: one process only, for now --
+        raise StreamingConfigError("--host-kv-gb runs in one process; it is not supported with --tp/--ep")
     if max(cfg.tp, cfg.ep) > 1:  # a shard group: this process is rank 0 and faces the router (shard_svc/parallel)
         from shard_svc.parallel.launch import GroupSpec, start_group
         from shard_svc.parallel.loop import GroupEngineLoop
@@ -106,11 +115,12 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
         engine, model_cfg = loop.engine, loop.engine.cfg
     else:
         # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers on the host --
+        stream_metrics = StreamingMetrics(metrics.registry, cfg.shard_name)  # weight streaming and host KV pages
         model_cfg, model, streamer = load_for_serving(cfg.model_dir, cfg.load_format, device, dtype, cfg.weights,
-                                                      registry=metrics.registry, shard=cfg.shard_name)
+                                                      stream_metrics)
         eager = cfg.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
         engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device,
-                        graph_engine_config(cfg.engine, device, eager))
+                        graph_engine_config(cfg.engine, device, eager), kv_metrics=stream_metrics)
         if not eager:
             enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
         if streamer is not None:

@@ -110,6 +110,11 @@ class HostKVOffload:
         return owner in self._blocks
 
     @property
+    def num_pages(self) -> int:
+        """Pages the host pool holds in all."""
+        return self.pages.num_blocks
+
+    @property
     def pages_on_host(self) -> int:
         return self.pages.num_blocks - self.pages.num_free
 
@@ -157,6 +162,17 @@ class HostKVOffload:
         del self._blocks[owner]
         if self.metrics is not None:
             self.metrics.kv_moved(0, count, self.pages_on_host)
+        return count
+
+    def drop(self, owner: str) -> int:
+        """Frees `owner`'s host pages without copying them back (it finished or was cancelled while offloaded);
+        returns the pages freed."""
+        if owner not in self._blocks:
+            raise StreamingError(f"{owner!r} has no pages on the host")
+        count = self._blocks.pop(owner)
+        self.pages.release(owner)
+        if self.metrics is not None:
+            self.metrics.kv_moved(0, 0, self.pages_on_host)
         return count
 
     def _copy_pages(self, pages: list[int], blocks: list[int], to_host: bool, owner: str) -> None:

@@ -75,8 +75,9 @@ def choose_mode(requested: str, cfg: ModelConfig, device: torch.device, dtype: t
 
 
 def load_for_serving(model_dir: Path, load_format: str, device: torch.device, dtype: torch.dtype,
-                     weights: WeightsArgs, registry=None, shard: str = "shard-0"):
-    """(cfg, model, streamer or None). Call `streamer.attach(engine.runner)` once the engine exists."""
+                     weights: WeightsArgs, metrics=None):
+    """(cfg, model, streamer or None). Call `streamer.attach(engine.runner)` once the engine exists. metrics: a
+    StreamingMetrics the streamer reports to (None: no metrics)."""
     from shard_svc.checkpoint import LOAD_FORMATS
 
     mode = weights.mode
@@ -92,12 +93,10 @@ def load_for_serving(model_dir: Path, load_format: str, device: torch.device, dt
         raise StreamingConfigError(f"--weights stream loads safetensors checkpoints; --load-format {load_format} is "
                                    "not supported with it")
     from shard_svc.streaming.host_loader import load_streamed
-    from shard_svc.streaming.metrics import StreamingMetrics
     from shard_svc.streaming.streamer import StreamOptions, WeightStreamer
 
     budget = None if weights.pinned_memory_gb is None else int(weights.pinned_memory_gb * GiB)
     cfg, model, host = load_streamed(model_dir, device, dtype, budget_bytes=budget)
-    metrics = StreamingMetrics(registry, shard) if registry is not None else None
     options = StreamOptions(prefetch_depth=weights.prefetch_depth, num_slots=weights.num_slots,
                             pinned_budget_bytes=budget)
     return cfg, model, WeightStreamer(cfg, model, host, device, options, metrics)
