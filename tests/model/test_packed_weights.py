@@ -9,11 +9,14 @@ import torch
 from torch import nn
 
 from shard_svc.checkpoint.loader import load_model
+from shard_svc.config import ModelConfig
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.model import KimiForCausalLM
 from shard_svc.model.kda import KDAttention
 from shard_svc.model.layers import packed_rows
 from shard_svc.ops import select_ops
+from tests.engine.conftest import linear_config
 
 CPU = torch.device("cpu")
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], list(range(10, 60)), [42] * 9]
@@ -66,10 +69,6 @@ def test_packed_weights_keep_names_values_and_outputs(family, request):
 
 def test_meta_placeholders_are_left_alone():
     """Streamed layers hold meta-device placeholders at runner start: packing skips them."""
-    from tests.engine.conftest import linear_config
-    from shard_svc.config import ModelConfig
-    from shard_svc.model import KimiForCausalLM
-
     with torch.device("meta"):
         model = KimiForCausalLM(ModelConfig.from_dict(linear_config()), torch.float32)
     attn = kda_layers(model)[0]
