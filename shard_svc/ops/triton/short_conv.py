@@ -223,8 +223,8 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
             W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4)
         return out
     warps = _prefill_warps(c) if num_warps is None else num_warps
-    # 8 tokens: a thread holds 2 x (8 + W-1) rows of 4 channels (this tile's and the next), ~128 registers in bf16;
-    # 16 would double that and halve the programs per SM.
+    # 8 tokens: a thread holds 2 x (8 + W-1) rows of 4 channels (this tile's and the next), ~128 registers in bf16
+    # (4 programs of 4 warps per SM, ~45 KB of loads in flight); 16 tokens need ~255 and halve the programs per SM.
     bt = 8 if block_t is None else block_t
     if bt < 1 or warps not in (1, 2, 4, 8, 16) or (tiles_per_program is not None and tiles_per_program < 1):
         raise TritonKernelError(f"{op}: block_t {block_t}, tiles_per_program {tiles_per_program}, num_warps "
