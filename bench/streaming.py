@@ -6,7 +6,9 @@ Everything is measured in the same run, on the same buffers and device:
 1. the pinned-copy peak: host-to-device copies of a page-locked buffer (registered the way the streamed layers are);
 2. the ring alone: every layer of the slice through the native engine's slots with no compute (achieved bandwidth);
 3. prefill of a large batch with the layers streamed (MXFP4 experts prefetched, W4A16 eager experts): tokens/s,
-   achieved bandwidth, and the share of copy time hidden under compute (1 - stall / copy, from CUDA events);
+   achieved bandwidth, and the share of copy time hidden under compute (1 - stall / copy, from CUDA events), in
+   steady state (the first layers fetched ahead by the previous pass) and from a cold ring (that prefetch dropped):
+   the difference of their stalls is what cross-pass prefetch hides, about one layer's copy;
 4. decode steps of the same batch, routed experts copied on demand.
 
 The slice: K3 widths (hidden 7168, 96 heads, 896 MXFP4 experts per layer, latent MoE 3584, intermediate 3072), as many
@@ -183,6 +185,7 @@ def ring_only(streamer, reps: int = 3) -> dict:
     """Every layer through the ring with no compute: acquire, prefetch the next, release at once."""
     engine, order, depth, dev = streamer.engine, streamer.order, streamer.depth, streamer.device
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    streamer.discard_prefetch()  # from an empty ring: no layer fetched ahead by an earlier forward pass
     runs = []
     for _ in range(reps):
         engine.reset_stats()
@@ -217,17 +220,24 @@ def prefill_and_decode(cfg, model, streamer, batch: int, length: int, decode_ste
         (length + decode_steps + block) // block) + 8, kv_block_size=block, prefill_token_budget=1 << 24))
     streamer.attach(engine.runner)
     result = {"op_backends": dict(ops.backends), "batch": batch, "length": length, "prefill": [], "decode": []}
-    for rep in range(3):  # the first one compiles the Triton kernels
+    # 0 compiles the Triton kernels; 1 and 2 start with their first layers fetched by the pass before (steady state);
+    # 2 is followed by the decode steps; 3 starts from a cold ring, for comparison.
+    for rep in range(4):
         prompts = [[1 + (i * 7919 + t) % (cfg.vocab_size - 1) for t in range(length)] for i in range(batch)]
         seqs = [engine.add_request(f"pf{rep}-{i}", prompt, SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
                 for i, prompt in enumerate(prompts)]
         engine.scheduler.schedule()  # admits: slots and KV promises
+        if rep == 2 and decode_steps:
+            streamer.expect_next_pass(batch)  # what the engine says before a prefill its decode follows
+        if rep == 3:
+            streamer.discard_prefetch()
         _sync(dev)
         start = time.perf_counter()
         engine.runner.forward([(s, length) for s in seqs], is_decode=False)
         _sync(dev)
         wall = time.perf_counter() - start
-        result["prefill"].append(_pass_row(streamer.last_pass, wall, batch * length, warmup=rep == 0))
+        result["prefill"].append(_pass_row(streamer.last_pass, wall, batch * length, warmup=rep == 0) | {
+            "cold": rep == 3})
         if rep == 2:
             for _ in range(decode_steps):
                 for s in seqs:
@@ -245,6 +255,7 @@ def prefill_and_decode(cfg, model, streamer, batch: int, length: int, decode_ste
 def _pass_row(p, wall: float, tokens: int, warmup: bool = False) -> dict:
     return {"warmup": warmup, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "bytes": p.bytes,
             "copy_s": p.copy_s, "compute_s": p.compute_s, "stall_s": p.stall_s, "routed_experts": p.routed,
+            "ready_layers": p.ready, "fetched_ahead": p.ahead,
             "GBps_copy": p.bytes / p.copy_s / GB if p.copy_s else 0.0,
             "hidden_share": 1.0 - p.stall_s / p.copy_s if p.copy_s else 0.0}
 
@@ -259,14 +270,19 @@ def table(r: dict) -> str:
         g = r["ring"]["GBps_events"]
         lines.append(f"ring, no compute      {g:8.1f} GB/s   {100 * g / peak:5.1f}% of peak (target >= 85%); "
                      f"wall {r['ring']['GBps_wall']:.1f} GB/s")
-    for row in r.get("prefill", {}).get("prefill", []):
-        if row["warmup"]:
-            continue
-        lines.append(f"prefill {r['prefill']['batch']} x {r['prefill']['length']}  {row['tokens_per_s']:10.0f} tok/s "
+    rows = [row for row in r.get("prefill", {}).get("prefill", []) if not row["warmup"]]
+    for row in rows:
+        lines.append(f"prefill {r['prefill']['batch']} x {r['prefill']['length']} {'cold' if row['cold'] else 'warm'} "
+                     f"{row['tokens_per_s']:10.0f} tok/s "
                      f"(slice)  {row['tokens_per_s'] * r['layers'] / 93:8.0f} tok/s (x93 layers)  copy "
                      f"{row['GBps_copy']:.1f} GB/s ({100 * row['GBps_copy'] / peak:.0f}% of peak), copy "
                      f"{row['copy_s']:.2f} s compute {row['compute_s']:.2f} s stall {row['stall_s']:.2f} s, hidden "
-                     f"{100 * row['hidden_share']:.0f}%")
+                     f"{100 * row['hidden_share']:.0f}%, {row['ready_layers']} layers ready at start")
+    steady, cold = [row for row in rows if not row["cold"]], [row for row in rows if row["cold"]]
+    if steady and cold:
+        stall = sum(row["stall_s"] for row in steady) / len(steady)
+        lines.append(f"cross-pass prefetch   prefill stall {cold[0]['stall_s']:.2f} s from a cold ring, {stall:.2f} s "
+                     f"with the first {steady[0]['ready_layers']} layers fetched by the previous pass")
     for row in r.get("prefill", {}).get("decode", []):
         lines.append(f"decode batch {row['tokens']:<4}       {1e3 * row['wall_s']:8.1f} ms/step  "
                      f"{row['bytes'] / GB:.2f} GB streamed (routed experts: {row['routed_experts']}), stall "

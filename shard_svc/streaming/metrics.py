@@ -1,8 +1,9 @@
 """Prometheus metrics of weight streaming and host KV offload, registered on the registry the caller passes in.
 
 Per pass: bytes streamed, copy time, compute time and stall time (the compute stream waiting on a copy), and the
-layer fetches issued ahead for the next pass; slot occupancy as a gauge; KV pages on the host. Series carry `shard` and `rank` labels like the shard's own metrics.
-A shard that streams nothing observes nothing (histograms start empty).
+layer fetches issued ahead for the next pass; slot occupancy as a gauge; KV pages on the host and the pages moved
+each way. Series carry `shard` and `rank` labels like the shard's own metrics. A shard that streams nothing observes
+nothing (histograms start empty).
 """
 
 from __future__ import annotations

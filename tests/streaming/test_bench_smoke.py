@@ -25,10 +25,14 @@ def test_bench_pieces_run_on_cpu():
     tensor_bytes = sum(m.nbytes for plan in host.plans.values() for m in plan.members())
     assert ring["runs"][0]["bytes"] == tensor_bytes <= host.total_bytes  # every tensor, no alignment padding
     result = bench.prefill_and_decode(cfg, model, streamer, batch=2, length=16, decode_steps=2, op_backend="eager")
-    assert len(result["prefill"]) == 3 and len(result["decode"]) == 2
+    assert len(result["prefill"]) == 4 and len(result["decode"]) == 2
     assert all(not row["routed_experts"] for row in result["prefill"])
+    # steady state: the previous pass fetched the first two layers; the last prefill starts from a cold ring
+    assert [(row["ready_layers"], row["cold"]) for row in result["prefill"]] == [(0, False), (2, False), (2, False),
+                                                                               (0, True)]
     assert all(torch.isfinite(torch.tensor(row["tokens_per_s"])) for row in result["prefill"])
     peak = {"peak_GBps": 10.0, "GBps_by_size": {"1MiB": 10.0}}
     text = bench.table({"device": "cpu", "torch": torch.__version__, "layers": 5, "slice_GiB": 0.01, "slots": 3,
                         "slot_GiB": 0.001, "depth": 2, "pinned_copy": peak, "ring": ring, "prefill": result})
     assert "pinned-copy peak" in text and "prefill 2 x 16" in text and "decode batch 2" in text
+    assert "prefill 2 x 16 cold" in text and "cross-pass prefetch" in text

@@ -10,7 +10,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-import torch
 
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
