@@ -31,8 +31,7 @@ from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
 H, K, V = 32, 128, 128
 DEV = torch.device("cuda")
 # Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (kda_prefill_stages' intra_* arguments).
-INTRA_SWEEP = [dict(intra_flat=flat, intra_warps=warps) for flat, warps in
-               ((False, 4), (False, 8), (True, 4), (True, 8), (True, 16))]
+INTRA_SWEEP = [dict(intra_warps=warps) for warps in (2, 4, 8, 16)]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 DECODE = [1, 16, 64, 256, 1024]
 

@@ -54,14 +54,14 @@ def make_inputs(lens, heads, dk, dv, dtype, flavour, num_slots=7, seed=0):
     return [x.to(dtype) for x in (q, k, v, f, beta_logits)] + [a_log, dt_bias], slots
 
 
-def run_case(lens, heads, dk, dv, lb, dtype, flavour, tol, **config):
+def run_case(lens, heads, dk, dv, lb, dtype, flavour, tol):
     from shard_svc.ops.triton.kda_chunk import kda_prefill
 
     (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, heads, dk, dv, dtype, flavour)
     cu = cu_seqlens(lens)
     pool = poisoned_pool((7, heads, dk, dv), slots)
     ours_pool = pool.clone()
-    o = kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, ours_pool, slots, cu, **config)
+    o = kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, ours_pool, slots, cu)
     assert o.dtype == v.dtype and o.shape == v.shape
     assert_unused_untouched("kda_prefill state", ours_pool, slots)
 
@@ -84,11 +84,10 @@ def _tol(dtype):
     return 5e-3 if ON_GPU else 1e-4  # the GPU's fp32 dots are tf32
 
 
-@pytest.mark.parametrize("flat", [False, True], ids=["levels-16", "flat"])
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_kda_prefill_matches_reference(case, flat):
+def test_kda_prefill_matches_reference(case):
     lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
-    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), intra_flat=flat)
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real Kimi-Linear shapes run on the GPU only (the interpreter is too slow)")

@@ -34,6 +34,11 @@ if ON_GPU:
     CASES["gpu-B2-H8-32k-bf16"] = ([32767, 1000], 8, 128, 64, 128, 512, 16, torch.bfloat16, None)
 
 
+# fp32 dot operands run as TF32 on the GPU's tensor cores (measured on the H200: up to 1.2e-3 against eager); exact
+# fp32 in the interpreter.
+FP32_TOL = 3e-3 if ON_GPU else 1e-5
+
+
 def mla_module():
     """The kernel module, decorated in the mode this folder runs in (interpreted on the CPU)."""
     mod = importlib.import_module("shard_svc.ops.triton.mla_decode")
@@ -79,7 +84,7 @@ def test_mla_decode_matches_eager(case):
     out = mod.mla_decode(q_nope, q_pe, cache, w_kv_b, tables, ctx, cu, scale, num_splits=splits)
     ref = eager.mla_attention(q_nope, q_pe, cache, w_kv_b, tables, ctx, cu, scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert_close(f"mla_decode {case}", out, ref, 2e-2 if dtype != torch.float32 else 1e-5)
+    assert_close(f"mla_decode {case}", out, ref, 2e-2 if dtype != torch.float32 else FP32_TOL)
     assert torch.equal(cache.isnan(), before.isnan()), "the cache must not be written"
 
 
@@ -90,7 +95,7 @@ def test_mla_decode_splits_agree():
     scale = 24**-0.5
     one = mod.mla_decode(*args, scale, num_splits=1)
     for splits in (2, 5, 8):
-        assert_close(f"splits={splits}", mod.mla_decode(*args, scale, num_splits=splits), one, 1e-5)
+        assert_close(f"splits={splits}", mod.mla_decode(*args, scale, num_splits=splits), one, FP32_TOL)
 
 
 @pytest.mark.parametrize("block_n,num_stages,waves", [(64, 3, 4), (16, 1, 8)])
@@ -101,7 +106,7 @@ def test_mla_decode_layouts_agree(block_n, num_stages, waves):
     scale = 24**-0.5
     ref = eager.mla_attention(*args, scale)
     out = mod.mla_decode(*args, scale, block_n=block_n, num_stages=num_stages, waves=waves)
-    assert_close(f"block_n={block_n} stages={num_stages} waves={waves}", out, ref, 1e-5)
+    assert_close(f"block_n={block_n} stages={num_stages} waves={waves}", out, ref, FP32_TOL)
 
 
 def test_mla_decode_split_choice_is_from_shapes():

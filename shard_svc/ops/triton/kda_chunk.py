@@ -208,115 +208,6 @@ def _kda_chunk_intra_kernel(
 
 
 @triton.jit
-def _kda_chunk_intra_flat_kernel(
-    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
-    w, u, qg, kg, aqk, decay, gbuf,
-    stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
-    n_seqs, scale, lower_bound,
-    H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
-    BT: tl.constexpr, LEVELS: tl.constexpr, SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
-):
-    """The intra-chunk stage with every level a [BT, BT] product and no reshapes: the cumulative gate G goes to a
-    per-program scratch tile `gbuf` once, and each level's reference rows are gathered from it (an L1 hit) rather
-    than reduced out of registers; pass 2 reads G back instead of recomputing the gate."""
-    i_c = tl.program_id(0)
-    i_h = tl.program_id(1)
-    lo = i_c * 0
-    hi = lo + n_seqs
-    for _step in tl.static_range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
-        right = i_c >= end
-        active = lo < hi
-        lo = tl.where(active & right, mid + 1, lo)
-        hi = tl.where(active & (right == 0), mid, hi)
-    if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
-        return
-    bos = tl.load(cu_seqlens + lo).to(tl.int64)
-    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT
-
-    o_t = tl.arange(0, BT)
-    m_t = (t0 + o_t) < eos
-    b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
-    b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
-                                              other=0.0).to(tl.float32)), 0.0)
-    # This program's [BT, BK] G tile; padded rows hold the last real row's G (flat), as in registers.
-    p_g = gbuf + (i_c.to(tl.int64) * H + i_h) * (BT * BK)
-
-    a_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    a_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    diag_qk = tl.zeros([BT], dtype=tl.float32)
-    ssq_q = tl.zeros([BT], dtype=tl.float32)
-    ssq_k = tl.zeros([BT], dtype=tl.float32)
-    o_i = o_t[:, None]
-    o_j = o_t[None, :]
-    for i_k in range(0, BK // BKS):
-        o_ks = i_k * BKS + tl.arange(0, BKS)
-        b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-        tl.store(p_g + o_t[:, None] * BK + o_ks[None, :], b_G)
-        tl.debug_barrier()  # the gathers below read rows other threads stored
-        ssq_q += tl.sum(b_q * b_q, 1)
-        ssq_k += tl.sum(b_k * b_k, 1)
-        diag_qk += tl.sum(b_q * b_k, 1)
-        for lvl in tl.static_range(LEVELS):
-            S: tl.constexpr = BT >> lvl
-            ref = (o_t // S) * S + S // 2
-            g_ref = tl.load(p_g + ref[:, None] * BK + o_ks[None, :])
-            second = ((o_t % S) >= S // 2)[:, None]
-            e = tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G))
-            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
-            same = (o_i // S) == (o_j // S)
-            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f), 0.0)
-            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f), 0.0)
-
-    rq = scale / tl.sqrt(ssq_q + 1e-6)
-    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    a_qk = (a_qk + tl.where(o_i == o_j, diag_qk[:, None], 0.0)) * rq[:, None] * rk[None, :]
-    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
-             mask=m_t[:, None])
-    a_kk = a_kk * (rk * b_beta)[:, None] * rk[None, :]
-    # (I + A_kk)^-1 by block merges from 2 rows up to BT (see the module docstring)
-    b_x = tl.where(o_i == o_j, 1.0, 0.0)
-    for lvl in tl.static_range(LEVELS):
-        span = 2 << lvl
-        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
-        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
-
-    base_k = (t0 * H + i_h) * K
-    for i_k in range(0, BK // BKS):
-        o_ks = i_k * BKS + tl.arange(0, BKS)
-        m_ks = o_ks < K
-        if K == BK:
-            m = m_t[:, None]
-        else:
-            m = m_t[:, None] & m_ks[None, :]
-        b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
-                      other=0.0).to(tl.float32)
-        b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
-                      other=0.0).to(tl.float32) * rk[:, None]
-        b_G = tl.load(p_g + o_t[:, None] * BK + o_ks[None, :])
-        b_glast = tl.load(p_g + (BT - 1) * BK + o_ks)  # [BKS]
-        b_eg = tl.exp2(b_G)
-        off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
-        tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
-        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
-        tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * b_eg)).to(w.dtype.element_ty), mask=m)
-        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=m_ks)
-    for i_v in range(0, BV // BKS):
-        o_vs = i_v * BKS + tl.arange(0, BKS)
-        if V == BV:
-            m_v = m_t[:, None]
-        else:
-            m_v = m_t[:, None] & (o_vs < V)[None, :]
-        b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
-                      other=0.0).to(tl.float32)
-        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
-                 tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
-
-
-@triton.jit
 def _kda_chunk_state_kernel(
     w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets,
     stride_s_slot, stride_s_h, stride_s_k,
@@ -407,7 +298,7 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-                       intra_warps: int = 8, intra_flat: bool = False):
+                       intra_warps: int = 4):  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
@@ -433,20 +324,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     lb = float(lower_bound) if lower_bound is not None else 0.0
     bv = block_v or min(bvp, 32)
 
-    gbuf = torch.empty(max_chunks, heads, CHUNK, bk, dtype=torch.float32, device=q.device) if intra_flat else None
-
     def intra():
-        if intra_flat:
-            _kda_chunk_intra_flat_kernel[(max_chunks, heads)](
-                q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
-                w, u, qg, kg, aqk, decay, gbuf,
-                q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
-                n, dk**-0.5, lb,
-                H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK,
-                LEVELS=int(math.log2(CHUNK)), SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1),
-                USE_LOWER_BOUND=lower_bound is not None, num_warps=intra_warps,
-            )
-            return
         _kda_chunk_intra_kernel[(max_chunks, heads)](
             q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
             w, u, qg, kg, aqk, decay,

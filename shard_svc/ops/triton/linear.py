@@ -167,6 +167,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
 
     `config` overrides the tiles chosen by `skinny_config` (benchmark sweeps, tests of the split path)."""
     op = "linear"
+    # A streamed weight without a device slot (streaming's UnboundWeight) raises MissingSlotError on any use:
+    # touch it before the device checks, so that error, naming the tensor, is the one a caller sees.
+    weight.data_ptr()
     check(op, "x", x, dims=2, last_contiguous=False)
     check(op, "weight", weight, dtypes=(x.dtype,), dims=2)
     m, k = x.shape
