@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test venv protos clean
+.PHONY: up test venv protos clean bench-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,6 +19,19 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# Every GPU benchmark of the README's Performance section, one folder each under BENCH_OUT. Runs with the GPU
+# machine's own Python (torch with CUDA, Triton; fla-core and einops for the KDA comparison), not the CPU venv.
+GPU_PY ?= python3
+BENCH_OUT ?= bench_out
+bench-gpu:
+	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep --profile
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.op_parity --out $(BENCH_OUT)/parity
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
 
 protos: $(STAMP)
 	$(PY) -m kimiserve.protogen
