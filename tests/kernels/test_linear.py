@@ -107,10 +107,10 @@ def test_empty_rows_and_named_errors():
 def test_dispatch_by_shape():
     mod = linear_module()
     x, w = make_inputs(20, 24, 32, torch.float32)
-    assert mod.uses_skinny(x[:16], w) and not mod.uses_skinny(x, w)
+    assert mod.uses_skinny(x[:mod.DISPATCH_MAX_M], w) and not mod.uses_skinny(x[:mod.DISPATCH_MAX_M + 1], w)
     assert not mod.uses_skinny(x[:4], w.t().contiguous().t()), "a transposed weight goes to F.linear"
     assert not mod.uses_skinny(x[:4].unsqueeze(0), w), "3-D inputs go to F.linear"
-    assert torch.equal(mod.linear(x, w), F.linear(x, w)), "above 16 rows the op is F.linear itself"
+    assert torch.equal(mod.linear(x, w), F.linear(x, w)), "above DISPATCH_MAX_M rows the op is F.linear itself"
     assert_close("dispatch, 16 rows", mod.linear(x[:16], w), x[:16].double() @ w.double().t(), 1e-5)
 
 

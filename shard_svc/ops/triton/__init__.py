@@ -1,7 +1,7 @@
 """Triton kernels behind the op seam (`BACKENDS["triton"]`), selected automatically on CUDA.
 
 One file per kernel family, each next to the eager reference it is tested against:
-`linear.py` (F.linear; a shape dispatch: the skinny decode GEMM for at most 16 rows, F.linear above),
+`linear.py` (F.linear; a shape dispatch: the skinny decode GEMM for at most 4 rows, F.linear above),
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
 in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` and `moe_route.py`
 (ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention).

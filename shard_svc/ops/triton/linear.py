@@ -11,8 +11,8 @@ inputs are exact in fp32, so the result differs from cuBLAS only by summation or
 dtype. Block sizes come from shapes alone and nothing syncs with the host: graph-safe.
 
 `linear` (the op-seam name) is a shape dispatch between two correct paths, not a fallback: 2-D inputs of at most
-`MAX_M` rows with a contiguous weight run the skinny kernel, everything else (prefill) runs F.linear, which cuBLAS
-already serves near peak at large M.
+`DISPATCH_MAX_M` rows with a contiguous weight run the skinny kernel, everything else (prefill) runs F.linear,
+which cuBLAS already serves near peak at large M.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import triton.language as tl
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
+# Rows up to which the `linear` op dispatches to it. H200, one decode step's 243 linears replayed as one CUDA graph
+# (bench/linear_micro.py): ours 1.86 vs cuBLAS 2.24 ms at M=1 and 1.86 vs 1.98 at M=4, but 1.90 vs 1.86 at M=16.
+DISPATCH_MAX_M = 4
 BLOCK_M = 16  # tl.dot's smallest tile side; the masked padding rows read no memory
 TILE_BYTES = 16 * 1024  # weight bytes per K step of one program
 # Narrow tiles (block_n < 64) run mma.sync, which holds a program's whole [block_n, block_k] weight tile in every
@@ -208,14 +211,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
 
 def uses_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """The `linear` dispatch rule: which of the two paths serves these shapes."""
-    return x.dim() == 2 and x.shape[0] <= MAX_M and (x.is_cuda or interpreting()) and weight.is_contiguous()
+    return x.dim() == 2 and x.shape[0] <= DISPATCH_MAX_M and (x.is_cuda or interpreting()) and weight.is_contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Same contract as the eager `linear` op (F.linear without bias): x [..., K], weight [N, K] -> [..., N].
 
-    Shape dispatch between two correct paths: decode-sized 2-D inputs (at most MAX_M rows, contiguous weight) run
-    `skinny_linear`, everything else F.linear (cuBLAS). Which path a call takes is `uses_skinny(x, weight)`."""
+    Shape dispatch between two correct paths: decode-sized 2-D inputs (at most DISPATCH_MAX_M rows, contiguous
+    weight) run `skinny_linear`, everything else F.linear (cuBLAS). Which path a call takes is
+    `uses_skinny(x, weight)`."""
     if uses_skinny(x, weight):
         return skinny_linear(x, weight)
     return F.linear(x, weight)
