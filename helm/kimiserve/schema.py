@@ -2,8 +2,9 @@
 
 Rules: a mapping without its own `# --` comment is a group (its keys are listed, unknown keys refused); every other
 key must carry a `# --` comment (a missing one is an error), and its default sets its type. A documented mapping is
-free-form (resources, nodeSelector, ...). `(one of: a | b)` in a comment becomes an enum; keys ending in `port`/`Port`
-are 1-65535. Run `python helm/kimiserve/schema.py` after editing values.yaml; tests/deploy checks it is fresh.
+free-form (resources, nodeSelector, ...). `(one of: a | b)` in a comment becomes an enum, `(minimum: N)` a lower
+bound; keys ending in `port`/`Port` are 1-65535. Run `python helm/kimiserve/schema.py` after editing values.yaml;
+tests/deploy checks it is fresh.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import yaml
 CHART = Path(__file__).resolve().parent
 KEY_LINE = re.compile(r"^(?P<indent> *)(?P<key>[A-Za-z0-9_][A-Za-z0-9_.\-/]*):(?:\s|$)")
 ENUM = re.compile(r"\(one of: ([^)]*)\)")
+MINIMUM = re.compile(r"\(minimum: (-?[0-9]+(?:\.[0-9]+)?)\)")
 TYPES = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
 
 
@@ -63,6 +65,8 @@ def node(value, path: tuple[str, ...], docs: dict) -> dict:
         out.update(minimum=1, maximum=65535)
     if m := ENUM.search(doc):
         out["enum"] = [v.strip() for v in m[1].split("|")]
+    if m := MINIMUM.search(doc):
+        out["minimum"] = float(m[1]) if "." in m[1] else int(m[1])
     return out
 
 

@@ -194,3 +194,79 @@ affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 {{- end }}
+
+{{/* A Kubernetes memory quantity in GiB, as a string (for float64): call with (dict "q" <quantity> "what" <value
+     name>). Plain bytes and the binary / decimal suffixes are read; any other form is refused by name rather than
+     guessed at, since the result decides whether pinned host memory fits the container. */}}
+{{- define "kimiserve.quantityGiB" -}}
+{{- $q := toString .q -}}
+{{- if not (regexMatch "^[0-9]+(\\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$" $q) -}}
+{{- fail (printf "%s %q: not a memory quantity this chart reads (bytes, or a number with one of Ki Mi Gi Ti Pi Ei k M G T P E)" .what $q) -}}
+{{- end -}}
+{{- $unit := regexReplaceAll "^[0-9.]+" $q "" -}}
+{{- $bytes := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 -}}
+{{- divf (mulf (float64 (trimSuffix $unit $q)) (get $bytes $unit)) 1073741824.0 -}}
+{{- end }}
+
+{{/* Weight streaming and host KV offload flags of the shard (shard.weights.*, shard.hostKvGb): none at the
+     defaults. Refuses at render time what the shard refuses at start (streaming or host KV in a shard group, a ring
+     with fewer than prefetch depth + 1 slots), streaming settings where no weight can stream (the shard would ignore
+     them), and pinned host memory that does not fit the container's memory limit (pinned pages count against it; the
+     pod would be OOM-killed instead of refused). Call with the root context. */}}
+{{- define "kimiserve.shardStreamingArgs" -}}
+{{- $c := .Values.shard -}}
+{{- $w := $c.weights -}}
+{{- $tp := int $c.tp -}}
+{{- $ep := int $c.ep -}}
+{{- $group := gt (max $tp $ep) 1 -}}
+{{- $pinned := float64 $w.pinnedMemoryGb -}}
+{{- $hostKv := float64 $c.hostKvGb -}}
+{{- if and $group (eq $w.mode "stream") -}}
+{{- fail (printf "shard.weights.mode=stream with shard.tp=%d, shard.ep=%d: weight streaming runs in one process (the shard refuses --weights stream with --tp/--ep); set tp and ep to 1 or load resident" $tp $ep) -}}
+{{- end -}}
+{{- if and $group (gt $hostKv 0.0) -}}
+{{- fail (printf "shard.hostKvGb=%v with shard.tp=%d, shard.ep=%d: host KV offload runs in one process (the shard refuses --host-kv-gb with --tp/--ep); set hostKvGb to 0 or tp and ep to 1" $c.hostKvGb $tp $ep) -}}
+{{- end -}}
+{{- if or (gt (int $w.prefetchDepth) 0) (gt (int $w.slots) 0) (gt $pinned 0.0) -}}
+{{- $why := "" -}}
+{{- if eq $w.mode "resident" -}}
+{{- $why = "shard.weights.mode is resident" -}}
+{{- else if $group -}}
+{{- $why = printf "a shard group (shard.tp=%d, shard.ep=%d) loads its weights resident" $tp $ep -}}
+{{- else if and (eq $w.mode "auto") (eq (int $c.gpus) 0) -}}
+{{- $why = "shard.weights.mode=auto never streams on the CPU (shard.gpus=0); set mode to stream" -}}
+{{- end -}}
+{{- if $why -}}
+{{- fail (printf "shard.weights.prefetchDepth / slots / pinnedMemoryGb are set but no weight can stream: %s" $why) -}}
+{{- end -}}
+{{- end -}}
+{{- if gt (int $w.slots) 0 -}}
+{{- /* 2: the shard's own --prefetch-depth default, which applies when prefetchDepth is 0 */ -}}
+{{- $depth := ternary (int $w.prefetchDepth) 2 (gt (int $w.prefetchDepth) 0) -}}
+{{- if lt (int $w.slots) (add1 $depth) -}}
+{{- fail (printf "shard.weights.slots=%d: the ring needs at least prefetch depth + 1 = %d slots (shard.weights.prefetchDepth=%d; 0 means the shard's default, 2), since a slot is refilled only after its layer released it" (int $w.slots) (add1 $depth) (int $w.prefetchDepth)) -}}
+{{- end -}}
+{{- end -}}
+{{- $limit := dig "limits" "memory" "" $c.resources -}}
+{{- if and $limit (gt (addf $pinned $hostKv) 0.0) -}}
+{{- $limitGiB := float64 (include "kimiserve.quantityGiB" (dict "q" $limit "what" "shard.resources.limits.memory")) -}}
+{{- if ge (addf $pinned $hostKv) $limitGiB -}}
+{{- fail (printf "shard.weights.pinnedMemoryGb (%v) + shard.hostKvGb (%v) = %v GiB of host memory for streamed weights and KV pages does not fit shard.resources.limits.memory (%v = %.2f GiB): that memory (page-locked on a GPU) counts against the container's memory limit; raise the limit or lower them" $w.pinnedMemoryGb $c.hostKvGb (addf $pinned $hostKv) $limit $limitGiB) -}}
+{{- end -}}
+{{- end -}}
+{{- if ne $w.mode "auto" }}
+- --weights={{ $w.mode }}
+{{- end }}
+{{- if gt (int $w.prefetchDepth) 0 }}
+- --prefetch-depth={{ $w.prefetchDepth }}
+{{- end }}
+{{- if gt (int $w.slots) 0 }}
+- --weight-slots={{ $w.slots }}
+{{- end }}
+{{- if gt $pinned 0.0 }}
+- --pinned-memory-gb={{ $w.pinnedMemoryGb }}
+{{- end }}
+{{- if gt $hostKv 0.0 }}
+- --host-kv-gb={{ $c.hostKvGb }}
+{{- end }}
+{{- end }}
