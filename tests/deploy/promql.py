@@ -33,10 +33,13 @@ def exported_names() -> dict[str, str]:
     from router.batch.metrics import BatchMetrics
     from router.metrics import RouterMetrics
     from shard_svc.server.metrics import ShardMetrics
+    from shard_svc.streaming.metrics import StreamingMetrics
 
     router = RouterMetrics()
     BatchMetrics(router.registry)
-    registries = {"router": router.registry, "shard": ShardMetrics("s").registry, "tokenizer": REGISTRY}
+    shard = ShardMetrics("s")
+    StreamingMetrics(shard.registry)  # weight streaming and host KV: on the shard's registry (shard_svc/server/main.py)
+    registries = {"router": router.registry, "shard": shard.registry, "tokenizer": REGISTRY}
     out: dict[str, str] = {}
     for service, registry in registries.items():
         assert isinstance(registry, CollectorRegistry)

@@ -26,7 +26,11 @@ NON_DEFAULT = {
     "monitoring.serviceMonitors.enabled": "true", "monitoring.serviceMonitors.labels.release": "prom",
     "monitoring.prometheusRule.enabled": "true", "monitoring.dashboards.annotations.grafana_folder": "LLM",
     "image.pullSecrets[0]": "regcred", "router.extraArgs[0]": "--log-level=DEBUG",
+    "shard.weights.mode": "stream", "shard.weights.prefetchDepth": "3", "shard.weights.slots": "5",
+    "shard.weights.pinnedMemoryGb": "40", "shard.hostKvGb": "16",  # 56 GiB, within the default 64Gi limit
 }
+# The weight streaming and host KV flags; none is rendered at the defaults.
+STREAMING_FLAGS = ("--weights=", "--prefetch-depth=", "--weight-slots=", "--pinned-memory-gb=", "--host-kv-gb=")
 VARIANTS = {
     "default": [],
     "non-default": [a for k, v in NON_DEFAULT.items() for a in ("--set-string" if k.endswith("grafana_folder")
@@ -99,7 +103,10 @@ def test_dashboard_covers_the_issue_and_is_templated():
     for wanted in ("Request rate by status", "Time to first token", "Time per output token", "End-to-end latency",
                    "Prefill pass duration per shard", "Prefill pass p99, max over shards", "Decode step time per shard",
                    "Tokens per second", "Queue depth", "State-slot usage per shard", "KV-block usage per shard",
-                   "Shard health (as routers see it)", "Batch jobs by status"):
+                   "Shard health (as routers see it)", "Batch jobs by status",
+                   "Streamed weight bytes per second", "Copy, compute and stall per pass (mean)",
+                   "Stall share of copy time", "Weight slot occupancy", "Layers fetched ahead per second",
+                   "Host KV pages", "KV pages offloaded and restored per second"):
         assert wanted in titles
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "namespace", "model"}
     for p in dash["panels"]:
@@ -135,6 +142,33 @@ def test_rendered_manifests_pass_kubernetes_schemas(helm_bin, variant):
     (["--set", "model.source=s3"], "/model/source"),
     (["--set", "image.tag=latest"], "latest"),
     (["--set", "shard.tp=2", "--set", "shard.gpus=4"], "max(shard.tp, shard.ep)"),
+    # weight streaming and host KV offload: what the shard refuses at start (shard_svc/server/main.py, the streamer)
+    (["--set", "shard.weights.mode=stream", "--set", "shard.tp=2", "--set", "shard.gpus=2"],
+     "shard.weights.mode=stream with shard.tp=2, shard.ep=1: weight streaming runs in one process"),
+    (["--set", "shard.hostKvGb=8", "--set", "shard.ep=2", "--set", "shard.gpus=2"],
+     "shard.hostKvGb=8 with shard.tp=1, shard.ep=2: host KV offload runs in one process"),
+    (["--set", "shard.weights.slots=2"], "shard.weights.slots=2: the ring needs at least prefetch depth + 1 = 3"),
+    (["--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=4", "--set",
+      "shard.weights.slots=4"], "shard.weights.slots=4: the ring needs at least prefetch depth + 1 = 5"),
+    # ... what it would silently ignore: streaming settings where no weight streams
+    (["--set", "shard.weights.mode=resident", "--set", "shard.weights.prefetchDepth=3"],
+     "no weight can stream: shard.weights.mode is resident"),
+    (["--set", "shard.tp=2", "--set", "shard.gpus=2", "--set", "shard.weights.pinnedMemoryGb=8"],
+     "no weight can stream: a shard group (shard.tp=2, shard.ep=1) loads its weights resident"),
+    (["--set", "shard.gpus=0", "--set", "shard.weights.slots=4"],
+     "shard.weights.mode=auto never streams on the CPU (shard.gpus=0)"),
+    # ... and pinned host memory beyond the container's memory limit (64Gi by default)
+    (["--set", "shard.weights.pinnedMemoryGb=60", "--set", "shard.hostKvGb=4"],
+     "shard.weights.pinnedMemoryGb (60) + shard.hostKvGb (4) = 64 GiB of host memory for streamed weights and KV "
+     "pages does not fit shard.resources.limits.memory (64Gi = 64.00 GiB)"),
+    (["--set", "shard.hostKvGb=60", "--set", "shard.resources.limits.memory=64G"],
+     "does not fit shard.resources.limits.memory (64G = 59.60 GiB)"),
+    (["--set", "shard.hostKvGb=1", "--set", "shard.resources.limits.memory=64gib"],
+     'shard.resources.limits.memory "64gib": not a memory quantity this chart reads'),
+    (["--set", "shard.weights.mode=hybrid"], "/shard/weights/mode"),
+    (["--set", "shard.weights.prefetchDepth=-1"], "/shard/weights/prefetchDepth"),
+    (["--set", "shard.weights.nosuchkey=1"], "nosuchkey"),
+    (["--set", "shard.hostKvGb=1.5"], "/shard/hostKvGb"),  # --set passes fractions as strings (values.yaml says so)
 ])
 def test_bad_values_are_refused(helm_bin, bad, message):
     proc = subprocess.run([helm_bin, "template", "rel", str(CHART), *bad], capture_output=True, text=True,
@@ -149,6 +183,48 @@ def test_shard_group_runs_as_one_pod_with_n_gpus(helm_bin):
     assert {"--tp=2", "--ep=4", "--group-timeout=60"} <= set(shard["args"])
     (single,) = _containers(find(helm_template(helm_bin), "StatefulSet", "-shard"))
     assert not any(a.startswith(("--tp=", "--ep=")) for a in single["args"])
+
+
+def _shard_args(helm_bin, *values: str) -> list[str]:
+    (shard,) = _containers(find(helm_template(helm_bin, *values), "StatefulSet", "-shard"))
+    return shard["args"]
+
+
+def test_streaming_values_render_into_flags_the_shard_parses(helm_bin):
+    """Each value becomes its flag only when set, and the rendered command line parses with the shard's own argument
+    parser into the intended configuration (fractions through --set-json, as values.yaml documents)."""
+    import argparse
+
+    from shard_svc.server.main import add_args, config_from_args
+
+    def parsed(args):
+        assert args[0] == "shard"
+        p = argparse.ArgumentParser()
+        add_args(p)
+        return config_from_args(p.parse_args(args[1:]))
+
+    default = parsed(_shard_args(helm_bin))
+    assert (default.weights.mode, default.weights.prefetch_depth, default.weights.num_slots,
+            default.weights.pinned_memory_gb, default.engine.host_kv_bytes) == ("auto", 2, None, None, 0)
+    args = _shard_args(helm_bin, "--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=3",
+                       "--set", "shard.weights.slots=5", "--set-json", "shard.weights.pinnedMemoryGb=40.5",
+                       "--set-json", "shard.hostKvGb=1.5")
+    assert [a for a in args if a.startswith(STREAMING_FLAGS)] == [
+        "--weights=stream", "--prefetch-depth=3", "--weight-slots=5", "--pinned-memory-gb=40.5", "--host-kv-gb=1.5"]
+    cfg = parsed(args)
+    assert (cfg.weights.mode, cfg.weights.prefetch_depth, cfg.weights.num_slots, cfg.weights.pinned_memory_gb,
+            cfg.engine.host_kv_bytes) == ("stream", 3, 5, 40.5, int(1.5 * (1 << 30)))
+    # one value at a time: only its own flag; auto on a GPU may stream, so its ring settings are passed
+    assert [a for a in _shard_args(helm_bin, "--set", "shard.weights.slots=4") if a.startswith(STREAMING_FLAGS)] == \
+        ["--weight-slots=4"]
+    assert [a for a in _shard_args(helm_bin, "--set", "shard.weights.mode=resident")
+            if a.startswith(STREAMING_FLAGS)] == ["--weights=resident"]
+    # host KV alone, on the CPU too; the memory limit is checked only where one is set
+    args = _shard_args(helm_bin, "--set", "shard.gpus=0", "--set", "shard.hostKvGb=100",
+                       "--set", "shard.resources.limits=null")
+    assert [a for a in args if a.startswith(STREAMING_FLAGS)] == ["--host-kv-gb=100"]
+    assert parsed(args).engine.host_kv_bytes == 100 << 30
+    assert "--pinned-memory-gb=63" in _shard_args(helm_bin, "--set", "shard.weights.pinnedMemoryGb=63")  # < 64Gi
 
 
 def _containers(doc):
@@ -210,6 +286,7 @@ def test_defaults_run_on_gpus_and_non_defaults_on_cpu_with_security(helm_bin):
     spec = find(docs, "StatefulSet", "-shard")["spec"]["template"]["spec"]
     assert shard["resources"]["limits"]["nvidia.com/gpu"] == 1 and "--device=cuda" in shard["args"]
     assert spec["tolerations"] and spec["nodeSelector"]
+    assert not any(a.startswith(STREAMING_FLAGS) for a in shard["args"])  # resident by the shard's own default
     assert {"name": "shm", "mountPath": "/dev/shm"} in shard["volumeMounts"]
     assert any(v["name"] == "shm" and v["emptyDir"]["medium"] == "Memory" for v in spec["volumes"])
     assert any(v["name"] == "model" and "persistentVolumeClaim" in v for v in spec["volumes"])
@@ -222,6 +299,8 @@ def test_defaults_run_on_gpus_and_non_defaults_on_cpu_with_security(helm_bin):
     assert "nvidia.com/gpu" not in shard["resources"]["limits"] and "--device=cpu" in shard["args"]
     assert sts["spec"]["template"]["spec"]["initContainers"][0]["name"] == "fetch-model"
     assert "--model=/models/ckpt" in shard["args"] and "--max-model-len=4096" in shard["args"]
+    assert [a for a in shard["args"] if a.startswith(STREAMING_FLAGS)] == [
+        "--weights=stream", "--prefetch-depth=3", "--weight-slots=5", "--pinned-memory-gb=40", "--host-kv-gb=16"]
     (router,) = _containers(find(docs, "Deployment", "-router"))
     for flag in ("--tls-cert=", "--api-keys-file=", "--upstream-ca=", "--upstream-server-name=", "--health-port="):
         assert any(a.startswith(flag) for a in router["args"]), flag
@@ -245,7 +324,8 @@ def test_prometheus_rules_pass_promtool_plain_and_in_the_prometheusrule(helm_bin
     assert proc.returncode == 0, proc.stdout + proc.stderr
     alerts = {r["alert"] for r in rule["spec"]["groups"][0]["rules"]}
     assert {"KimiserveShardDown", "KimiserveNoHealthyShard", "KimiserveRouterQueueGrowing", "KimiserveTTFTHigh",
-            "KimiserveErrorRatioHigh", "KimiserveStateSlotsSaturated", "KimiserveBatchStuckInTransition"} <= alerts
+            "KimiserveErrorRatioHigh", "KimiserveStateSlotsSaturated", "KimiserveBatchStuckInTransition",
+            "KimiserveWeightStreamingStalled", "KimiserveHostKVChurn"} <= alerts
 
 
 def test_dashboard_configmap_is_labelled_for_grafana(helm_bin):

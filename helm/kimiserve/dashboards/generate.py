@@ -34,6 +34,19 @@ ERROR_RATIO = 0.05
 SLOT_SATURATION = 0.95
 BATCH_TRANSITION_MINUTES = 30  # validating / finalizing / cancelling should take minutes, not this long
 BATCH_IDLE_MINUTES = 15  # batches in progress while no batch request finished for this long
+# Weight streaming: share of the copy time the compute waited for (not hidden behind compute). Prefill at a healthy
+# batch hides most of it (README: 67% hidden on the H200 slice), so more than half exposed is a setting to change.
+STALL_SHARE = 0.5
+# Host KV offload: pages restored from the host per minute, in device caches' worth (kv_blocks_total). Restoring the
+# whole device cache every minute, sustained, means the running sequences' KV does not fit the device: sequences
+# keep waiting to come back instead of decoding.
+KV_RESTORE_TURNOVER_PER_MINUTE = 1.0
+
+# What the streaming and host KV alerts measure, per shard process (tests/deploy query these alone and need data).
+STREAM_STALL_SHARE = ("sum by (namespace, model, shard) (rate(kimiserve_stream_stall_seconds_sum[5m])) / "
+                      "sum by (namespace, model, shard) (rate(kimiserve_stream_copy_seconds_sum[5m]))")
+KV_RESTORE_TURNOVER = ("sum by (namespace, model, shard) (rate(kimiserve_kv_pages_restored_total[5m])) * 60 / "
+                       "sum by (namespace, model, shard) (kimiserve_shard_kv_blocks_total)")
 
 
 def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
@@ -45,6 +58,11 @@ def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str,
 
 def usage(used: str, total: str) -> list[tuple[str, str]]:
     return [(f"sum by (shard) ({used}{{{SEL}}}) / sum by (shard) ({total}{{{SEL}}})", "{{shard}}")]
+
+
+def per_pass_mean(metric: str, legend: str) -> tuple[str, str]:
+    return (f"sum by (shard) (rate({metric}_sum{{{SEL}}}[{RATE}])) / "
+            f"sum by (shard) (rate({metric}_count{{{SEL}}}[{RATE}]))", f"{{{{shard}}}} {legend}")
 
 
 # (row title, [(panel title, unit, [(expr, legend)], description)])
@@ -106,6 +124,39 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
         ("Sequences finished per second", "short",
          [(f"sum by (reason) (rate(kimiserve_shard_sequences_finished_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
          "Sequences finished on the shards, by finish reason."),
+    ]),
+    # Series exist only on shards that stream weights (--weights stream) or offload KV (--host-kv-gb): the row is
+    # empty on a resident deployment.
+    ("Weight streaming and host KV", [
+        ("Streamed weight bytes per second", "Bps",
+         [(f"sum by (shard) (rate(kimiserve_stream_bytes_total{{{SEL}}}[{RATE}]))", "{{shard}}")],
+         "Weight bytes copied host -> device per second on each streaming shard (prefetch and on-demand experts)."),
+        ("Copy, compute and stall per pass (mean)", "s",
+         [per_pass_mean("kimiserve_stream_copy_seconds", "copy"),
+          per_pass_mean("kimiserve_stream_compute_seconds", "compute"),
+          per_pass_mean("kimiserve_stream_stall_seconds", "stall")],
+         "Mean seconds per forward pass: weight copies, compute of streamed layers, and compute waiting on copies."),
+        ("Stall share of copy time", "percentunit",
+         [(f"sum by (shard) (rate(kimiserve_stream_stall_seconds_sum{{{SEL}}}[{RATE}])) / "
+           f"sum by (shard) (rate(kimiserve_stream_copy_seconds_sum{{{SEL}}}[{RATE}]))", "{{shard}}")],
+         "Stall / copy time: the share of copies not hidden behind compute (alert above "
+         f"{STALL_SHARE:.0%}). Raise shard.weights.prefetchDepth or the batch to lower it."),
+        ("Stall per pass", "s", quantiles("kimiserve_stream_stall_seconds", "shard", (0.5, 0.99)),
+         "Compute waiting on weight copies in one forward pass, quantiles per shard."),
+        ("Weight slot occupancy", "percentunit",
+         usage("kimiserve_stream_slots_used", "kimiserve_stream_slots_total"),
+         "Device weight slots holding a layer (loading or in use) / slots in the ring, sampled as layers take slots."),
+        ("Layers fetched ahead per second", "short",
+         [(f"sum by (shard) (rate(kimiserve_stream_fetched_ahead_layers_total{{{SEL}}}[{RATE}]))", "{{shard}}")],
+         "Layer fetches issued during a pass for the next one (cross-pass prefetch: the next pass does not start "
+         "cold)."),
+        ("Host KV pages", "short",
+         [(f"sum by (shard) (kimiserve_kv_host_pages{{{SEL}}})", "{{shard}}")],
+         "MLA KV-cache pages held in host memory (sequences moved off the device, waiting to come back)."),
+        ("KV pages offloaded and restored per second", "short",
+         [(f"sum by (shard) (rate(kimiserve_kv_pages_offloaded_total{{{SEL}}}[{RATE}]))", "{{shard}} offloaded"),
+          (f"sum by (shard) (rate(kimiserve_kv_pages_restored_total{{{SEL}}}[{RATE}]))", "{{shard}} restored")],
+         "MLA KV pages moved to the host and back per second; a sustained restore rate is churn (alert)."),
     ]),
     ("Tokenizer", [
         ("Tokenizer RPC rate", "reqps",
@@ -178,6 +229,22 @@ ALERTS: list[dict] = [
      "summary": "Batches are in_progress but none of their requests finished in "
                 f"{BATCH_IDLE_MINUTES} minutes",
      "description": "{{ $value }} batch(es) in_progress with no progress: a stuck non-terminal batch."},
+    {"alert": "KimiserveWeightStreamingStalled", "for": "15m", "severity": "warning",
+     "expr": f"{STREAM_STALL_SHARE} > {STALL_SHARE}",
+     "summary": "Weight copies on shard {{ $labels.shard }} are not hidden behind compute",
+     "description": f"Over {STALL_SHARE:.0%} of the weight-copy time is not hidden behind compute "
+                    "({{ $value | humanizePercentage }} over 5 minutes): passes wait on the host-to-device link. "
+                    "Raise shard.weights.prefetchDepth (and slots) when the ring is too shallow, or batch more tokens "
+                    "per pass (shard.prefillTokenBudget, shard.numStateSlots). Small-batch decode is copy-bound by "
+                    "design: if its latency is not acceptable, spread the model over more GPUs (shard.tp / shard.ep) "
+                    "instead of streaming it."},
+    {"alert": "KimiserveHostKVChurn", "for": "15m", "severity": "warning",
+     "expr": f"{KV_RESTORE_TURNOVER} > {KV_RESTORE_TURNOVER_PER_MINUTE}",
+     "summary": "Shard {{ $labels.shard }} keeps moving KV pages back from the host",
+     "description": "KV pages restored from the host every minute amount to {{ $value | humanize }} times the device "
+                    "KV cache (5-minute rate): the running sequences' KV does not fit the device, so sequences keep "
+                    "waiting to come back. Raise shard.numKvBlocks if the GPU has room, lower shard.numStateSlots, "
+                    "or add shards; host KV is for bursts, not the steady state."},
 ]
 assert {a["alert"] for a in ALERTS} >= {"KimiserveShardDown", "KimiserveNoHealthyShard", "KimiserveTTFTHigh"}
 
