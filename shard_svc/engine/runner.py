@@ -22,9 +22,9 @@ class ModelRunner:
                  num_slots: int, num_blocks: int, block_size: int, kda_heads: int | None = None):
         """kda_heads: this rank's KDA heads in a shard group (None: all of the model's)."""
         self.cfg, self.model, self.ops, self.device = cfg, model, ops, device
-        # Once, after loading, tensor parallelism and weight streaming have edited the model: q/k/v weights packed so
-        # a KDA layer runs one projection without a per-step concatenation (names and values unchanged).
-        log.info("packed q/k/v weights of %d KDA layers", pack_weights(model))
+        # Once, after loading, tensor parallelism and weight streaming have edited the model: the weights of linears
+        # that multiply the same input packed, so each such group runs as one product (names and values unchanged).
+        log.info("packed %d groups of weights", pack_weights(model))
         dtype = next(model.parameters()).dtype
         self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype, num_heads=kda_heads)
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)

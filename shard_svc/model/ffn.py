@@ -5,12 +5,13 @@ from torch import nn
 
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
-from shard_svc.model.layers import RMSNorm, linear
+from shard_svc.model.layers import PackedWeights, RMSNorm, linear, split_linear
 from shard_svc.ops.activations import glu
 
 
-class GatedMLP(nn.Module):
-    """down(act(gate(x), up(x))) with SwiGLU or SiTU-GLU."""
+class GatedMLP(PackedWeights):
+    """down(act(gate(x), up(x))) with SwiGLU or SiTU-GLU; gate and up as one [T, 2I] product split into halves (over
+    the buffer `kimi.pack_weights` packed them into, see layers.py)."""
 
     def __init__(self, cfg: ModelConfig, hidden: int, intermediate: int, dtype: torch.dtype):
         super().__init__()
@@ -18,9 +19,13 @@ class GatedMLP(nn.Module):
         self.down_proj = linear(hidden, intermediate, dtype)
         self.activation, self.betas = cfg.activation, (cfg.situ_beta, cfg.situ_linear_beta)
 
+    def packed_groups(self) -> list[tuple[nn.Module, ...]]:
+        return [(self.gate_proj, self.up_proj)]
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ops = ctx.ops
-        return self.down_proj(glu(self.gate_proj(x, ops), self.up_proj(x, ops), self.activation, self.betas), ops)
+        gate, up = split_linear(x, (self.gate_proj, self.up_proj), ops)
+        return self.down_proj(glu(gate, up, self.activation, self.betas), ops)
 
 
 class Router(nn.Module):

@@ -1,9 +1,10 @@
 """KDA (Kimi Delta Attention) mixer: projections, short convs, gate, delta-rule recurrence, gated output norm.
 
-q/k/v run as one projection and one short conv over [T, 3HK]. `pack` (called once by the model runner) moves the
-three projection weights, and the three conv weights, into one buffer each that the checkpoint-named parameters
-then view, so a step reads the packed weights without a per-step `torch.cat`. Layers whose weights are not packed
-(streamed layers: their parameters are bound to slot views per pass) concatenate per step, with the same values.
+q/k/v run as one projection and one short conv over [T, 3HK]; the low-rank decay and output gate inputs (f_a, g_a, or
+the full-rank g_proj) and the beta logits (b_proj) as one more projection, split into views. `packed_groups` names
+the three groups that `kimi.pack_weights` packs once into one buffer each (layers.py), so a step reads the packed
+weights without a per-step `torch.cat`. Layers whose weights are not packed (streamed layers: their parameters are
+bound to slot views per pass) concatenate each group's weights per step and compute the same values.
 """
 
 import torch
@@ -11,10 +12,10 @@ from torch import nn
 
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
-from shard_svc.model.layers import linear, pack_rows, packed_rows
+from shard_svc.model.layers import PackedWeights, joint_linear, linear, split_linear, stacked_weight
 
 
-class KDAttention(nn.Module):
+class KDAttention(PackedWeights):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         c = cfg.kda
@@ -44,38 +45,28 @@ class KDAttention(nn.Module):
     def _convs(self) -> tuple[nn.Module, ...]:
         return self.q_conv1d, self.k_conv1d, self.v_conv1d
 
-    def pack(self) -> bool:
-        """Packs the q/k/v projection and conv weights (see the module docstring); False when they are not
-        materialised (streamed placeholders), leaving them as they are."""
-        return pack_rows(self._projections()) and pack_rows(self._convs())
+    def _gate_inputs(self) -> tuple[nn.Module, ...]:
+        """The other linears of x: f_a, the output gate's first (low-rank g_a) or only (full-rank g_proj) projection,
+        and b."""
+        return self.f_a_proj, self.g_proj if hasattr(self, "g_proj") else self.g_a_proj, self.b_proj
 
-    def _qkv(self, x: torch.Tensor, ops) -> torch.Tensor:
-        """[T, 3HK] projections, one product when the weights are packed."""
-        w = packed_rows([m.weight for m in self._projections()])
-        if w is not None:
-            return ops.linear(x, w)
-        return torch.cat([m(x, ops) for m in self._projections()], dim=-1)
-
-    def _conv_weight(self) -> torch.Tensor:
-        parts = [m.weight for m in self._convs()]
-        w = packed_rows(parts)
-        return (torch.cat(parts) if w is None else w).squeeze(1)  # [3HK, W]
-
-    def _output_gate(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if hasattr(self, "g_proj"):
-            return self.g_proj(x, ops)
-        return self.g_b_proj(self.g_a_proj(x, ops), ops)
+    def packed_groups(self) -> list[tuple[nn.Module, ...]]:
+        return [self._projections(), self._convs(), self._gate_inputs()]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, h, k = x.shape[0], self.num_heads, self.head_dim
         ops, batch = ctx.ops, ctx.batch
         recurrent, conv_state = ctx.kda_pool.layer(self.layer_idx)
-        qkv = ops.short_conv(self._qkv(x, ops), self._conv_weight(), conv_state, batch.state_slots, batch.cu_seqlens)
+        conv_weight = stacked_weight(self._convs()).squeeze(1)  # [3HK, W]
+        qkv = ops.short_conv(joint_linear(x, self._projections(), ops), conv_weight, conv_state, batch.state_slots,
+                             batch.cu_seqlens)  # [T, 3HK]
         q, kk, v = (part.view(t, h, k) for part in qkv.split(h * k, dim=-1))
-        f = self.f_b_proj(self.f_a_proj(x, ops), ops).view(t, h, k)
-        beta_logits = self.b_proj(x, ops)  # [T, H]
+        f_a, gate, beta_logits = split_linear(x, self._gate_inputs(), ops)  # beta_logits [T, H]
+        f = self.f_b_proj(f_a, ops).view(t, h, k)
+        if hasattr(self, "g_b_proj"):
+            gate = self.g_b_proj(gate, ops)
         kda = ops.kda_decode if batch.is_decode else ops.kda_prefill
         o = kda(q, kk, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound, recurrent,
                 batch.state_slots, batch.cu_seqlens)  # [T, H, V]
-        o = ops.gated_rms_norm(o, self.o_norm.weight, self._output_gate(x, ops).view(t, h, k), self.eps)
+        o = ops.gated_rms_norm(o, self.o_norm.weight, gate.view(t, h, k), self.eps)
         return self.o_proj(o.reshape(t, h * k), ops)

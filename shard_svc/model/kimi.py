@@ -10,7 +10,7 @@ from shard_svc.forward_batch import ForwardContext
 from shard_svc.model.attn_res import AttnResMix, BlockCarry
 from shard_svc.model.ffn import MoE, GatedMLP
 from shard_svc.model.kda import KDAttention
-from shard_svc.model.layers import RMSNorm, linear
+from shard_svc.model.layers import PackedWeights, RMSNorm, linear, pack_rows
 from shard_svc.model.mla import MLAttention
 from shard_svc.ops.precision import upcast
 
@@ -84,9 +84,11 @@ class KimiModel(nn.Module):
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Packs each KDA layer's q/k/v projection and conv weights into one buffer (`KDAttention.pack`); done once
-    before serving, after loading. Returns how many layers were packed (streamed layers are left alone)."""
-    return sum(attn.pack() for attn in model.modules() if isinstance(attn, KDAttention))
+    """Packs every `packed_groups` group (KDA q/k/v projections and convs, KDA f_a/g/b, MLA q/kv_a(/g), MLP gate/up)
+    into one buffer each (layers.py); done once before serving, after loading, tensor parallelism and weight
+    streaming have edited the model. Returns how many groups were packed: streamed layers' placeholders are left
+    alone (their groups concatenate their weights per step)."""
+    return sum(pack_rows(group) for m in model.modules() if isinstance(m, PackedWeights) for group in m.packed_groups())
 
 
 class KimiForCausalLM(nn.Module):

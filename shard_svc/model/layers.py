@@ -1,4 +1,13 @@
-"""Leaf modules shared by every block. Parameters are created empty: the loader fills every one of them."""
+"""Leaf modules shared by every block. Parameters are created empty: the loader fills every one of them.
+
+Packed weights: a block whose linears multiply the same input (KDA's q/k/v, MLA's q_a / kv_a, an MLP's gate / up)
+names them in `packed_groups`; `pack_rows` (run once per group by `kimi.pack_weights`) stacks each group's weights
+in one buffer that the checkpoint-named parameters then view, and `joint_linear` / `split_linear` run such a group
+as one product over that buffer. A group whose weights are not packed (a streamed layer's parameters, bound to slot
+views per pass) runs the same one product over its weights concatenated per call: per-module products would differ
+in the last bit (a GEMM's summation order depends on N: MKL on a few-row tail, the Triton skinny GEMM's split-K),
+and a streamed layer must compute exactly what the resident layer does.
+"""
 
 from collections.abc import Sequence
 
@@ -51,6 +60,32 @@ def pack_rows(modules: Sequence[nn.Module], attr: str = "weight") -> bool:
             setattr(module, attr, nn.Parameter(buf[start:start + p.shape[0]], requires_grad=False))
             start += p.shape[0]
     return True
+
+
+class PackedWeights(nn.Module):
+    """A module with groups of weights that `kimi.pack_weights` packs (see the module docstring)."""
+
+    def packed_groups(self) -> list[tuple[nn.Module, ...]]:
+        """The groups, each packed on its modules' `weight`s in this order (the order of the joint product's
+        columns)."""
+        raise NotImplementedError
+
+
+def stacked_weight(modules: Sequence[nn.Module]) -> torch.Tensor:
+    """The modules' weights stacked on dim 0: a view of their packed buffer, else a per-call concatenation."""
+    params = [m.weight for m in modules]
+    w = packed_rows(params)
+    return torch.cat(params) if w is None else w
+
+
+def joint_linear(x: torch.Tensor, modules: Sequence[Linear], ops) -> torch.Tensor:
+    """[..., sum of out features]: one product of x and the stacked weights, each module's output in its columns."""
+    return ops.linear(x, stacked_weight(modules))
+
+
+def split_linear(x: torch.Tensor, modules: Sequence[Linear], ops) -> tuple[torch.Tensor, ...]:
+    """Each module's product with x, as column views of `joint_linear` (not contiguous for more than one row)."""
+    return joint_linear(x, modules, ops).split([m.weight.shape[0] for m in modules], dim=-1)
 
 
 class RMSNorm(nn.Module):

@@ -1,11 +1,16 @@
-"""MLA mixer without rotary: (optional q-LoRA) queries, a latent KV cache, optional sigmoid output gate."""
+"""MLA mixer without rotary: (optional q-LoRA) queries, a latent KV cache, optional sigmoid output gate.
+
+The linears of the layer input (q_a or q_proj, kv_a_proj_with_mqa, the output gate's g_proj) run as one product
+split into views: over the buffer `kimi.pack_weights` packed their weights into (`packed_groups`, layers.py), or
+over their weights concatenated per step where they are not packed (streamed layers), with the same values.
+"""
 
 import torch
 from torch import nn
 
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
-from shard_svc.model.layers import RMSNorm, linear
+from shard_svc.model.layers import PackedWeights, RMSNorm, linear, split_linear
 
 # q_a_layernorm / kv_a_layernorm use the RMSNorm default 1e-6, not rms_norm_eps: Moonshot's modeling code (Kimi-Linear
 # remote code, K3) and transformers' kimi_linear build them without an eps (as DeepSeek-V3 does). vLLM passes
@@ -13,7 +18,7 @@ from shard_svc.model.layers import RMSNorm, linear
 LATENT_NORM_EPS = 1e-6
 
 
-class MLAttention(nn.Module):
+class MLAttention(PackedWeights):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
         super().__init__()
         c = cfg.mla
@@ -35,22 +40,28 @@ class MLAttention(nn.Module):
             self.g_proj = linear(c.num_heads * c.v_head_dim, d, dtype)
         self.o_proj = linear(d, c.num_heads * c.v_head_dim, dtype)
 
-    def _queries(self, x: torch.Tensor, ops) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            return self.q_proj(x, ops)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x, ops), ops), ops)
+    def _input_linears(self) -> tuple[nn.Module, ...]:
+        """Every linear of x: the queries' first (q_a) or only (q_proj) projection, kv_a, then g_proj if any."""
+        q = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        return (q, self.kv_a_proj_with_mqa, *((self.g_proj,) if hasattr(self, "g_proj") else ()))
+
+    def packed_groups(self) -> list[tuple[nn.Module, ...]]:
+        return [self._input_linears()]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
         ops, batch = ctx.ops, ctx.batch
-        q = self._queries(x, ops).view(t, self.nh, self.nope + self.rope)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x, ops).split([self.kv_lora, self.rope], dim=-1)
+        q, kv_a, *gate = split_linear(x, self._input_linears(), ops)  # gate: [g_proj's output], or []
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q, ops), ops)
+        q = q.view(t, self.nh, self.nope + self.rope)
+        c_kv, k_pe = kv_a.split([self.kv_lora, self.rope], dim=-1)
         cache = ctx.kv_cache.layer(self.layer_idx)
         # The cache stores the normed c_kv, so decode never re-normalises old tokens.
         ops.mla_cache_write(cache, torch.cat([self.kv_a_layernorm(c_kv, ops), k_pe], dim=-1), batch.slot_mapping)
         attend = ops.mla_decode if batch.is_decode else ops.mla_prefill
         o = attend(q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
                    batch.ctx_lens, batch.cu_seqlens, self.scale).reshape(t, self.nh * self.v_dim)
-        if hasattr(self, "g_proj"):
-            o = o * torch.sigmoid(self.g_proj(x, ops))
+        if gate:
+            o = o * torch.sigmoid(gate[0])
         return self.o_proj(o, ops)
