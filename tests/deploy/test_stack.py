@@ -2,6 +2,8 @@
 container's command as a local process (only addresses, ports and the Secret mount root rewritten for loopback),
 checks its gRPC probes the way kubelet runs them, sends traffic over TLS with an API key, and has a real Prometheus
 scrape the stack. Every dashboard panel expression must return data; every alert rule must evaluate without error.
+One shard runs the chart rendered with weight streaming and host KV offload (`shard.weights.*`, `shard.hostKvGb`), so
+the streaming panels and alerts are evaluated over a real streaming shard's series too.
 
 Also over the running stack: API keys (missing / wrong → UNAUTHENTICATED, never logged, rotated live), TLS on the
 public port, mTLS between router, tokenizer and shards (no client cert or a rogue CA's → refused), and discovery
@@ -45,6 +47,14 @@ NAMESPACE, MODEL, INTERNAL_NAME = "kimiserve-test", "tiny", "kimiserve-internal"
 GOOD_KEY, WRONG_KEY = f"ks-good-{secrets.token_hex(12)}", f"ks-wrong-{secrets.token_hex(12)}"
 SHARD_HOSTS = ("127.0.0.1", "127.0.0.2")  # two "pods" with the same ports, as a StatefulSet's are
 PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
+# shard-0 runs the chart rendered with these values too, as every shard of a release with them would (the CPU build of
+# the streaming engine: the code a GPU runs). 18 blocks of 4 tokens hold the traffic's longest request (a 60-token
+# prompt + 9) alone but not four at once, so KV pages move to the host and back. shard-1 stays resident: the discovery
+# test gives it a 500-token sequence, which that cache would refuse.
+STREAMING_SHARD = "shard-0"
+STREAMING_VALUES = ("--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=2",
+                    "--set", "shard.weights.slots=4", "--set-json", "shard.weights.pinnedMemoryGb=0.5",
+                    "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4", "--set", "shard.numKvBlocks=18")
 
 
 @dataclass
@@ -171,9 +181,13 @@ def stack(helm_bin, tmp_path_factory):
     for comp in ("router", "tokenizer", "shard"):
         for key in ("port", "metricsPort", "healthPort"):
             values[f"{comp}.{key}"] = str(free_port())
-    docs = helm_template(helm_bin, *[a for k, v in values.items() for a in ("--set", f"{k}={v}")])
+    args = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
+    docs = helm_template(helm_bin, *args)
     containers = {c: find(docs, kind, f"-{c}")["spec"]["template"]["spec"]["containers"][0]
                   for c, kind in (("router", "Deployment"), ("tokenizer", "Deployment"), ("shard", "StatefulSet"))}
+    streaming = find(helm_template(helm_bin, *args, *STREAMING_VALUES), "StatefulSet", "-shard")
+    streaming_container = streaming["spec"]["template"]["spec"]["containers"][0]
+    assert {"--weights=stream", "--host-kv-gb=0.01"} <= set(streaming_container["args"])
     shard_port = int(values["shard.port"])
     headless = find(docs, "Service", "-shard-headless")["metadata"]["name"]
     tokenizer_svc = find(docs, "Service", "-tokenizer")["metadata"]["name"]
@@ -183,8 +197,8 @@ def stack(helm_bin, tmp_path_factory):
                                                               etc, {}), containers["tokenizer"], "127.0.0.1", root)
         for i, host in enumerate(SHARD_HOSTS):
             name = f"shard-{i}"
-            procs[name] = start(name, local_command(containers["shard"], host, name, etc, {}), containers["shard"],
-                                host, root)
+            container = streaming_container if name == STREAMING_SHARD else containers["shard"]
+            procs[name] = start(name, local_command(container, host, name, etc, {}), container, host, root)
         for p in list(procs.values()):
             wait_probes(p)
         # Cluster DNS → loopback: the headless name becomes `localhost` (resolved by the router's discovery, as
@@ -362,6 +376,37 @@ def test_dashboard_metric_names_are_all_scraped(traffic):
     rules = yaml.safe_load(generate.RULES.read_text())["groups"][0]["rules"]
     named |= {n for r in rules for n in metric_names(r["expr"])}
     assert named - scraped == set(), f"named in dashboards/alerts but not scraped: {sorted(named - scraped)}"
+
+
+def _by_shard(url: str, expr: str) -> dict[str, float]:
+    return {s["metric"]["shard"]: float(s["value"][1]) for s in api(url, "/api/v1/query", query=expr)["data"]["result"]}
+
+
+def test_the_streaming_shard_streams_weights_and_moves_kv_pages(traffic):
+    """The streaming panels' data is real: shard-0 streamed its layers and ran its device KV short, and every page
+    that went to the host came back (all requests finished); the resident shard exports none of these series."""
+    log = traffic.procs[STREAMING_SHARD].log.read_text()
+    assert "weights: stream (--weights stream)" in log, traffic.procs[STREAMING_SHARD].tail()
+    url = traffic.prometheus
+    assert _by_shard(url, "kimiserve_stream_bytes_total").get(STREAMING_SHARD, 0) > 0
+    assert _by_shard(url, "kimiserve_stream_slots_total") == {STREAMING_SHARD: 4}
+    offloaded = _by_shard(url, "kimiserve_kv_pages_offloaded_total")
+    assert offloaded.get(STREAMING_SHARD, 0) > 0, \
+        f"the traffic never ran {STREAMING_SHARD}'s KV blocks short (STREAMING_VALUES): {offloaded}"
+    assert _by_shard(url, "kimiserve_kv_pages_restored_total") == offloaded
+    assert _by_shard(url, "kimiserve_kv_host_pages") == {STREAMING_SHARD: 0}
+    assert set(_by_shard(url, "kimiserve_stream_copy_seconds_count")) == {STREAMING_SHARD}
+
+
+def test_streaming_alert_measures_return_data(traffic):
+    """The streaming and host KV alerts compare a measure with a threshold; over the streaming shard the measure
+    alone must return data (an alert over series that never match can never fire)."""
+    rules = {r["alert"]: r["expr"] for r in yaml.safe_load(generate.RULES.read_text())["groups"][0]["rules"]}
+    for alert, measure in (("KimiserveWeightStreamingStalled", generate.STREAM_STALL_SHARE),
+                           ("KimiserveHostKVChurn", generate.KV_RESTORE_TURNOVER)):
+        assert rules[alert].startswith(f"{measure} > "), (alert, rules[alert])
+        result = api(traffic.prometheus, "/api/v1/query", query=measure)["data"]["result"]
+        assert _has_data(result) and {s["metric"]["shard"] for s in result} == {STREAMING_SHARD}, (alert, result)
 
 
 def test_every_alert_rule_evaluates_without_error(traffic):
