@@ -1,7 +1,8 @@
 """The Triton `linear` op inside a tiny model: every other op eager, so a difference is the linear's alone. Decode
 steps run through the graph runner's padded buffers (eagerly on the CPU), so the skinny kernel sees the model's real
-decode shapes (1, 2 and 4 padded rows, the packed q/k/v weight, lm_head); prefill passes of more than 16 tokens take
-the F.linear side of the dispatch. Greedy tokens must equal the all-eager run's, logits agree to fp32 rounding."""
+decode shapes (1, 2 and 4 padded rows, the packed weight groups, their column views as strided inputs, lm_head);
+prefill passes of more than 16 tokens take the F.linear side of the dispatch. Greedy tokens must equal the all-eager
+run's, logits agree to fp32 rounding."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from tests.kernels.test_linear import linear_module
 PROMPTS = [(23, 4), (5, 2), (40, 5)]  # (prompt length, tokens): decode batches of 3, 2 and 1 rows
 
 
-def generate(raw: dict, triton_linear: bool, paths: list[bool] | None = None):
-    """paths: filled with `uses_skinny` of every linear call (triton_linear only)."""
+def generate(raw: dict, triton_linear: bool, paths: list[tuple[bool, bool]] | None = None):
+    """paths: filled with (`uses_skinny`, x contiguous) of every linear call (triton_linear only)."""
     cfg, model = random_model(raw, seed=0)
     model = model.to(DEVICE)
     ops = select_ops(DEVICE, "eager")
@@ -30,7 +31,7 @@ def generate(raw: dict, triton_linear: bool, paths: list[bool] | None = None):
         mod = linear_module()
 
         def recorded(x, w):
-            paths.append(mod.uses_skinny(x, w))
+            paths.append((mod.uses_skinny(x, w), x.is_contiguous()))
             return mod.linear(x, w)
 
         ops = dataclasses.replace(ops, linear=recorded)
@@ -53,9 +54,11 @@ def generate(raw: dict, triton_linear: bool, paths: list[bool] | None = None):
 def test_triton_linear_in_model_matches_eager(family):
     raw = linear_config() if family == "linear" else k3_config(6)  # K3: q-LoRA, output gates, latent MoE
     eager = generate(raw, triton_linear=False)
-    paths: list[bool] = []
+    paths: list[tuple[bool, bool]] = []
     triton = generate(raw, triton_linear=True, paths=paths)
-    assert any(paths) and not all(paths), "decode must run the skinny kernel and long prefill F.linear"
+    skinny = [s for s, _ in paths]
+    assert any(skinny) and not all(skinny), "decode must run the skinny kernel and long prefill F.linear"
+    assert (True, False) in paths, "decode must feed the skinny kernel a column view of a packed group's product"
     for a, b in zip(eager, triton):
         assert a.output == b.output
         for la, lb in ((torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)),
