@@ -4,7 +4,7 @@ shard_svc/ops/triton/linear.py) against F.linear (cuBLAS), next to the copy band
     PYTHONPATH=$PWD python -m bench.linear_micro --out DIR [--m 1,4,16] [--sweep] [--no-graph]
 
 Shapes and counts come from the model itself (`decode_linears`: built on the meta device from bench/configs.py),
-as a decode step runs them: KDA q/k/v as the one packed product the runner makes of them, MLA's kv_b_proj left
+as a decode step runs them: each group of weights the runner packs (q/k/v, ...) as its one product, MLA's kv_b_proj left
 out (the attention op reads that weight), lm_head once. For every (N, K) and M: microseconds per call
 (triton.testing.do_bench, median; L2 is flushed between calls, as a decode step finds it: each weight is read once
 per step), achieved GB/s of weight bytes (x and y are a rounding error next to them), % of the copy bandwidth, and
@@ -35,12 +35,11 @@ import torch.nn.functional as F
 from bench.configs import KIMI_LINEAR_48B
 from shard_svc.config import ModelConfig
 from shard_svc.model import KimiForCausalLM
-from shard_svc.model.layers import Linear
+from shard_svc.model.layers import Linear, PackedWeights
 
 log = logging.getLogger(__name__)
 
 ABSORBED = ("kv_b_proj",)  # MLA reads kv_b_proj's weight inside its attention op, never as a linear
-PACKED = ("q_proj", "k_proj", "v_proj")  # KDAttention.pack: one [3HK, D] product per KDA layer
 SWEEP_BLOCK_N = (16, 32, 64, 128)
 SWEEP_SPLITS = (1, 2, 4, 8)
 
@@ -49,21 +48,31 @@ Timer = Callable[[Callable[[], object]], float]  # fn -> milliseconds per call
 
 @dataclass(frozen=True)
 class LinearUse:
-    role: str  # e.g. "kda.qkv_proj (packed)", "block_sparse_moe.shared_experts.gate_proj", "lm_head"
+    role: str  # e.g. "kda.q_proj+k_proj+v_proj (packed)", "block_sparse_moe.shared_experts.down_proj", "lm_head"
     n: int
     k: int
     count: int  # calls per decode step
 
 
 def decode_linears(cfg: ModelConfig) -> list[LinearUse]:
-    """Every linear call of one decode step, grouped by role and shape, from the model built on the meta device."""
+    """Every linear call of one decode step, grouped by role and shape, from the model built on the meta device.
+    A group that `pack_weights` packs (`PackedWeights.packed_groups`) is one call over its members' rows."""
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, torch.bfloat16)
+    names = {id(module): name for name, module in model.named_modules()}
+    grouped: dict[int, tuple[Linear, ...]] = {}  # first member -> its group; other members are skipped
+    for module in model.modules():
+        if isinstance(module, PackedWeights):
+            for group in module.packed_groups():
+                if all(isinstance(m, Linear) for m in group):
+                    grouped.update({id(m): () for m in group[1:]})
+                    grouped[id(group[0])] = group
     counts: Counter[tuple[str, int, int]] = Counter()
     for name, module in model.named_modules():
-        if not isinstance(module, Linear) or name.endswith(ABSORBED):
+        if not isinstance(module, Linear) or name.endswith(ABSORBED) or grouped.get(id(module), None) == ():
             continue
-        n, k = module.weight.shape
+        group = grouped.get(id(module), (module,))
+        n, k = sum(m.weight.shape[0] for m in group), module.weight.shape[1]
         parts = name.split(".")
         if parts[:2] != ["model", "layers"]:
             counts[(name, n, k)] += 1
@@ -71,10 +80,8 @@ def decode_linears(cfg: ModelConfig) -> list[LinearUse]:
         kind, rest = cfg.layer_kinds[int(parts[2])], parts[3:]
         if rest[0] == "self_attn":
             rest = [kind, *rest[1:]]
-        if kind == "kda" and rest[-1] in PACKED:
-            if rest[-1] != PACKED[0]:
-                continue
-            rest, n = [*rest[:-1], "qkv_proj (packed)"], n * len(PACKED)
+        if len(group) > 1:
+            rest = [*rest[:-1], "+".join(names[id(m)].rsplit(".", 1)[-1] for m in group) + " (packed)"]
         counts[(".".join(rest), n, k)] += 1
     if cfg.tie_word_embeddings:  # logits against the embedding: one more linear
         counts[("lm_head (tied embedding)", cfg.vocab_size, cfg.hidden_size)] += 1
