@@ -10,7 +10,7 @@ import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.runner import ModelRunner
-from shard_svc.engine.sampling import SamplingParams, make_generator, sample
+from shard_svc.engine.sampling import SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import Sequence
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest, KVBlocksExhausted
@@ -160,7 +160,7 @@ class Engine:
                 (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
         emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
         drawn = (self.sync.draw(emitting) if self.sync
-                 else [sample(row, seq.params, seq.generator) for seq, row in emitting])
+                 else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
         for (seq, row), (token, logprob) in zip(emitting, drawn):
             result.events.append(self._emit(seq, row, token, logprob))
         tokens = sum(n for _, n in work)

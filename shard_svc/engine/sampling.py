@@ -43,14 +43,44 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """(token, its natural-log probability) from one row of fp32 logits [vocab].
+def sample_all(rows: list[tuple[torch.Tensor, SamplingParams, torch.Generator | None]]) -> list[tuple[int, float]]:
+    """(token, its natural-log probability under the sampling distribution) for every (fp32 logits row [vocab],
+    params, generator) of a pass, with one device-to-host copy in all.
 
-    Depends only on this row and this sequence's generator, never on batch neighbours.
+    A pass emits a token per sequence; reading each back on its own would stop the host once per sequence. Greedy
+    rows share one argmax over the stacked rows (ties to the lowest id, as per row); sampled rows keep their own
+    generator, and their tokens stay on the device until the single copy. Each row's result still depends only on
+    that row and its generator.
     """
-    if params.temperature == 0:
-        token = int(torch.argmax(logits))
-        return token, float(torch.log_softmax(logits.float(), -1)[token]) if params.logprobs else 0.0
+    if not rows:
+        return []
+    tokens: list[torch.Tensor | None] = [None] * len(rows)
+    logps: list[torch.Tensor | None] = [None] * len(rows)
+    greedy = [i for i, (_, p, _) in enumerate(rows) if p.temperature == 0]
+    if greedy:
+        stacked = torch.stack([rows[i][0] for i in greedy])
+        best = torch.argmax(stacked, -1)
+        want = any(rows[i][1].logprobs for i in greedy)
+        best_lp = torch.log_softmax(stacked.float(), -1).gather(-1, best[:, None])[:, 0] if want else None
+        for j, i in enumerate(greedy):
+            tokens[i] = best[j:j + 1]
+            if rows[i][1].logprobs:
+                logps[i] = best_lp[j:j + 1]
+    for i, (logits, params, generator) in enumerate(rows):
+        if params.temperature == 0:
+            continue
+        probs = _sampling_probs(logits, params)
+        tokens[i] = torch.multinomial(probs, 1, generator=generator)
+        if params.logprobs:
+            logps[i] = torch.log(probs.gather(0, tokens[i]))
+    ids = torch.cat(tokens).tolist()
+    lp_rows = [i for i in range(len(rows)) if logps[i] is not None]
+    lp_values = dict(zip(lp_rows, torch.cat([logps[i].float() for i in lp_rows]).tolist())) if lp_rows else {}
+    return [(int(t), lp_values.get(i, 0.0)) for i, t in enumerate(ids)]
+
+
+def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, then the top-k and top-p cuts."""
     scaled = logits.float() / params.temperature
     if params.top_k:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
@@ -61,6 +91,4 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         # Drop a token when the mass before it already reaches top_p; the first token always stays.
         drop = (cum - torch.softmax(sorted_logits, -1)) >= params.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scaled, -1)
-    token = int(torch.multinomial(probs, 1, generator=generator))
-    return token, float(torch.log(probs[token])) if params.logprobs else 0.0
+    return torch.softmax(scaled, -1)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from shard_svc.config import ModelConfig
-from shard_svc.engine.sampling import sample
+from shard_svc.engine.sampling import sample_all
 from shard_svc.parallel.errors import GroupDiverged
 from shard_svc.parallel.group import ShardGroup, digest
 from shard_svc.parallel.layout import ParallelLayout
@@ -113,7 +113,7 @@ class StepSync:
         buf = torch.zeros(2, len(emitting), dtype=torch.float64)  # [token ids; logprobs], ids exact below 2^53
         drawn = None
         if self.leader:
-            drawn = [sample(row, seq.params, seq.generator) for seq, row in emitting]
+            drawn = sample_all([(row, seq.params, seq.generator) for seq, row in emitting])
             buf[0] = torch.tensor([t for t, _ in drawn], dtype=torch.float64)
             buf[1] = torch.tensor([lp for _, lp in drawn], dtype=torch.float64)
         self.group.broadcast_tensor(buf, "broadcasting sampled tokens")
