@@ -1,7 +1,7 @@
 """The Triton `linear` op inside a tiny model: every other op eager, so a difference is the linear's alone. Decode
 steps run through the graph runner's padded buffers (eagerly on the CPU), so the skinny kernel sees the model's real
 decode shapes (1, 2 and 4 padded rows, the packed weight groups, their column views as strided inputs, lm_head);
-prefill passes of more than 16 tokens take the F.linear side of the dispatch. Greedy tokens must equal the all-eager
+prefill passes of more than `DISPATCH_MAX_M` tokens take the F.linear side of the dispatch. Greedy tokens must equal the all-eager
 run's, logits agree to fp32 rounding."""
 
 from __future__ import annotations
@@ -11,21 +11,14 @@ import dataclasses
 import pytest
 import torch
 
-from shard_svc.engine.cuda_graphs import CudaGraphRunner
-from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
-from tests.engine.conftest import k3_config, linear_config, random_model
-from tests.kernels.conftest import DEVICE, ON_GPU
+from tests.engine.conftest import k3_config, linear_config
+from tests.kernels.conftest import DEVICE
 from tests.kernels.test_linear import linear_module
-
-PROMPTS = [(23, 4), (5, 2), (40, 5)]  # (prompt length, tokens): decode batches of 3, 2 and 1 rows
-
+from tests.kernels.test_mla_moe_in_model import generate as run_prompts
 
 def generate(raw: dict, triton_linear: bool, paths: list[tuple[bool, bool]] | None = None):
     """paths: filled with (`uses_skinny`, x contiguous) of every linear call (triton_linear only)."""
-    cfg, model = random_model(raw, seed=0)
-    model = model.to(DEVICE)
     ops = select_ops(DEVICE, "eager")
     if triton_linear:
         mod = linear_module()
@@ -35,18 +28,7 @@ def generate(raw: dict, triton_linear: bool, paths: list[tuple[bool, bool]] | No
             return mod.linear(x, w)
 
         ops = dataclasses.replace(ops, linear=recorded)
-    engine = Engine(cfg, model, ops, DEVICE, EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=4,
-                                                          prefill_token_budget=1000))
-    runner = CudaGraphRunner(engine.runner, (1, 2, 4), max_blocks_per_seq=16, capture=ON_GPU)
-    runner.capture()
-    engine.runner.graphs = runner
-    gen = torch.Generator().manual_seed(0)
-    seqs = [engine.add_request(f"r{i}", torch.randint(0, 255, (n,), generator=gen).tolist(),
-                               SamplingParams(max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
-            for i, (n, m) in enumerate(PROMPTS)]
-    while engine.has_work():
-        engine.step()
-    return seqs
+    return run_prompts(raw, ops, graphs=True)
 
 
 @pytest.mark.slow
