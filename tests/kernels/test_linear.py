@@ -40,8 +40,10 @@ if ON_GPU:
 
 def linear_module():
     """The kernel module, decorated in the mode this folder runs in (interpreted on the CPU)."""
+    moe = importlib.import_module("shard_svc.ops.triton.moe")  # its rounding helper is shared
     mod = importlib.import_module("shard_svc.ops.triton.linear")
     if not ON_GPU and type(mod._skinny_kernel).__name__ != "InterpretedFunction":
+        importlib.reload(moe)
         mod = importlib.reload(mod)
     return mod
 

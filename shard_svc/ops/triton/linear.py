@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
+from shard_svc.ops.triton.moe import _round
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
 # Rows up to which the `linear` op dispatches to it. H200, one decode step's 243 linears replayed as one CUDA graph
@@ -51,16 +52,6 @@ class SkinnyConfig:
     splits: int  # K ranges, each its own program; > 1 adds the reduction launch
     num_warps: int = 4
     num_stages: int = 4
-
-
-@triton.jit
-def _round(acc, dt: tl.constexpr, RNE: tl.constexpr):
-    """fp32 acc rounded to dt. RNE: round to nearest even by hand first (the CPU interpreter truncates to bf16)."""
-    if RNE:
-        b = acc.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        acc = b.to(tl.float32, bitcast=True)
-    return acc.to(dt)
 
 
 @triton.jit
