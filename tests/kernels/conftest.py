@@ -59,6 +59,17 @@ def _import_kernels() -> str | None:
 SKIP_REASON = _import_kernels()
 
 
+def kernel_module(name: str, kernel: str, shares_from: tuple[str, ...] = ()):
+    """shard_svc.ops.triton.<name>, decorated in the mode this folder runs in (interpreted on the CPU), judged by
+    its `kernel`; `shares_from`: modules whose jitted helpers it imports, reloaded first in the same mode."""
+    mod = importlib.import_module(f"shard_svc.ops.triton.{name}")
+    if not ON_GPU and type(getattr(mod, kernel)).__name__ != "InterpretedFunction":
+        for dep in shares_from:
+            importlib.reload(importlib.import_module(f"shard_svc.ops.triton.{dep}"))
+        mod = importlib.reload(mod)
+    return mod
+
+
 @pytest.fixture(autouse=True)
 def _triton_mode(monkeypatch):
     if SKIP_REASON:

@@ -12,13 +12,12 @@ launch sums the partials) with an uneven last range, and strided x rows.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
 # (M, N, K, dtype, config or None for the automatic choice: (block_n, block_k, splits))
 CASES = {
@@ -39,13 +38,7 @@ if ON_GPU:
 
 
 def linear_module():
-    """The kernel module, decorated in the mode this folder runs in (interpreted on the CPU)."""
-    moe = importlib.import_module("shard_svc.ops.triton.moe")  # its rounding helper is shared
-    mod = importlib.import_module("shard_svc.ops.triton.linear")
-    if not ON_GPU and type(mod._skinny_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(moe)
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("linear", "_skinny_kernel", shares_from=('moe',))
 
 
 def make_inputs(m, n, k, dtype, seed=0):

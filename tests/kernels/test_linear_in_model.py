@@ -1,8 +1,8 @@
 """The Triton `linear` op inside a tiny model: every other op eager, so a difference is the linear's alone. Decode
 steps run through the graph runner's padded buffers (eagerly on the CPU), so the skinny kernel sees the model's real
 decode shapes (1, 2 and 4 padded rows, the packed weight groups, their column views as strided inputs, lm_head);
-prefill passes of more than `DISPATCH_MAX_M` tokens take the F.linear side of the dispatch. Greedy tokens must equal the all-eager
-run's, logits agree to fp32 rounding."""
+prefill passes of more than `DISPATCH_MAX_M` tokens take the F.linear side of the dispatch. Greedy tokens must
+equal the all-eager run's, logits agree to fp32 rounding."""
 
 from __future__ import annotations
 

@@ -8,13 +8,12 @@ are NaN (they must never be read).
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from shard_svc.ops.mla import eager
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
 # (ctx_lens, nh, nope, rope, v, kv_lora, block_size, dtype, splits or None for the automatic choice)
 CASES = {
@@ -40,11 +39,7 @@ FP32_TOL = 3e-3 if ON_GPU else 1e-5
 
 
 def mla_module():
-    """The kernel module, decorated in the mode this folder runs in (interpreted on the CPU)."""
-    mod = importlib.import_module("shard_svc.ops.triton.mla_decode")
-    if not ON_GPU and type(mod._mla_decode_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("mla_decode", "_mla_decode_kernel")
 
 
 def make_decode_batch(ctx_lens, nh, nope, rope, v_dim, kv_lora, block_size, dtype, seed=0, spare_blocks=3):

@@ -7,13 +7,12 @@ tables, and a cache whose unused blocks and positions are NaN.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from shard_svc.ops.mla import eager
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
 # (ctx_lens, new lens, nh, nope, rope, v, kv_lora, block_size, dtype, block_m)
 CASES = {
@@ -29,10 +28,7 @@ if ON_GPU:
 
 
 def prefill_module():
-    mod = importlib.import_module("shard_svc.ops.triton.mla_prefill")
-    if not ON_GPU and type(mod._mla_prefill_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("mla_prefill", "_mla_prefill_kernel")
 
 
 def make_prefill_batch(ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, block_size, dtype, seed=0):

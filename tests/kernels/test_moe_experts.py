@@ -6,13 +6,12 @@ larger batches, both align paths (one program / histogram + scan + place), and t
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from shard_svc.ops.moe import eager
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
 SITU = (4.0, 25.0)
 
@@ -35,11 +34,7 @@ if ON_GPU:
 
 
 def moe_module():
-    """The kernel module, decorated in the mode this folder runs in (interpreted on the CPU)."""
-    mod = importlib.import_module("shard_svc.ops.triton.moe")
-    if not ON_GPU and type(mod._moe_gate_up_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("moe", "_moe_gate_up_kernel")
 
 
 def make_inputs(t, d, inter, e, k, dtype, seed=0):

@@ -9,13 +9,12 @@ K block, and explicit splits; exact ties go to the lower expert id, as torch.top
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from shard_svc.ops.moe import eager
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
 # (T, D, E, k, renormalize, scaling, dtype)
 CASES = {
@@ -34,10 +33,7 @@ if ON_GPU:
 
 
 def route_module():
-    mod = importlib.import_module("shard_svc.ops.triton.moe_route")
-    if not ON_GPU and type(mod._router_topk_kernel).__name__ != "InterpretedFunction":
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("moe_route", "_router_topk_kernel")
 
 
 def inputs(t, d, e, dtype, seed=0):

@@ -7,14 +7,13 @@ SiTU, both align paths.
 
 from __future__ import annotations
 
-import importlib
 
 import pytest
 import torch
 
 from shard_svc.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from shard_svc.ops.moe import eager
-from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 from tests.kernels.test_moe_experts import SITU
 
 # (T, Din, I, E, k, activation, dtype, align path)
@@ -30,13 +29,7 @@ if ON_GPU:
 
 
 def w4_module():
-    """The kernel modules, decorated in the mode this folder runs in (interpreted on the CPU)."""
-    moe = importlib.import_module("shard_svc.ops.triton.moe")
-    mod = importlib.import_module("shard_svc.ops.triton.moe_w4a16")
-    if not ON_GPU and type(mod._moe_gate_up_w4_kernel).__name__ != "InterpretedFunction":
-        importlib.reload(moe)
-        mod = importlib.reload(mod)
-    return mod
+    return kernel_module("moe_w4a16", "_moe_gate_up_w4_kernel", shares_from=('moe',))
 
 
 def quantised(e, out, width, g, spread=4.0):
