@@ -19,11 +19,11 @@ import time
 
 import torch
 import triton
-from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
+from bench.measure import copy_bytes_per_s, gpu_ms, graph_us  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
 from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
@@ -34,31 +34,6 @@ DEV = torch.device("cuda")
 INTRA_SWEEP = [dict(intra_warps=warps) for warps in (2, 4, 8, 16)]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 DECODE = [1, 16, 64, 256, 1024]
-
-
-def timed(fn, warmup=10, rep=60) -> float:
-    """Median milliseconds (do_bench flushes L2 between repetitions)."""
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def graph_timed(calls) -> float:
-    """Median microseconds per call from CUDA-graph replays of `calls` (zero-argument callables) back to back.
-
-    Callers pass calls over distinct state buffers totalling several times the 60 MB L2, so state is read from
-    HBM as in a real decode step (no per-call L2 flush inside a graph).
-    """
-    calls[0]()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for c in calls:
-                c()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / len(calls)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -74,14 +49,6 @@ def inputs(n_tok: int, seed: int):
     a_log = torch.log(torch.empty(H, device=DEV).uniform_(1, 16, generator=g))
     dt_bias = torch.randn(H * K, device=DEV, generator=g) * 0.1
     return q, k, v, f, bl, a_log, dt_bias
-
-
-def copy_ceiling() -> float:
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    t = timed(lambda: b.copy_(a), warmup=50, rep=200)
-    return 2 * n / (t * 1e-3) / 1e12
 
 
 def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
@@ -112,9 +79,9 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
             row["err_o_vs_eager"], row["err_state_vs_eager"] = rel(o, o_e), rel(pool, pool_e)
         # timings
         pool = pool0.clone()
-        row["ours_ms"] = timed(lambda: kda_prefill(*args, pool, slots, cu))
+        row["ours_ms"] = gpu_ms(lambda: kda_prefill(*args, pool, slots, cu))
         _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
-        row["ours_intra_ms"], row["ours_state_ms"] = timed(intra), timed(state)
+        row["ours_intra_ms"], row["ours_state_ms"] = gpu_ms(intra), gpu_ms(state)
         if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
             row["sweep_intra"] = []
             for cfg in INTRA_SWEEP:
@@ -124,7 +91,7 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
                     entry["err_o_vs_fla"] = rel(kda_prefill(*args, p_cfg, slots, cu, **cfg), o_fla.view(n_tok, H, V))
                     entry["err_state_vs_fla"] = rel(p_cfg, s_fla)
                     _, it, _ = kda_prefill_stages(*args, pool, slots, cu, **cfg)
-                    entry["intra_ms"] = timed(it)
+                    entry["intra_ms"] = gpu_ms(it)
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                     entry["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 print("intra config", json.dumps(entry), flush=True)
@@ -132,9 +99,9 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
             row["sweep_state_ms"] = {}
             for bv, stages in ((64, 2), (16, 3)):
                 _, _, st = kda_prefill_stages(*args, pool, slots, cu, block_v=bv, state_stages=stages)
-                row["sweep_state_ms"][f"bv{bv}_s{stages}"] = timed(st)
+                row["sweep_state_ms"][f"bv{bv}_s{stages}"] = gpu_ms(st)
         with torch.inference_mode():
-            row["fla_ms"] = timed(lambda: fla.chunk_kda(q4, k4, v4, g4, beta4, use_qk_l2norm_in_kernel=True,
+            row["fla_ms"] = gpu_ms(lambda: fla.chunk_kda(q4, k4, v4, g4, beta4, use_qk_l2norm_in_kernel=True,
                                                         output_final_state=True))
             if profile and (b, t) == (1, 16384):  # where fla's time goes, kernel by kernel, beside ours
                 row["fla_profile"] = kernel_profile(lambda: fla.chunk_kda(
@@ -178,7 +145,7 @@ def decode_rows(fla, sweep: bool, copy_tbps: float):
         o_e = eager.kda_decode(*args, pool_e, slots, cu)
         row["err_o_vs_eager"], row["err_state_vs_eager"] = rel(o, o_e), rel(pool, pool_e)
         state_bytes = n * H * K * V * 4 * 2
-        row["ours_us"] = timed(lambda: kda_decode(*args, pool, slots, cu)) * 1e3
+        row["ours_us"] = gpu_ms(lambda: kda_decode(*args, pool, slots, cu)) * 1e3
         # CUDA-graph replay: device time without the Python launch path (how a serving engine runs decode),
         # over distinct pools (>= 3x L2 in total) so the state comes from HBM.
         reps = max(8, min(100, -(-3 * (64 << 20) // (state_bytes // 2))))
@@ -189,7 +156,7 @@ def decode_rows(fla, sweep: bool, copy_tbps: float):
             return [lambda p=p: kda_decode(*args, p, slots, cu, **cfg) for p in pools]
 
         row["graph_reps"] = reps
-        row["ours_graph_us"] = graph_timed(ours_calls())
+        row["ours_graph_us"] = graph_us(ours_calls())
         if sweep:
             row["sweep_graph_us"] = {}
             for bv in (16, 32, 64):
@@ -197,7 +164,7 @@ def decode_rows(fla, sweep: bool, copy_tbps: float):
                     if K * bv // (32 * warps) > 256:  # state tile beyond the register file
                         continue
                     cfg = dict(block_v=bv, num_warps=warps)
-                    row["sweep_graph_us"][f"bv{bv}_w{warps}"] = graph_timed(ours_calls(**cfg))
+                    row["sweep_graph_us"][f"bv{bv}_w{warps}"] = graph_us(ours_calls(**cfg))
         s_in = pool0[slots].clone()
 
         def fla_step(state=s_in):
@@ -205,9 +172,9 @@ def decode_rows(fla, sweep: bool, copy_tbps: float):
                                            use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
 
         with torch.inference_mode():
-            row["fla_us"] = timed(fla_step) * 1e3
+            row["fla_us"] = gpu_ms(fla_step) * 1e3
             try:
-                row["fla_graph_us"] = graph_timed([lambda st=st: fla_step(st) for st in fla_states])
+                row["fla_graph_us"] = graph_us([lambda st=st: fla_step(st) for st in fla_states])
             except Exception as e:  # noqa: BLE001 - fla's wrapper may not be capturable; say so
                 row["fla_graph_us"] = None
                 row["fla_graph_error"] = f"{type(e).__name__}: {str(e)[:160]}"
@@ -294,7 +261,7 @@ def main() -> None:
     os.makedirs(a.out, exist_ok=True)
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": triton.__version__, "fla": getattr(fla, "__version__", "?"), "H": H, "K": K, "V": V}
-    res["copy_TBps"] = copy_ceiling()
+    res["copy_TBps"] = copy_bytes_per_s(DEV, lambda fn: gpu_ms(fn, warmup=50, rep=200)) / 1e12
     path = os.path.join(a.out, "kda_kernels.json")
     skip = set(a.skip.split(","))
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])

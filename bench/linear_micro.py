@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.configs import KIMI_LINEAR_48B
+from bench.measure import copy_bytes_per_s, gpu_ms
 from shard_svc.config import ModelConfig
 from shard_svc.model import KimiForCausalLM
 from shard_svc.model.layers import Linear, PackedWeights
@@ -89,9 +90,7 @@ def decode_linears(cfg: ModelConfig) -> list[LinearUse]:
 
 
 def gpu_timer(fn: Callable[[], object]) -> float:
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=10, rep=50, return_mode="median")
+    return gpu_ms(fn, warmup=10, rep=50)
 
 
 def wall_timer(fn: Callable[[], object], reps: int = 2) -> float:
@@ -101,14 +100,6 @@ def wall_timer(fn: Callable[[], object], reps: int = 2) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - start) / reps * 1e3
-
-
-def copy_ceiling_GBps(device: torch.device, timer: Timer, nbytes: int = 1 << 30) -> float:
-    """Device copy bandwidth (read + write) of an `nbytes` buffer: the ceiling a weight read can approach."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    ms = timer(lambda: b.copy_(a))
-    return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
 def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -186,7 +177,7 @@ def graph_step(uses: list[LinearUse], m: int, dtype: torch.dtype, device: torch.
 def run(cfg: ModelConfig, ms: list[int], dtype: torch.dtype, device: torch.device, timer: Timer,
         graph: bool, sweep: bool) -> dict:
     uses = decode_linears(cfg)
-    copy_GBps = copy_ceiling_GBps(device, timer, 1 << 30 if device.type == "cuda" else 1 << 20)
+    copy_GBps = copy_bytes_per_s(device, timer, 1 << 30 if device.type == "cuda" else 1 << 20) / 1e9
     result: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                     "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."), "copy_GBps": copy_GBps,
                     "uses": [asdict(u) for u in uses], "shapes": [], "steps": [], "sweeps": []}

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
+from bench.measure import copy_bytes_per_s, gpu_ms
 from shard_svc.ops.mla import eager
 from shard_svc.ops.triton.mla_decode import mla_decode
 
@@ -47,10 +47,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,16,64,256")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    n = 1 << 30
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    copy_tbps = 2 * n / (do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median") * 1e-3) / 1e12
-    del a, b
+    copy_tbps = copy_bytes_per_s("cuda") / 1e12
     gen = torch.Generator(device="cuda").manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(), "copy_TBps": copy_tbps,
               "rows": []}
@@ -64,8 +61,7 @@ def main() -> None:
             row = {"batch": batch, "layout": layout or "default"}
             try:
                 row["err_vs_default"] = rel(mla_decode(*inputs, **layout), default)
-                row["us"] = 1e3 * do_bench(lambda: mla_decode(*inputs, **layout), warmup=5, rep=50,
-                                           return_mode="median")
+                row["us"] = 1e3 * gpu_ms(lambda: mla_decode(*inputs, **layout), warmup=5, rep=50)
                 row["kv_TBps"] = kv_bytes / (row["us"] * 1e-6) / 1e12
                 row["of_copy"] = row["kv_TBps"] / copy_tbps
             except Exception as e:  # noqa: BLE001 - a layout that does not compile is reported, not fatal

@@ -24,6 +24,7 @@ import torch
 
 from bench.configs import KIMI_LINEAR_48B
 from bench.kernel_profile import format_profile, kernel_profile
+from bench.measure import copy_bytes_per_s, gpu_ms
 from shard_svc.config import ModelConfig
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -48,17 +49,12 @@ def timed(fn, warmup: int = 2, reps: int = 5) -> float:
 
 
 def ceilings() -> dict:
-    from triton.testing import do_bench
-
-    n = 1 << 30
-    a, b = torch.empty(n, dtype=torch.uint8, device="cuda"), torch.empty(n, dtype=torch.uint8, device="cuda")
-    copy_ms = do_bench(lambda: b.copy_(a), warmup=20, rep=100, return_mode="median")
-    del a, b
+    copy = copy_bytes_per_s("cuda")
     m = 8192
     x = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
-    mm_ms = do_bench(lambda: x @ y, warmup=20, rep=100, return_mode="median")
-    return {"copy_TBps": 2 * n / (copy_ms * 1e-3) / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
+    mm_ms = gpu_ms(lambda: x @ y, warmup=20, rep=100)
+    return {"copy_TBps": copy / 1e12, "bf16_matmul_TFLOPs": 2 * m**3 / (mm_ms * 1e-3) / 1e12}
 
 
 def kernel_parity(prompts: list[list[int]], graphs: bool = True) -> tuple[list[dict], list[dict]]:
@@ -103,8 +99,6 @@ def kernel_parity(prompts: list[list[int]], graphs: bool = True) -> tuple[list[d
 def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
     """The Triton MoE and MLA-decode ops against their eager references at the 48B shape (one layer's dummy weights,
     random inputs; both align paths), with the kernel's time and the bytes it must read."""
-    from triton.testing import do_bench
-
     from shard_svc.ops import EAGER
 
     def rel(a, b):
@@ -122,9 +116,9 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
         ref_w, ref_ids = EAGER["moe_route"](*route)
         out.append({"op": "moe_route", "tokens": t, "ids_equal_fraction": float((ids == ref_ids).float().mean()),
                     "rel_err": rel(weights, ref_w),
-                    "ms": do_bench(lambda: ops.moe_route(*route), warmup=5, rep=50, return_mode="median")})
+                    "ms": gpu_ms(lambda: ops.moe_route(*route), warmup=5, rep=50)})
         args = (x, weights, ids, w.w1, w.w3, w.w2, "silu", (4.0, 25.0))
-        ms = do_bench(lambda: ops.moe_experts(*args), warmup=5, rep=50, return_mode="median")
+        ms = gpu_ms(lambda: ops.moe_experts(*args), warmup=5, rep=50)
         touched = int(torch.unique(ids).numel()) * 3 * w.w1[0].numel() * 2
         err = rel(ops.moe_experts(*args), EAGER["moe_experts"](*args))
         out.append({"op": "moe_experts", "tokens": t, "rel_err": err, "ms": ms,
@@ -138,7 +132,7 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
         q = torch.randn(b, mla.nh, mla.nope + mla.rope, device="cuda", dtype=torch.bfloat16, generator=gen)
         args = (q[..., :mla.nope], q[..., mla.nope:], cache, mla.kv_b_proj.weight, tables,
                 torch.full((b,), ctx, device="cuda"), torch.arange(b + 1, device="cuda"), mla.scale)
-        ms = do_bench(lambda: ops.mla_decode(*args), warmup=5, rep=50, return_mode="median")
+        ms = gpu_ms(lambda: ops.mla_decode(*args), warmup=5, rep=50)
         check = rel(ops.mla_decode(*args), EAGER["mla_decode"](*args)) if b <= 64 else None  # eager loops on the host
         out.append({"op": "mla_decode", "batch": b, "context": ctx + 1, "rel_err": check, "ms": ms,
                     "kv_TBps": cache.numel() * 2 / (ms * 1e-3) / 1e12})
@@ -151,7 +145,7 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
         q = torch.randn(b * new, mla.nh, mla.nope + mla.rope, device="cuda", dtype=torch.bfloat16, generator=gen)
         args = (q[..., :mla.nope], q[..., mla.nope:], cache, mla.kv_b_proj.weight, tables,
                 torch.full((b,), prefix, device="cuda"), torch.arange(b + 1, device="cuda") * new, mla.scale)
-        ms = do_bench(lambda: ops.mla_prefill(*args), warmup=3, rep=20, return_mode="median")
+        ms = gpu_ms(lambda: ops.mla_prefill(*args), warmup=3, rep=20)
         pairs = b * mla.nh * sum(prefix + i + 1 for i in range(new))  # causal (query, key, head) triples
         out.append({"op": "mla_prefill", "batch": b, "context": total, "new": new, "ms": ms,
                     "rel_err": rel(ops.mla_prefill(*args), EAGER["mla_prefill"](*args)),

@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.measure import copy_bytes_per_s, gpu_ms, graph_us  # noqa: E402
+
 C, W = 12288, 4
 CONV_SHAPES = [(1, 4096), (8, 4096), (1, 32768), (8, 32768)]  # (B, total tokens)
 CONV_DETAIL = (8, 32768)  # the shape --sweep and --profile look at (the profiled 8 x 4096 prefill)
@@ -35,45 +37,9 @@ ROUTE_T = [1, 16, 64, 256, 4096]
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50-60 MB; graph replays cycle through >= 3x this
 
 
-def timed(fn, warmup: int = 10, rep: int = 60) -> float:
-    """Median milliseconds (do_bench flushes L2 between repetitions)."""
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def graph_us(calls) -> float:
-    """Median microseconds per call from CUDA-graph replays of `calls` (zero-argument callables) back to back."""
-    import torch
-    from triton.testing import do_bench
-
-    calls[0]()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for c in calls:  # warm up on the capture stream (compiles, allocator pools)
-            c()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for c in calls:
-                c()
-    torch.cuda.synchronize()
-    return do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1e3 / len(calls)
-
-
 def rel(a, b) -> float:
     a, b = a.double(), b.double()
     return float("inf") if not a.isfinite().all() else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def copy_tbps(dev) -> float:
-    import torch
-
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    t = timed(lambda: b.copy_(a), warmup=50, rep=200)
-    return 2 * n / (t * 1e-3) / 1e12
 
 
 def conv_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
@@ -99,8 +65,8 @@ def conv_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
         row["state_equal"] = bool(torch.equal(ours_pool, ref_pool))
         del ref, ref_pool
         pool = pool0.clone()  # the timed calls keep rewriting it; only the time matters from here on
-        row["ours_ms"] = timed(lambda: short_conv(x, weight, pool, slots, cu))
-        row["eager_ms"] = timed(lambda: conv.short_conv(x, weight, pool, slots, cu), warmup=2, rep=10)
+        row["ours_ms"] = gpu_ms(lambda: short_conv(x, weight, pool, slots, cu))
+        row["eager_ms"] = gpu_ms(lambda: conv.short_conv(x, weight, pool, slots, cu), warmup=2, rep=10)
         moved = 2 * t * C * 2 + C * W * 2 + 2 * b * C * (W - 1) * 2  # x, out, weights, old + new state (bf16)
         row["bytes"] = moved
         row["ours_TBps"] = moved / (row["ours_ms"] * 1e-3) / 1e12
@@ -113,7 +79,7 @@ def conv_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
                     for warps in (1, 2, 4, 8):
                         key = f"bt{bt}_x{nb}_w{warps}"
                         try:
-                            row["sweep_ms"][key] = timed(lambda: short_conv(
+                            row["sweep_ms"][key] = gpu_ms(lambda: short_conv(
                                 x, weight, pool, slots, cu, block_t=bt, tiles_per_program=nb, num_warps=warps))
                         except Exception as e:  # noqa: BLE001 - a config that does not compile is reported
                             row["sweep_ms"][key] = f"{type(e).__name__}: {str(e)[:120]}"
@@ -153,8 +119,8 @@ def route_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
         same = (ids == ref_ids).all(dim=1)
         row["ids_equal_frac"] = same.float().mean().item()
         row["err_weights_vs_eager"] = rel(w[same], ref_w[same]) if same.any() else float("nan")
-        row["ours_us"] = timed(lambda: moe_route(x, gate, bias, *args)) * 1e3
-        row["eager_us"] = timed(lambda: eager.moe_route(x, gate, bias, *args)) * 1e3
+        row["ours_us"] = gpu_ms(lambda: moe_route(x, gate, bias, *args)) * 1e3
+        row["eager_us"] = gpu_ms(lambda: eager.moe_route(x, gate, bias, *args)) * 1e3
         n_calls = reps if t <= 256 else 8  # at large T one call already streams far more than L2
         row["ours_graph_us"] = graph_us([lambda gw=gw: moe_route(x, gw, bias, *args) for gw in gates[:n_calls]])
         row["eager_graph_us"] = graph_us([lambda gw=gw: eager.moe_route(x, gw, bias, *args)
@@ -224,7 +190,8 @@ def main() -> None:
     path = os.path.join(a.out, "small_ops.json")
     skip = set(a.skip.split(","))
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "copy_TBps": copy_tbps(dev), "short_conv": [], "moe_route": []}
+           "triton": triton.__version__, "short_conv": [], "moe_route": [],
+           "copy_TBps": copy_bytes_per_s(dev, lambda fn: gpu_ms(fn, warmup=50, rep=200)) / 1e12}
     if "route" not in skip:
         res["moe_route"] = route_rows(dev, res["copy_TBps"], a.sweep, a.profile)
         json.dump(res, open(path, "w"), indent=1)
