@@ -338,34 +338,57 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
     """Same contract as `ops.moe.eager.moe_experts`: x [T, Din], weights [T, k] fp32, ids [T, k], w1/w3 [E, I, Din],
     w2 [E, Din, I] -> [T, Din] in x's dtype. Long batches run in passes of `chunk_pairs` (token, choice) pairs."""
     op = "moe_experts"
-    check(op, "x", x, dims=2)
-    check(op, "weights", weights, dtypes=(torch.float32,), dims=2)
-    check(op, "ids", ids, dtypes=(torch.int32, torch.int64), dims=2)
+    check_routing(op, x, weights, ids, activation)
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         check(op, name, w, dtypes=(x.dtype,), dims=3)
-    t, d = x.shape
+    d = x.shape[1]
     num_experts, inter, _ = w1.shape
-    k = ids.shape[1]
     if (tuple(w1.shape) != (num_experts, inter, d) or w3.shape != w1.shape
             or tuple(w2.shape) != (num_experts, d, inter)):
         raise TritonKernelError(f"{op}: w1 {tuple(w1.shape)}, w3 {tuple(w3.shape)}, w2 {tuple(w2.shape)} do not "
                                 f"match x {tuple(x.shape)} as [E, I, Din], [E, I, Din], [E, Din, I]")
-    if tuple(weights.shape) != (t, k) or ids.shape[0] != t:
-        raise TritonKernelError(f"{op}: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
-                                f"[T={t}, k]")
     if w1.stride(1) != d or w3.stride(1) != d or w2.stride(1) != inter:
         raise TritonKernelError(f"{op}: expert weights must have contiguous rows (strides w1 {w1.stride()}, "
                                 f"w3 {w3.stride()}, w2 {w2.stride()})")
+    return run_in_chunks(x, weights, ids, chunk_pairs, lambda xs, ws, ids_s, out: _moe_pass(
+        xs, ws, ids_s, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m))
+
+
+def check_routing(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> None:
+    """The checks every expert kernel makes of its token side: x [T, Din], weights / ids [T, k], the activation."""
+    check(op, "x", x, dims=2)
+    check(op, "weights", weights, dtypes=(torch.float32,), dims=2)
+    check(op, "ids", ids, dtypes=(torch.int32, torch.int64), dims=2)
+    t = x.shape[0]
+    if tuple(weights.shape) != (t, ids.shape[1]) or ids.shape[0] != t:
+        raise TritonKernelError(f"{op}: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
+                                f"[T={t}, k]")
     if activation not in ACTIVATIONS:
         raise TritonKernelError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
+
+
+def run_in_chunks(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, chunk_pairs: int,
+                  run_pass) -> torch.Tensor:
+    """[T, Din] output of `run_pass(x, weights, ids, out)` over token chunks of at most `chunk_pairs` (token, choice)
+    pairs, which bound the pass's sorted-pair and intermediate buffers."""
+    t, k = ids.shape
+    out = torch.empty(t, x.shape[1], dtype=x.dtype, device=x.device)
     if t == 0 or k == 0:
         return out.zero_()
     step = max(1, chunk_pairs // k)
     for s in range(0, t, step):
-        _moe_pass(x[s:s + step], weights[s:s + step], ids[s:s + step], w1, w3, w2, activation, situ_betas,
-                  out[s:s + step], small_align_max, block_m)
+        run_pass(x[s:s + step], weights[s:s + step], ids[s:s + step], out[s:s + step])
     return out
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
+            rne: bool) -> None:
+    """out[t] = sum over t's choices of weight x that (token, choice) pair's expert output row of y."""
+    t, d = out.shape
+    bd = min(1024, pow2_at_least(d, 16))
+    _moe_combine_kernel[(t, triton.cdiv(d, bd))](
+        y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
+        TOP_K=ids.shape[1], BD=bd, RNE=rne, num_warps=4)
 
 
 def _moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m) -> None:
@@ -395,10 +418,7 @@ def _moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_al
         BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
         EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
         num_warps=down.num_warps, num_stages=down.num_stages)
-    bd = min(1024, pow2_at_least(d, 16))
-    _moe_combine_kernel[(t, triton.cdiv(d, bd))](
-        y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
-        TOP_K=k, BD=bd, RNE=rne, num_warps=4)
+    combine(y, weights, ids, out, num_experts, rne)
 
 
 moe_experts.graph_safe = True  # no host sync; buffers and grids sized from shapes only

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting
 from shard_svc.ops.triton.moe import (
-    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, _moe_combine_kernel, _round, _store_glu, _tile_ids,
-    block_m_for, gemm_configs, moe_align)
+    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, _round, _store_glu, _tile_ids, block_m_for, check_routing,
+    combine, gemm_configs, moe_align, run_in_chunks)
 
 GROUP = 32  # inputs per E8M0 scale
 TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127: scale byte 0 (a subnormal)
@@ -165,12 +165,10 @@ def moe_experts_w4a16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     ids [T, k], packed {"w1"|"w3": (uint8 [E, I, Din/2], uint8 [E, I, Din/32]), "w2": (uint8 [E, Din, I/2],
     uint8 [E, Din, I/32])} -> [T, Din] in x's dtype."""
     op = "moe_experts_w4a16"
-    check(op, "x", x, dims=2)
-    check(op, "weights", weights, dtypes=(torch.float32,), dims=2)
-    check(op, "ids", ids, dtypes=(torch.int32, torch.int64), dims=2)
+    check_routing(op, x, weights, ids, activation)
     if set(packed) != {"w1", "w2", "w3"}:
         raise TritonKernelError(f"{op}: packed weights must be w1, w3, w2; got {sorted(packed)}")
-    t, d = x.shape
+    d = x.shape[1]
     (w1q, w1s), (w3q, w3s), (w2q, w2s) = packed["w1"], packed["w3"], packed["w2"]
     num_experts, inter = w1q.shape[0], w1q.shape[1] if w1q.dim() == 3 else -1
     if d % GROUP or inter % GROUP:
@@ -180,20 +178,8 @@ def moe_experts_w4a16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     _check_packed(op, "w2", w2q, w2s, num_experts, d, inter)
     if w1q.stride() != w3q.stride() or w1s.stride() != w3s.stride():
         raise TritonKernelError(f"{op}: w1 and w3 must share strides ({w1q.stride()} vs {w3q.stride()})")
-    k = ids.shape[1]
-    if tuple(weights.shape) != (t, k) or ids.shape[0] != t:
-        raise TritonKernelError(f"{op}: weights {tuple(weights.shape)} and ids {tuple(ids.shape)} must both be "
-                                f"[T={t}, k]")
-    if activation not in ACTIVATIONS:
-        raise TritonKernelError(f"{op}: activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
-    out = torch.empty(t, d, dtype=x.dtype, device=x.device)
-    if t == 0 or k == 0:
-        return out.zero_()
-    step = max(1, chunk_pairs // k)
-    for s in range(0, t, step):
-        _w4_pass(x[s:s + step], weights[s:s + step], ids[s:s + step], packed, activation, situ_betas,
-                 out[s:s + step], small_align_max, block_m)
-    return out
+    return run_in_chunks(x, weights, ids, chunk_pairs, lambda xs, ws, ids_s, out: _w4_pass(
+        xs, ws, ids_s, packed, activation, situ_betas, out, small_align_max, block_m))
 
 
 def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_max, block_m) -> None:
@@ -226,10 +212,7 @@ def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_m
         y.stride(0), BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
         EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, RNE=rne,
         num_warps=down.num_warps, num_stages=down.num_stages)
-    bd = min(1024, pow2_at_least(d, 16))
-    _moe_combine_kernel[(t, triton.cdiv(d, bd))](
-        y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
-        TOP_K=k, BD=bd, RNE=rne, num_warps=4)
+    combine(y, weights, ids, out, num_experts, rne)
 
 
 moe_experts_w4a16.graph_safe = True  # no host sync; buffers and grids sized from shapes only
