@@ -8,10 +8,11 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from kimiserve.limits import MAX_TEMPERATURE
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
-from router.errors import InvalidArgument, ShardUnavailable
+from router.errors import AlreadyExists, InvalidArgument, ShardUnavailable
 from router.metrics import RouterMetrics
 from router.shard_client import ShardClient
 from router.stop_strings import StopStringFilter
@@ -34,8 +35,8 @@ def validate_sampling(s: common_pb2.SamplingParams) -> None:
     problems = []
     if s.HasField("max_tokens") and s.max_tokens <= 0:
         problems.append(f"max_tokens must be >= 1, got {s.max_tokens}")
-    if s.HasField("temperature") and not s.temperature >= 0:
-        problems.append(f"temperature must be >= 0, got {s.temperature}")
+    if s.HasField("temperature") and not 0 <= s.temperature <= MAX_TEMPERATURE:
+        problems.append(f"temperature must be in [0, {MAX_TEMPERATURE}], got {s.temperature}")
     if s.HasField("top_p") and not 0 < s.top_p <= 1:
         problems.append(f"top_p must be in (0, 1], got {s.top_p}")
     if s.HasField("top_k") and s.top_k < 0:
@@ -53,12 +54,22 @@ class Generation:
                  metrics: RouterMetrics, default_max_tokens: int):
         self.shards, self.tokenizer, self.admission = shards, tokenizer, admission
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
+        # Every request id live in this router, interactive and batch: a second request with a live id is refused
+        # before anything is sent, so no stream can receive another request's events.
+        self._live: set[str] = set()
 
     def model_info(self) -> shard_pb2.ShardInfoResponse:
         for shard in self.shards:
             if shard.info is not None:
                 return shard.info
         raise ShardUnavailable("no shard has answered Info yet")
+
+    def max_context_tokens(self) -> int:
+        """The longest sequence every shard that has answered can hold (a request may be routed to any of them)."""
+        known = [s.info.capacity.max_context_tokens for s in self.shards if s.info is not None]
+        if not known:
+            raise ShardUnavailable("no shard has answered Info yet")
+        return min(known)
 
     def _budget(self, prompt: list[int], s: common_pb2.SamplingParams) -> int:
         info = self.model_info()
@@ -68,10 +79,11 @@ class Generation:
         if bad:
             raise InvalidArgument(f"{len(bad)} token ids >= the model's vocab size {info.vocab_size}, first: "
                                   f"{bad[:8]}")
-        room = info.capacity.max_context_tokens - len(prompt)
+        context = self.max_context_tokens()
+        room = context - len(prompt)
         if room < 1:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens leaves no room in the maximum context of "
-                                  f"{info.capacity.max_context_tokens} tokens")
+                                  f"{context} tokens this deployment can hold")
         wanted = s.max_tokens if s.HasField("max_tokens") else self.default_max_tokens
         return min(wanted, room)
 
@@ -81,9 +93,22 @@ class Generation:
         """Yields chunks; the last one has finish_reason and usage. Raises RouterError subclasses.
 
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
+        if request_id in self._live:
+            raise AlreadyExists(f"request id {request_id!r} is already live; ids must be unique among live requests")
         validate_sampling(s)
         max_tokens = self._budget(prompt, s)
         arrival = time.monotonic()
+        self._live.add(request_id)
+        try:
+            async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens,
+                                              hidden_ids, arrival):
+                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    self._live.discard(request_id)  # before the client sees its last chunk and may reuse the id
+                yield chunk
+        finally:
+            self._live.discard(request_id)
+
+    async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
         async with self.admission.slot(request_id):
             self.metrics.queue_time.labels(method).observe(time.monotonic() - arrival)
             try:

@@ -11,6 +11,7 @@ from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.errors import RouterError
 from router.generation import Generation
 from router.prompts import chat_hidden_ids, chat_prompt, generate_prompt
+from router.request_ids import check_client_request_id
 from tokenizer_svc.chat_template import SECTION_BEGIN, parse_tool_calls
 
 log = logging.getLogger(__name__)
@@ -18,12 +19,13 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 def request_id_of(request, context) -> str:
-    """The client's id (field, then `x-request-id` metadata), else a generated one. Always logged whole."""
+    """The client's id (field, then `x-request-id` metadata), else a generated one. Always logged whole.
+    Raises InvalidArgument for an id that is not printable ASCII, too long, or of the batch runner's form."""
     if request.HasField("request_id") and request.request_id:
-        return request.request_id
+        return check_client_request_id(request.request_id)
     for key, value in context.invocation_metadata() or ():
         if key == REQUEST_ID_HEADER and value:
-            return value
+            return check_client_request_id(value)
     return f"req-{uuid.uuid4().hex}"
 
 
@@ -32,18 +34,30 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.gen = generation
 
     async def _fail(self, context, method: str, request_id: str, e: Exception):
-        code = e.code if isinstance(e, RouterError) else grpc.StatusCode.INTERNAL
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("request failed", extra={"request_id": request_id, "method": method})
-        else:
+        if isinstance(e, RouterError):
+            code, message = e.code, str(e)
             log.info("request refused", extra={"request_id": request_id, "method": method,
-                                               "status": code.name, "error": str(e)})
+                                               "status": code.name, "error": message})
+        else:  # a bug: the traceback goes to the log, never to the client
+            code, message = grpc.StatusCode.INTERNAL, "internal error; the router's log has the details"
+            log.exception("request failed", extra={"request_id": request_id, "method": method})
         self.gen.metrics.requests.labels(method, code.name).inc()
-        await context.abort(code, f"{e} (request_id={request_id})")
+        await context.abort(code, f"{message} (request_id={request_id})")
+
+    async def _start(self, context, method: str, request) -> str | None:
+        """The request's id, set in the trailing metadata; None after refusing an invalid one."""
+        try:
+            request_id = request_id_of(request, context)
+        except RouterError as e:
+            await self._fail(context, method, "(invalid)", e)
+            return None
+        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        return request_id
 
     async def Generate(self, request, context):
-        request_id = request_id_of(request, context)
-        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        request_id = await self._start(context, "Generate", request)
+        if request_id is None:
+            return
         try:
             prompt = await generate_prompt(self.gen, request)
             async for chunk in self.gen.run("Generate", request_id, prompt, request.sampling):
@@ -56,8 +70,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.gen.metrics.requests.labels("Generate", "OK").inc()
 
     async def Chat(self, request, context):
-        request_id = request_id_of(request, context)
-        context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        request_id = await self._start(context, "Chat", request)
+        if request_id is None:
+            return
         try:
             prompt = await chat_prompt(self.gen, request)
             hidden = chat_hidden_ids(self.gen.tokenizer.info)
@@ -82,9 +97,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def ListModels(self, request, context):
         try:
-            info = self.gen.model_info()
+            info, context_tokens = self.gen.model_info(), self.gen.max_context_tokens()
         except RouterError as e:
             await context.abort(e.code, str(e))
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelCard(
-            name=info.model_name, model_type=info.model_type,
-            max_context_tokens=info.capacity.max_context_tokens, vocab_size=info.vocab_size)])
+            name=info.model_name, model_type=info.model_type, max_context_tokens=context_tokens,
+            vocab_size=info.vocab_size)])

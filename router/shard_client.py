@@ -55,6 +55,8 @@ class ShardClient:
         """Sends a sequence; its ShardEvents (or a RouterError) arrive on the returned queue."""
         if not self.view.healthy or self._outbox is None:
             raise ShardUnavailable(f"shard {self.address} is not in rotation")
+        if submit.request_id in self._inflight:  # its events would go to the live request's queue
+            raise AlreadyExists(f"request id {submit.request_id!r} is already live on shard {self.address}")
         events: asyncio.Queue = asyncio.Queue()
         self._inflight[submit.request_id] = events
         self.view.in_flight += 1
@@ -117,6 +119,8 @@ class ShardClient:
         reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return False
+        # grpc.health answers from its own thread whatever the engine and device do; the device op proves both.
+        await self._stub.Health(shard_pb2.ShardHealthRequest(), timeout=PROBE_TIMEOUT_S)
         if self.info is None:
             self.info = await self._stub.Info(shard_pb2.ShardInfoRequest(), timeout=PROBE_TIMEOUT_S)
         load = await self._stub.Load(shard_pb2.ShardLoadRequest(), timeout=PROBE_TIMEOUT_S)

@@ -25,6 +25,7 @@ from router.batch.execute import RequestFailed
 from router.batch.parse import BatchIssue, ParsedRequest, parse_inline, parse_jsonl
 from router.batch.store import BatchRow, NewResult, RequestRow
 from router.errors import AlreadyExists, Overloaded, RouterError, ShardUnavailable
+from router.request_ids import batch_request_id
 
 if TYPE_CHECKING:
     from router.batch.runner import BatchRunner
@@ -202,7 +203,7 @@ class BatchJob:
         cfg = self.runner.cfg
         for attempt_here in range(1, cfg.max_attempts + 1):
             attempt = self.store.begin_attempt(self.id, req.idx)
-            request_id = f"{self.id}:{req.custom_id}:{attempt}"
+            request_id = batch_request_id(self.id, req.custom_id, attempt)
             log.info("batch request started", extra={"batch_id": self.id, "custom_id": req.custom_id,
                                                      "request_id": request_id, "attempt": attempt})
             try:

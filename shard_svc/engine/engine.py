@@ -10,10 +10,10 @@ import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.runner import ModelRunner
-from shard_svc.engine.sampling import SamplingParams, make_generator, sample_all
+from shard_svc.engine.sampling import NONFINITE_ROW, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import Sequence
-from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest, KVBlocksExhausted
+from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
 from shard_svc.streaming.kv_offload import HostKVOffload
@@ -74,16 +74,21 @@ class Engine:
                            if engine_cfg.host_kv_bytes else None)
         self.scheduler = Scheduler(self.runner.kda_pool.slots, self.runner.kv_cache.blocks,
                                    engine_cfg.num_state_slots, engine_cfg.prefill_token_budget, self.kv_offload)
+        # The longest sequence this engine can hold: the model's limit, the operator's, and the KV cache (a sequence's
+        # whole KV promise must fit on the device even with host offload, which moves whole sequences).
+        kv_tokens = engine_cfg.num_kv_blocks * engine_cfg.kv_block_size
         self.max_model_len = min(engine_cfg.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
+                                 cfg.max_position_embeddings, kv_tokens)
+        self.context_limits = (f"model {cfg.max_position_embeddings}, --max-model-len {engine_cfg.max_model_len}, "
+                               f"KV cache {engine_cfg.num_kv_blocks} blocks x {engine_cfg.kv_block_size} = "
+                               f"{kv_tokens} tokens")
         self.sequences: dict[str, Sequence] = {}
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    keep_prompt_logits: bool = False) -> Sequence:
-        """Validates and queues a request; raises InvalidRequest / ContextTooLong / KVBlocksExhausted."""
-        if request_id in self.sequences:
-            raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """The checks that depend only on the request and the engine's fixed sizes (not on what is live), so a
+        server thread can refuse a bad request at once while the engine thread steps. Raises InvalidRequest /
+        ContextTooLong."""
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -94,11 +99,15 @@ class Engine:
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ContextTooLong(f"request {request_id!r}: prompt {len(prompt)} + max_tokens {params.max_tokens} "
-                                 f"= {total} tokens exceeds the maximum context {self.max_model_len}")
-        blocks = self.scheduler.blocks
-        if blocks.blocks_for(total) > blocks.num_blocks:
-            raise KVBlocksExhausted(f"request {request_id!r} needs {blocks.blocks_for(total)} KV blocks for "
-                                    f"{total} tokens; the cache has {blocks.num_blocks} in all")
+                                 f"= {total} tokens exceeds the maximum context {self.max_model_len} "
+                                 f"({self.context_limits})")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    keep_prompt_logits: bool = False) -> Sequence:
+        """Validates and queues a request; raises DuplicateRequest or what check_request raises."""
+        if request_id in self.sequences:
+            raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
+        self.check_request(request_id, prompt, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
@@ -147,21 +156,28 @@ class Engine:
             self.runner.weights.expect_next_pass(next_tokens)
         try:
             logits = self.runner.forward(work, is_decode=kind == "decode")
+            for (seq, _), rows in zip(work, logits):
+                if seq.keep_prompt_logits:
+                    (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
+            emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
+            drawn = (self.sync.draw(emitting) if self.sync
+                     else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
             if self.sync:
                 raise  # in a shard group the other ranks cannot know which sequences failed: the group fails
-            log.exception("forward pass failed", extra={"pass": kind,
-                                                        "request_ids": [s.request_id for s, _ in work]})
+            ids = [s.request_id for s, _ in work]
+            log.exception("pass failed; failing its sequences", extra={"pass": kind, "request_ids": ids})
             for seq, _ in work:
-                result.events.append(self._finish(seq, "error", error=f"{kind} pass failed: {e}"))
+                result.events.append(self._finish(seq, "error", error=f"{kind} pass of requests {ids} failed: "
+                                                                      f"{type(e).__name__}"))
             return
-        for (seq, _), rows in zip(work, logits):
-            if seq.keep_prompt_logits:
-                (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
-        emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
-        drawn = (self.sync.draw(emitting) if self.sync
-                 else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
         for (seq, row), (token, logprob) in zip(emitting, drawn):
+            if token == NONFINITE_ROW:
+                log.error("non-finite logits; failing the sequence",
+                          extra={"request_id": seq.request_id, "pass": kind, "output_index": len(seq.output)})
+                result.events.append(self._finish(seq, "error", error=f"request {seq.request_id!r}: the model's "
+                                                  f"logits at output index {len(seq.output)} hold NaN or inf"))
+                continue
             result.events.append(self._emit(seq, row, token, logprob))
         tokens = sum(n for _, n in work)
         result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,

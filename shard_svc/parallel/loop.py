@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
 
-from shard_svc.engine.engine import TokenEvent
-from shard_svc.engine.sampling import SamplingParams
-from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
+from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
 from shard_svc.parallel.launch import GroupLeader
 
@@ -31,8 +28,7 @@ class GroupEngineLoop(EngineLoop):
         super().__init__(leader.engine, metrics)
         self.leader = leader
         self.heartbeat_s = heartbeat_s or max(0.5, min(5.0, leader.spec.timeout_s / 4))
-        self.failure: str | None = None
-        self.fatal_hooks: list[Callable[[str], None]] = []
+        self._last_sent = time.monotonic()
         leader.watchdog.on_lost.append(self._rank_lost)
 
     def _rank_lost(self, what: str) -> None:
@@ -43,41 +39,22 @@ class GroupEngineLoop(EngineLoop):
         for hook in self.fatal_hooks:
             hook(self.failure)
 
-    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, sink) -> None:
-        if self.failure is not None:
-            raise ShuttingDown(f"request {request_id!r} refused: {self.failure}")
-        super().submit(request_id, prompt, params, sink)
-
     def close_group(self) -> None:
         """After stop(): the stop message to the followers (or, after a failure, killing them)."""
         self.leader.shutdown(failed=self.failure is not None)
 
-    def _run(self) -> None:
-        try:
-            self._serve()
-        except Exception as e:  # noqa: BLE001 - any failure of a step leaves the ranks disagreeing: fatal
-            self._fail(e)
+    def _wait_for_work(self) -> None:
+        idle = time.monotonic() - self._last_sent
+        if idle >= self.heartbeat_s:
+            self.engine.sync.heartbeat()
+            self._last_sent = time.monotonic()
+        else:
+            self._lock.wait(self.heartbeat_s - idle)
 
-    def _serve(self) -> None:
-        sync = self.engine.sync
-        last_sent = time.monotonic()
-        while True:
-            with self._lock:
-                while not self.engine.has_work() and not self._stopping:
-                    idle = time.monotonic() - last_sent
-                    if idle >= self.heartbeat_s:
-                        sync.heartbeat()
-                        last_sent = time.monotonic()
-                    else:
-                        self._lock.wait(self.heartbeat_s - idle)
-                if self._stopping and not self.engine.has_work():
-                    return
-                result = self.engine.step()
-                last_sent = time.monotonic()
-                for event in result.events:
-                    self._route(event)
-                self._take_snapshot()
-            self._record(result)
+    def _step(self):
+        result = super()._step()
+        self._last_sent = time.monotonic()
+        return result
 
     def _record(self, result) -> None:
         super()._record(result)
@@ -85,17 +62,4 @@ class GroupEngineLoop(EngineLoop):
         for p in self.engine.sync.peer_passes:
             hist = self.metrics.prefill_seconds if p.kind == "prefill" else self.metrics.decode_seconds
             hist.labels(shard=shard, rank=str(p.rank)).observe(p.seconds)
-
-    def _fail(self, error: Exception) -> None:
-        self.failure = f"shard group failed: {error}"
-        log.error("shard group failed; failing every live request and stopping",
-                  extra={"error": str(error), "error_type": type(error).__name__,
-                         "request_ids": list(self.engine.sequences)})
-        with self._lock:
-            self._stopping = True
-            for rid, seq in list(self.engine.sequences.items()):
-                self._route(TokenEvent(rid, None, len(seq.output), "error", len(seq.prompt), len(seq.output),
-                                       self.failure))
-            self.engine.sequences.clear()
-        for hook in self.fatal_hooks:
-            hook(self.failure)
+        self.engine.sync.peer_passes = []  # an iteration that only takes requests in runs no step to record

@@ -1,11 +1,18 @@
-"""Runs the engine on its own thread and routes every event to the queue of the request id it belongs to.
+"""Runs the engine on its own thread and routes every event to the sink of the request id it belongs to.
 
-Callers (gRPC handlers) submit and cancel under the engine lock; the loop steps while there is work. A step is
-bounded by the prefill token budget, so a submit waits at most one step for the lock.
+Only the engine thread touches the engine. gRPC handlers check a request against the engine's fixed sizes at once
+(a bad request is refused before it is queued), then hand it over through an intake list and return: a submit
+never waits for a step. Requests that arrive while a pass runs are all admitted before the next step, so a burst
+of prompts is prefilled together in the passes the prefill token budget allows, not one per pass.
+
+A failure inside a pass fails only that pass's sequences (the engine catches it). Anything that escapes a step
+leaves the engine in an unknown state: every live request finishes with an error naming the failure, new submits
+are refused, and the fatal hooks run (the server reports NOT_SERVING and exits non-zero).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -13,13 +20,14 @@ from typing import Callable
 
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.errors import DuplicateRequest, KimiServeError
 from shard_svc.server.metrics import ShardMetrics
 
 log = logging.getLogger(__name__)
 
 
 class ShuttingDown(RuntimeError):
-    """The shard is draining and takes no new sequences."""
+    """The shard is draining (or has failed) and takes no new sequences."""
 
 
 @dataclass(frozen=True)
@@ -33,12 +41,23 @@ class LoadSnapshot:
     total_blocks: int
 
 
+@dataclass(frozen=True)
+class _Submitted:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+
+
 class EngineLoop:
     def __init__(self, engine: Engine, metrics: ShardMetrics):
         self.engine, self.metrics = engine, metrics
         self._lock = threading.Condition()
-        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}
+        self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # every live request: queued or in the engine
+        self._intake: list[_Submitted] = []
+        self._cancels: list[str] = []
         self._stopping = False
+        self.failure: str | None = None
+        self.fatal_hooks: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self) -> None:
@@ -51,33 +70,36 @@ class EngineLoop:
                sink: Callable[[TokenEvent], None]) -> None:
         """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
 
-        Raises the engine's named errors (InvalidRequest, ContextTooLong, ...) at once, or ShuttingDown."""
+        Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
+        ShuttingDown."""
+        self.engine.check_request(request_id, prompt, params)
         with self._lock:
+            if self.failure is not None:
+                raise ShuttingDown(f"request {request_id!r} refused: {self.failure}")
             if self._stopping:
                 raise ShuttingDown(f"shard is draining; request {request_id!r} refused")
-            self.engine.add_request(request_id, prompt, params)
+            if request_id in self._sinks:
+                raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
             self._sinks[request_id] = sink
-            self._take_snapshot()
+            self._intake.append(_Submitted(request_id, list(prompt), params))
+            self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
+                                                 queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
 
     def cancel(self, request_id: str) -> bool:
+        """Asks the engine thread to stop a live sequence (it finishes with "cancelled" and frees its slot and
+        blocks before the next step). False when the id is not live."""
         with self._lock:
-            event = self.engine.cancel(request_id)
-            if event is not None:
-                self._route(event)
-            self._take_snapshot()
-            return event is not None
+            if request_id not in self._sinks:
+                return False
+            self._cancels.append(request_id)
+            self._lock.notify()
+            return True
 
     def load(self) -> LoadSnapshot:
         """The scheduler as of the last step, submit or cancel. Never waits for a step: Load and health probes
         must answer while a long prefill pass runs."""
         return self._snapshot
-
-    def _take_snapshot(self) -> None:
-        """Called with the engine lock held."""
-        s = self.engine.scheduler
-        self._snapshot = LoadSnapshot(s.queued_tokens, len(s.running), s.num_waiting, s.slots.num_free,
-                                      s.blocks.num_free, s.slots.num_slots, s.blocks.num_blocks)
 
     def stop(self, timeout: float | None = None) -> None:
         """Refuses new work, lets in-flight sequences finish (drain), then stops the thread."""
@@ -86,20 +108,63 @@ class EngineLoop:
             self._lock.notify()
         self._thread.join(timeout)
 
+    # -- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as e:  # noqa: BLE001 - a step that raised leaves the engine unknown: fatal, reported
+            self._fail(e)
+
+    def _serve(self) -> None:
         while True:
             with self._lock:
-                while not self.engine.has_work() and not self._stopping:
-                    self._lock.wait()
-                if self._stopping and not self.engine.has_work():
-                    return
-                result = self.engine.step()
+                while not (self._intake or self._cancels or self.engine.has_work() or self._stopping):
+                    self._wait_for_work()
+                intake, self._intake = self._intake, []
+                cancels, self._cancels = self._cancels, []
+            events = self._take_in(intake, cancels)
+            if not events and not self.engine.has_work() and self._stopping:
+                return
+            result = self._step() if self.engine.has_work() else StepResult()
+            result.events[:0] = events
+            with self._lock:
                 for event in result.events:
                     self._route(event)
                 self._take_snapshot()
             self._record(result)
 
+    def _step(self) -> StepResult:
+        return self.engine.step()
+
+    def _wait_for_work(self) -> None:
+        """Called with the lock held while there is nothing to do."""
+        self._lock.wait()
+
+    def _take_in(self, intake: list[_Submitted], cancels: list[str]) -> list[TokenEvent]:
+        """New requests into the engine, then cancels (a request cancelled before its first step never runs)."""
+        events = []
+        for sub in intake:
+            try:
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params)
+            except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now
+                log.error("request refused by the engine after its checks passed",
+                          extra={"request_id": sub.request_id, "error": str(e)})
+                events.append(TokenEvent(sub.request_id, None, 0, "error", len(sub.prompt), 0, str(e)))
+        for request_id in cancels:
+            event = self.engine.cancel(request_id)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _take_snapshot(self) -> None:
+        """Called on the engine thread with the lock held; requests not yet taken in count as queued."""
+        s = self.engine.scheduler
+        self._snapshot = LoadSnapshot(s.queued_tokens + sum(len(x.prompt) for x in self._intake), len(s.running),
+                                      s.num_waiting + len(self._intake), s.slots.num_free, s.blocks.num_free,
+                                      s.slots.num_slots, s.blocks.num_blocks)
+
     def _route(self, event: TokenEvent) -> None:
+        """Called with the lock held."""
         sink = self._sinks.get(event.request_id)
         if sink is None:
             log.error("event for unknown request id", extra={"request_id": event.request_id})
@@ -121,3 +186,22 @@ class EngineLoop:
         load = self.load()
         self.metrics.set_occupancy(load.running, load.queued, load.total_slots - load.free_slots,
                                    load.total_slots, load.total_blocks - load.free_blocks, load.total_blocks)
+
+    def _fail(self, error: Exception) -> None:
+        """Every live request ends with the failure and its usage so far; the fatal hooks stop the shard."""
+        if self.failure is None:
+            self.failure = f"engine loop failed with {type(error).__name__} (the shard's log has the traceback)"
+        with self._lock:
+            live = list(self._sinks)
+            log.error("engine loop cannot continue; failing every live request", exc_info=error,
+                      extra={"error": self.failure, "request_ids": live})
+            self._stopping = True
+            queued = {sub.request_id: len(sub.prompt) for sub in self._intake}
+            for rid in live:
+                seq = self.engine.sequences.get(rid)
+                prompt, output = (len(seq.prompt), len(seq.output)) if seq is not None else (queued.get(rid, 0), 0)
+                self._route(TokenEvent(rid, None, output, "error", prompt, output, self.failure))
+            self.engine.sequences.clear()
+            self._intake.clear()
+        for hook in self.fatal_hooks:
+            hook(self.failure)

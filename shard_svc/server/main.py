@@ -140,8 +140,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
         for name in ("", SERVICE_NAME):
             health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    if hasattr(loop, "fatal_hooks"):
-        loop.fatal_hooks.append(on_device_fault)  # a failed group reports NOT_SERVING, like a device fault
+    loop.fatal_hooks.append(on_device_fault)  # a failed engine loop or group reports NOT_SERVING, like a device fault
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -171,10 +170,9 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    if hasattr(loop, "fatal_hooks"):
-        loop.fatal_hooks.append(lambda _: stop.set())  # a failed shard group stops the server, exit code 1
-        if loop.failure is not None:
-            stop.set()
+    loop.fatal_hooks.append(lambda _: stop.set())  # a failed engine loop or shard group stops the server: exit 1
+    if loop.failure is not None:
+        stop.set()
     stop.wait()
     log.info("shard draining", extra={"shard": cfg.shard_name})
     for name in ("", SERVICE_NAME):
@@ -185,4 +183,7 @@ def run(args: argparse.Namespace) -> int:
     server.stop(grace=5).wait()
     if health_server is not None:
         health_server.stop(None)
-    return 1 if getattr(loop, "failure", None) else 0
+    if loop.failure is not None:
+        log.error("shard stopped after a failure", extra={"shard": cfg.shard_name, "error": loop.failure})
+        return 1
+    return 0

@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 
 import grpc
 import torch
@@ -66,6 +67,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def __init__(self, loop: EngineLoop, info: shard_pb2.ShardInfoResponse, device: torch.device,
                  on_device_fault):
         self.loop, self.info, self.device, self.on_device_fault = loop, info, device, on_device_fault
+        self._probe_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def Stream(self, request_iterator, context):
         out: queue.Queue = queue.Queue()
@@ -108,11 +110,16 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         sub = req.submit
         try:
             with lock:
+                if sub.request_id in live:  # refused before it touches the live one, whose stream goes on
+                    raise DuplicateRequest(f"request id {sub.request_id!r} is already live on this stream")
                 live.add(sub.request_id)
-            self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink)
+            try:
+                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink)
+            except BaseException:
+                with lock:
+                    live.discard(sub.request_id)
+                raise
         except (KimiServeError, ShuttingDown, ValueError) as e:
-            with lock:
-                live.discard(sub.request_id)
             log.info("submit refused", extra={"request_id": sub.request_id, "error": str(e)})
             out.put(shard_pb2.ShardEvent(request_id=sub.request_id, error=shard_pb2.ShardEvent.Error(
                 code=error_code(e), message=str(e))))
@@ -127,12 +134,14 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                                            free_kv_blocks=load.free_blocks)
 
     def Health(self, request, context):
+        if self.loop.failure is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"shard cannot serve: {self.loop.failure}")
         start = time.perf_counter()
         try:
-            x = torch.ones(8, device=self.device)
-            ok = float((x + x).sum()) == 16.0
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            # On a stream of its own: the probe must not wait for the engine's pass (a long prefill is not a fault).
+            with torch.cuda.stream(self._probe_stream) if self._probe_stream is not None else nullcontext():
+                x = torch.ones(8, device=self.device)
+                ok = float((x + x).sum()) == 16.0
         except Exception as e:  # noqa: BLE001 - any device failure means the shard cannot serve
             ok, detail = False, repr(e)
         else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shard_svc.engine.sampling import SamplingParams, sample_all
+from shard_svc.engine.sampling import NONFINITE_ROW, SamplingParams, sample_all
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -70,3 +70,31 @@ def test_sampled_rows_draw_from_their_distribution_and_ignore_neighbours():
 
 def test_empty_pass():
     assert sample_all([]) == []
+
+
+def test_tiny_temperature_tends_to_the_argmax_instead_of_nan():
+    """logits / 1e-45 overflows to inf (and inf - inf = NaN in a softmax); the limit of the definition is greedy."""
+    g = _gen(2)
+    logits = torch.randn(64, generator=g) * 4
+    p = SamplingParams(temperature=1e-45, seed=5, logprobs=True)
+    for k in range(20):
+        token, lp = sample_all([(logits, p, _gen(k))])[0]
+        assert token == int(torch.argmax(logits))
+        assert lp == 0.0
+
+
+def test_non_finite_rows_are_reported_without_touching_neighbours():
+    g = _gen(3)
+    good = torch.randn(40, generator=g)
+    nan_row, inf_row = good.clone(), good.clone()
+    nan_row[3] = float("nan")
+    inf_row[9] = float("inf")
+    masked = good.clone()
+    masked[:10] = float("-inf")  # -inf entries are a mask, not a fault
+    sampled = SamplingParams(temperature=0.8, seed=1)
+    rows = [(good, SamplingParams(), None), (nan_row, sampled, _gen(1)), (inf_row, SamplingParams(), None),
+            (masked, sampled, _gen(1)), (nan_row, SamplingParams(logprobs=True), None)]
+    got = sample_all(rows)
+    assert got[0] == sample_all([rows[0]])[0]
+    assert got[1][0] == NONFINITE_ROW and got[2][0] == NONFINITE_ROW and got[4][0] == NONFINITE_ROW
+    assert got[3] == sample_all([(masked, sampled, _gen(1))])[0] and got[3][0] >= 10

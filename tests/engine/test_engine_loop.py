@@ -1,0 +1,175 @@
+"""The shard's engine loop (engine thread + intake): bursts are packed into prefill passes, a bad sequence fails
+alone, a loop that cannot continue fails every live request and reports itself, ids are unique, gauges are fresh."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.errors import DuplicateRequest
+from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
+from shard_svc.server.metrics import ShardMetrics
+from tests.engine.conftest import linear_config, make_engine
+
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+class Events:
+    """A sink per request: every TokenEvent, and the finish."""
+
+    def __init__(self):
+        self.q: queue.Queue = queue.Queue()
+
+    def sink(self, event) -> None:
+        self.q.put(event)
+
+    def finish(self, timeout: float = 60.0):
+        while True:
+            event = self.q.get(timeout=timeout)
+            if event.finish_reason is not None:
+                return event
+
+
+def _loop(**engine_kw) -> tuple[EngineLoop, list]:
+    engine = make_engine(linear_config(), **engine_kw)
+    passes: list = []
+    step = engine.step
+
+    def recording_step():
+        result = step()
+        passes.extend(result.passes)
+        return result
+
+    engine.step = recording_step
+    loop = EngineLoop(engine, ShardMetrics("shard-test"))
+    loop.start()
+    return loop, passes
+
+
+def _gauge(loop: EngineLoop, name: str) -> float:
+    return loop.metrics.registry.get_sample_value(name, {"shard": "shard-test", "rank": "0"})
+
+
+def test_requests_arriving_during_a_pass_are_prefilled_together():
+    loop, passes = _loop(num_state_slots=8, prefill_token_budget=512)
+    forward = loop.engine.runner.forward
+    entered, release = threading.Event(), threading.Event()
+
+    def held_forward(work, is_decode):
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        return forward(work, is_decode)
+
+    loop.engine.runner.forward = held_forward
+    first = Events()
+    loop.submit("first", list(range(1, 9)), GREEDY, first.sink)
+    assert entered.wait(30)
+    burst = {f"burst-{i}": Events() for i in range(5)}
+    submitters = [threading.Thread(target=loop.submit, args=(rid, list(range(10 + i, 30 + i)), GREEDY, ev.sink))
+                  for i, (rid, ev) in enumerate(burst.items())]
+    for t in submitters:
+        t.start()
+    for t in submitters:
+        t.join(10)
+    assert not any(t.is_alive() for t in submitters), "submit waited for the running pass"
+    release.set()
+    for ev in [first, *burst.values()]:
+        assert ev.finish().finish_reason == "length"
+    prefills = [p for p in passes if p.kind == "prefill"]
+    assert prefills[0].request_ids == ["first"]
+    assert sorted(prefills[1].request_ids) == sorted(burst), [p.request_ids for p in prefills]
+    loop.stop(30)
+
+
+def test_non_finite_logits_fail_only_that_sequence_and_the_loop_keeps_serving():
+    loop, _ = _loop()
+    forward = loop.engine.runner.forward
+
+    def poisoned_forward(work, is_decode):
+        logits = forward(work, is_decode)
+        return [torch.full_like(rows, float("nan")) if seq.request_id == "poisoned" else rows
+                for (seq, _), rows in zip(work, logits)]
+
+    loop.engine.runner.forward = poisoned_forward
+    good, bad = Events(), Events()
+    loop.submit("good", [1, 2, 3], GREEDY, good.sink)
+    loop.submit("poisoned", [4, 5, 6], SamplingParams(max_tokens=4, temperature=0.7, seed=1), bad.sink)
+    failed = bad.finish()
+    assert failed.finish_reason == "error" and "poisoned" in failed.error and "NaN" in failed.error
+    assert good.finish().finish_reason == "length"
+    after = Events()
+    loop.submit("after", [7, 8], GREEDY, after.sink)
+    assert after.finish().completion_tokens == 4
+    assert loop.failure is None
+    loop.stop(30)
+
+
+def test_a_step_that_raises_fails_every_live_request_and_runs_the_fatal_hooks():
+    loop, _ = _loop()
+    hooks: list[str] = []
+    loop.fatal_hooks.append(hooks.append)
+
+    def broken_schedule():
+        raise RuntimeError("scheduler invariant broken")
+
+    loop.engine.scheduler.schedule = broken_schedule
+    a, b = Events(), Events()
+    loop.submit("a", [1, 2, 3], GREEDY, a.sink)
+    loop.submit("b", [4, 5], GREEDY, b.sink)
+    for ev, prompt in ((a, 3), (b, 2)):
+        done = ev.finish()
+        assert done.finish_reason == "error" and "RuntimeError" in done.error
+        assert done.prompt_tokens == prompt and done.completion_tokens == 0
+    assert hooks and loop.failure is not None
+    with pytest.raises(ShuttingDown):
+        loop.submit("c", [1], GREEDY, Events().sink)
+
+
+def test_duplicate_live_id_is_refused_and_the_first_request_is_untouched():
+    loop, _ = _loop()
+    first, second = Events(), Events()
+    loop.submit("same", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True), first.sink)
+    with pytest.raises(DuplicateRequest):
+        loop.submit("same", [9, 9], GREEDY, second.sink)
+    done = first.finish()
+    assert done.finish_reason == "length" and done.completion_tokens == 6
+    assert second.q.empty()
+    loop.submit("same", [9, 9], GREEDY, second.sink)  # the id is free again once the first finished
+    assert second.finish().completion_tokens == 4
+    loop.stop(30)
+
+
+def test_cancel_frees_the_slot_and_the_gauges_show_it_without_another_pass():
+    loop, _ = _loop()
+    forward = loop.engine.runner.forward
+    decoding = threading.Event()
+    release = threading.Event()
+
+    def slow_forward(work, is_decode):
+        if is_decode:
+            decoding.set()
+            release.wait(0.05)
+        return forward(work, is_decode)
+
+    loop.engine.runner.forward = slow_forward
+    ev = Events()
+    loop.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), ev.sink)
+    assert decoding.wait(30)
+    assert loop.cancel("long")
+    assert ev.finish().finish_reason == "cancelled"
+    release.set()
+    deadline = threading.Event()
+    for _ in range(100):
+        if _gauge(loop, "kimiserve_shard_state_slots_used") == 0 and _gauge(
+                loop, "kimiserve_shard_kv_blocks_used") == 0:
+            break
+        deadline.wait(0.05)
+    assert _gauge(loop, "kimiserve_shard_state_slots_used") == 0
+    assert _gauge(loop, "kimiserve_shard_kv_blocks_used") == 0
+    assert not loop.cancel("long")
+    loop.stop(30)
