@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "chat": ("kimiserve.client", "add_chat_args", "run_chat", "chat with a running router (streams the reply)"),
     "complete": ("kimiserve.client", "add_complete_args", "run_complete", "complete a prompt via the router"),
     "batch": ("kimiserve.batch_cli", "add_args", "run", "submit, inspect, fetch or cancel batch jobs on a router"),
+    "bench": ("kimiserve.bench_serve", "add_args", "run",
+              "load a running router: concurrency or request-rate sweep, TTFT / TPOT / ITL percentiles, JSON"),
 }
 # Commands that own their whole argument parser: `kimiserve tokenizer ARGS...` calls main(ARGS).
 PASSTHROUGH: dict[str, tuple[str, str]] = {

@@ -239,6 +239,8 @@ def enable_cuda_graphs(engine, buckets: tuple[int, ...] | None = None) -> CudaGr
     bs = runner.kv_cache.block_size
     width = min(runner.kv_cache.blocks.num_blocks, -(-engine.max_model_len // bs))
     graphs = CudaGraphRunner(runner, buckets or bucket_sizes(max_batch), width)
+    # The padding block is gone from the cache for good: the longest sequence shrinks to what the rest holds.
+    engine.max_model_len = min(engine.max_model_len, (runner.kv_cache.blocks.num_blocks - 1) * bs)
     graphs.capture()
     runner.graphs = graphs
     return graphs

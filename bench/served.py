@@ -1,0 +1,187 @@
+"""The served stack on one GPU against the in-process engine fed the same closed-loop arrivals.
+
+Kimi-Linear-48B shape with dummy bf16 weights (config.json alone; the tiny tokenizer detokenizes, ids past it add
+no text). Starts tokenizer + shard + router as `kimiserve up` does, records startup time and the first request's
+TTFT against a warm one, runs `kimiserve bench` at each concurrency level, stops the stack, then runs the same
+levels in-process: an Engine with CUDA graphs, `c` requests kept in flight, a new one added as each finishes.
+Writes served.json (updated after every phase) and prints a table.
+
+    python -m bench.served --out DIR [--levels 1,16,64,256] [--input-len 1024] [--output-len 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from bench.configs import KIMI_LINEAR_48B
+from kimiserve.ports import free_port
+from kimiserve.up import start_stack, stop_stack
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger("bench.served")
+BLOCK = 64
+
+
+def model_dir(root: Path) -> Path:
+    from tokenizer_svc.tiny import write_tiny_tokenizer
+
+    out = root / "kimi-linear-48b-dummy"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(KIMI_LINEAR_48B))
+    write_tiny_tokenizer(out)
+    return out
+
+
+def capacity(levels: list[int], input_len: int, output_len: int) -> tuple[int, int]:
+    slots = max(levels)
+    blocks = slots * -(-(input_len + output_len) // BLOCK) + 16
+    return slots, blocks
+
+
+def first_token_s(stub, input_len: int, seed: int) -> float:
+    ids = [(seed * 7919 + i * 104729) % 400 + 1 for i in range(input_len)]
+    req = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=ids),
+                                     sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0,
+                                                                        ignore_eos=True))
+    start = time.perf_counter()
+    for chunk in stub.Generate(req, timeout=600):
+        if chunk.token_ids:
+            return time.perf_counter() - start
+    raise RuntimeError("no token came back")
+
+
+def served(args, model: Path, result: dict, save) -> None:
+    slots, blocks = capacity(args.levels, args.input_len, args.output_len)
+    shard_args = ("--load-format", "dummy", "--num-state-slots", str(slots), "--num-kv-blocks", str(blocks),
+                  "--kv-block-size", str(BLOCK), "--prefill-token-budget", str(args.prefill_budget),
+                  "--max-model-len", str(args.input_len + args.output_len + BLOCK))
+    port = free_port()
+    start = time.perf_counter()
+    children = start_stack(model, 1, "cuda", "127.0.0.1", port, timeout=900, shard_args=shard_args,
+                           router_args=("--max-in-flight", "1024", "--max-queued", "4096"))
+    try:
+        result["startup_s"] = time.perf_counter() - start
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        result["first_request_ttft_s"] = first_token_s(stub, args.input_len, 1)
+        result["warm_ttft_s"] = min(first_token_s(stub, args.input_len, s) for s in (2, 3, 4))
+        save()
+        out = args.out / "bench"
+        cmd = [sys.executable, "-m", "kimiserve.cli", "bench", "--router", f"127.0.0.1:{port}",
+               "--concurrency", ",".join(map(str, args.levels)), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len), "--out", str(out), "--no-progress"]
+        if args.num_prompts:
+            cmd += ["--num-prompts", str(args.num_prompts)]
+        subprocess.run(cmd, check=True, timeout=args.bench_timeout)
+        result["served"] = json.loads((out / "bench.json").read_text())["levels"]
+        save()
+    finally:
+        stop_stack(children, grace_s=30)
+
+
+def in_process(args, result: dict, save) -> None:
+    import torch
+
+    from shard_svc.checkpoint.dummy import dummy_model
+    from shard_svc.config import ModelConfig
+    from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
+    from shard_svc.engine.engine import Engine, EngineConfig
+    from shard_svc.engine.sampling import SamplingParams
+    from shard_svc.ops import select_ops
+
+    cfg = ModelConfig.from_dict(dict(KIMI_LINEAR_48B))
+    cuda = torch.device("cuda")
+    slots, blocks = capacity(args.levels, args.input_len, args.output_len)
+    engine_cfg = EngineConfig(num_state_slots=slots, num_kv_blocks=blocks, kv_block_size=BLOCK,
+                              prefill_token_budget=args.prefill_budget)
+    engine = Engine(cfg, dummy_model(cfg, "cuda", torch.bfloat16), select_ops(cuda), cuda,
+                    graph_engine_config(engine_cfg, cuda, False))
+    enable_cuda_graphs(engine)
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    prompt = lambda k: [(k * 7919 + i * 104729) % 400 + 1 for i in range(args.input_len)]  # noqa: E731
+    for k in range(2):
+        engine.generate(prompt(k), params, request_id=f"warm-{k}")
+    result["in_process"] = []
+    for c in args.levels:
+        n = args.num_prompts or max(8, 4 * c)
+        sent, live, tokens, ttft = 0, 0, 0, []
+        arrival: dict[str, float] = {}
+        start = time.perf_counter()
+        while sent < n or live:
+            while live < c and sent < n:
+                rid = f"c{c}-{sent}"
+                engine.add_request(rid, prompt(sent), params)
+                arrival[rid] = time.perf_counter()
+                sent, live = sent + 1, live + 1
+            for event in engine.step().events:
+                if event.token_id is not None:
+                    tokens += 1
+                    if event.index == 0:
+                        ttft.append(time.perf_counter() - arrival[event.request_id])
+                if event.finish_reason is not None:
+                    live -= 1
+        seconds = time.perf_counter() - start
+        ttft.sort()
+        result["in_process"].append({"concurrency": c, "requests": n, "seconds": seconds,
+                                     "output_tokens_per_s": tokens / seconds,
+                                     "ttft_ms_p50": ttft[len(ttft) // 2] * 1e3,
+                                     "ttft_ms_p99": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))] * 1e3})
+        save()
+
+
+def table(result: dict) -> str:
+    lines = [f"startup {result.get('startup_s', float('nan')):.1f} s; first request TTFT "
+             f"{result.get('first_request_ttft_s', float('nan')) * 1e3:.0f} ms vs warm "
+             f"{result.get('warm_ttft_s', float('nan')) * 1e3:.0f} ms",
+             f"{'conc':>5} {'served tok/s':>13} {'engine tok/s':>13} {'ratio':>6} {'served TTFT p50/p99 ms':>23} "
+             f"{'engine TTFT p50/p99 ms':>23} {'served TPOT p50 ms':>19}"]
+    engine = {e["concurrency"]: e for e in result.get("in_process", [])}
+    for s in result.get("served", []):
+        e = engine.get(s["concurrency"], {})
+        ratio = s["output_tokens_per_s"] / e["output_tokens_per_s"] if e else float("nan")
+        lines.append(f"{s['concurrency']:>5} {s['output_tokens_per_s']:>13.0f} "
+                     f"{e.get('output_tokens_per_s', float('nan')):>13.0f} {ratio:>6.2f} "
+                     f"{s['ttft_ms']['p50']:>11.0f}/{s['ttft_ms']['p99']:<11.0f} "
+                     f"{e.get('ttft_ms_p50', float('nan')):>11.0f}/{e.get('ttft_ms_p99', float('nan')):<11.0f} "
+                     f"{s['tpot_ms']['p50']:>19.2f}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
+    p.add_argument("--levels", default="1,16,64,256")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=0, help="per level (default: 4x the level, at least 8)")
+    p.add_argument("--prefill-budget", type=int, default=8192)
+    p.add_argument("--bench-timeout", type=float, default=420)
+    p.add_argument("--skip-in-process", action="store_true")
+    args = p.parse_args()
+    args.levels = [int(x) for x in args.levels.split(",")]
+    logging.basicConfig(level=logging.INFO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"date": time.strftime("%Y-%m-%d"), "input_len": args.input_len, "output_len": args.output_len,
+                    "levels": args.levels, "prefill_budget": args.prefill_budget}
+
+    def save() -> None:
+        (args.out / "served.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        served(args, model_dir(Path(tmp)), result, save)
+    if not args.skip_in_process:
+        in_process(args, result, save)
+    sys.stdout.write(table(result))
+
+
+if __name__ == "__main__":
+    main()

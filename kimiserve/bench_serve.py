@@ -1,0 +1,277 @@
+"""`kimiserve bench`: a serving load generator against a running router (gRPC).
+
+Sends synthetic prompts (random token ids of a given length, or multi-turn conversations whose every turn resends
+the history) at fixed concurrency levels or at a Poisson request rate, streams every reply, and reports per level:
+TTFT, TPOT, inter-token latency (ITL) and end-to-end percentiles, output and request throughput, goodput under an
+SLO, the longest stall of any stream, and failures by status code. Prints a table, writes JSON (and a PNG with
+--plot). Replies are greedy with EOS ignored, so every request generates exactly --output-len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    prompt_tokens: int
+    sent: float
+    first: float | None = None
+    done: float | None = None
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)
+    status: str = "OK"
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "OK" and self.first is not None and self.done is not None
+
+    @property
+    def ttft(self) -> float:
+        return self.first - self.sent
+
+    @property
+    def tpot(self) -> float | None:
+        return (self.done - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+@dataclass
+class BenchArgs:
+    router: str
+    input_len: int
+    input_spread: float
+    output_len: int
+    num_prompts: int
+    seed: int
+    turns: int
+    turn_len: int
+    slo_ttft_s: float | None
+    slo_tpot_s: float | None
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router", default="127.0.0.1:50051", help="router address host:port")
+    p.add_argument("--concurrency", default="1,16,64",
+                   help="comma-separated levels: requests (or conversations) in flight at once (default: 1,16,64)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="instead of fixed concurrency: Poisson arrivals at this many requests/s (one level)")
+    p.add_argument("--num-prompts", type=int, default=0,
+                   help="requests per level (default: 4x the level's concurrency, at least 8)")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
+    p.add_argument("--input-spread", type=float, default=0.0,
+                   help="prompt lengths uniform in input-len x [1 - s, 1 + s] (default: 0, all equal)")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (default: 128)")
+    p.add_argument("--turns", type=int, default=1,
+                   help="multi-turn replay: each conversation sends this many requests in order, each with the whole "
+                        "history (previous prompt + reply) plus --turn-len new tokens (default: 1)")
+    p.add_argument("--turn-len", type=int, default=300, help="new user tokens per later turn (default: 300)")
+    p.add_argument("--warmup", type=int, default=2, help="requests sent and discarded before the first level")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request meets the SLO when TTFT <= it")
+    p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: ... and TPOT <= it")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write bench.json (and bench.png with --plot) here")
+    p.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+class Load:
+    """Prompts and the streaming of one request."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub, args: BenchArgs, vocab: int):
+        self.stub, self.args = stub, args
+        self.rng = random.Random(args.seed)
+        # Ordinary ids only: the low part of the vocabulary holds no special tokens in Kimi's or the tiny tokenizer.
+        self.id_range = max(2, min(vocab, 500))
+
+    def tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(1, self.id_range) for _ in range(n)]
+
+    def first_prompt(self) -> list[int]:
+        s = self.args.input_spread
+        n = round(self.args.input_len * self.rng.uniform(1 - s, 1 + s)) if s else self.args.input_len
+        return self.tokens(max(1, n))
+
+    async def one(self, prompt: list[int]) -> tuple[RequestRecord, list[int]]:
+        record = RequestRecord(len(prompt), time.perf_counter())
+        req = router_pb2.GenerateRequest(
+            prompt_token_ids=common_pb2.TokenIds(ids=prompt),
+            sampling=common_pb2.SamplingParams(max_tokens=self.args.output_len, temperature=0.0, ignore_eos=True))
+        output: list[int] = []
+        try:
+            async for chunk in self.stub.Generate(req):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    record.first = record.first or now
+                    record.chunk_times.append(now)
+                    output.extend(chunk.token_ids)
+                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    record.output_tokens = chunk.usage.completion_tokens
+            record.done = time.perf_counter()
+        except grpc.aio.AioRpcError as e:
+            record.status = e.code().name
+        return record, output
+
+    async def conversation(self, records: list[RequestRecord], progress) -> None:
+        prompt = self.first_prompt()
+        for _ in range(self.args.turns):
+            record, output = await self.one(prompt)
+            records.append(record)
+            progress.update(1)
+            if not record.ok:
+                return
+            prompt = prompt + output + self.tokens(self.args.turn_len)
+
+
+async def run_level(load: Load, concurrency: int | None, rate: float | None, n: int, progress) -> dict:
+    records: list[RequestRecord] = []
+    conversations = max(1, n // load.args.turns)
+    start = time.perf_counter()
+    if rate is None:
+        queue: asyncio.Queue = asyncio.Queue()
+        for _ in range(conversations):
+            queue.put_nowait(None)
+
+        async def worker():
+            while not queue.empty():
+                queue.get_nowait()
+                await load.conversation(records, progress)
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        tasks = []
+        for _ in range(conversations):
+            tasks.append(asyncio.create_task(load.conversation(records, progress)))
+            await asyncio.sleep(load.rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    return summarize(records, time.perf_counter() - start, load.args, concurrency, rate)
+
+
+def _pcts(values: list[float], scale: float = 1e3) -> dict:
+    if not values:
+        return {}
+    ordered = sorted(values)
+    out = {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * scale for p in PERCENTILES}
+    out["mean"] = statistics.fmean(ordered) * scale
+    return out
+
+
+def summarize(records: list[RequestRecord], seconds: float, args: BenchArgs, concurrency, rate) -> dict:
+    ok = [r for r in records if r.ok]
+    failures: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            failures[r.status] = failures.get(r.status, 0) + 1
+    tpots = [r.tpot for r in ok if r.tpot is not None]
+    itls = [gap for r in ok for gap in r.itls]
+    good = [r for r in ok if (args.slo_ttft_s is None or r.ttft <= args.slo_ttft_s)
+            and (args.slo_tpot_s is None or (r.tpot or 0.0) <= args.slo_tpot_s)]
+    return {
+        "concurrency": concurrency, "request_rate": rate, "requests": len(records), "ok": len(ok),
+        "failures": failures, "seconds": seconds,
+        "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": sum(r.output_tokens for r in ok),
+        "output_tokens_per_s": sum(r.output_tokens for r in ok) / seconds,
+        "requests_per_s": len(ok) / seconds, "goodput_requests_per_s": len(good) / seconds,
+        "ttft_ms": _pcts([r.ttft for r in ok]), "tpot_ms": _pcts(tpots), "itl_ms": _pcts(itls),
+        "e2e_ms": _pcts([r.done - r.sent for r in ok]), "max_stall_ms": max(itls, default=0.0) * 1e3,
+    }
+
+
+def table(levels: list[dict]) -> str:
+    head = (f"{'level':>10} {'ok':>6} {'fail':>5} {'out tok/s':>10} {'req/s':>7} {'goodput':>8} "
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p99':>8} {'E2E p50':>9} "
+            f"{'stall':>8}")
+    lines = [head, "-" * len(head)]
+    for s in levels:
+        level = f"c={s['concurrency']}" if s["concurrency"] is not None else f"r={s['request_rate']}/s"
+        g = lambda key, p: s[key].get(p, float("nan"))  # noqa: E731 - a lookup, read in one line below
+        lines.append(f"{level:>10} {s['ok']:>6} {s['requests'] - s['ok']:>5} {s['output_tokens_per_s']:>10.1f} "
+                     f"{s['requests_per_s']:>7.2f} {s['goodput_requests_per_s']:>8.2f} {g('ttft_ms', 'p50'):>9.1f} "
+                     f"{g('ttft_ms', 'p99'):>9.1f} {g('tpot_ms', 'p50'):>9.2f} {g('tpot_ms', 'p99'):>9.2f} "
+                     f"{g('itl_ms', 'p99'):>8.2f} {g('e2e_ms', 'p50'):>9.1f} {s['max_stall_ms']:>8.1f}")
+    return "\n".join(lines) + "\n(times in ms; goodput in requests/s meeting the SLO)\n"
+
+
+def plot(levels: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["concurrency"] or s["request_rate"] for s in levels]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(xs, [s["output_tokens_per_s"] for s in levels], marker="o")
+    axes[0].set(title="output tokens/s", xlabel="concurrency")
+    for p in PERCENTILES:
+        axes[1].plot(xs, [s["ttft_ms"].get(f"p{p}") for s in levels], marker="o", label=f"p{p}")
+        axes[2].plot(xs, [s["tpot_ms"].get(f"p{p}") for s in levels], marker="o", label=f"p{p}")
+    axes[1].set(title="TTFT (ms)", xlabel="concurrency")
+    axes[2].set(title="TPOT (ms)", xlabel="concurrency")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def bench(ns: argparse.Namespace) -> dict:
+    args = BenchArgs(ns.router, ns.input_len, ns.input_spread, ns.output_len, ns.num_prompts, ns.seed, ns.turns,
+                     ns.turn_len, ns.slo_ttft_ms / 1e3 if ns.slo_ttft_ms else None,
+                     ns.slo_tpot_ms / 1e3 if ns.slo_tpot_ms else None)
+    from tqdm import tqdm
+
+    async with grpc.aio.insecure_channel(args.router) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        model = (await stub.ListModels(router_pb2.ListModelsRequest(), timeout=30)).models[0]
+        load = Load(stub, args, model.vocab_size)
+        for _ in range(ns.warmup):
+            await load.one(load.first_prompt())
+        levels = ([None] if ns.request_rate is not None
+                  else [int(c) for c in str(ns.concurrency).split(",") if c.strip()])
+        results = []
+        for c in levels:
+            n = ns.num_prompts or max(8, 4 * (c or 1))
+            with tqdm(total=n, desc=f"c={c}" if c else f"rate={ns.request_rate}/s", file=sys.stderr,
+                      disable=ns.no_progress) as progress:
+                results.append(await run_level(load, c, ns.request_rate, n, progress))
+    return {"model": model.name, "max_context_tokens": model.max_context_tokens, "args": asdict(args),
+            "levels": results}
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.turns < 1 or ns.input_len < 1 or ns.output_len < 1:
+        sys.stderr.write("kimiserve bench: --turns, --input-len and --output-len must be >= 1\n")
+        return 2
+    try:
+        report = asyncio.run(bench(ns))
+    except grpc.aio.AioRpcError as e:
+        sys.stderr.write(f"kimiserve bench: router {ns.router}: {e.code().name}: {e.details()}\n")
+        return 1
+    sys.stdout.write(table(report["levels"]))
+    if ns.out is not None:
+        ns.out.mkdir(parents=True, exist_ok=True)
+        (ns.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+        if ns.plot:
+            plot(report["levels"], ns.out / "bench.png")
+        log.info("bench written", extra={"dir": str(ns.out)})
+    return 0
