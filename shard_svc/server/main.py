@@ -21,6 +21,7 @@ from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.warmup import warm_up
 from shard_svc.ops import select_ops
 from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
@@ -125,6 +126,8 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
             enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
         if streamer is not None:
             streamer.attach(engine.runner)
+        if device.type == "cuda":  # compile every kernel shape before SERVING (the CPU backends compile nothing)
+            warm_up(engine)
         loop = EngineLoop(engine, metrics)
     info = shard_pb2.ShardInfoResponse(
         model_name=cfg.model_dir.name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,

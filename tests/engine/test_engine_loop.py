@@ -173,3 +173,20 @@ def test_cancel_frees_the_slot_and_the_gauges_show_it_without_another_pass():
     assert _gauge(loop, "kimiserve_shard_kv_blocks_used") == 0
     assert not loop.cancel("long")
     loop.stop(30)
+
+
+def test_warm_up_leaves_no_trace_in_pools_or_outputs():
+    from shard_svc.engine.warmup import warm_up
+
+    warmed, fresh = make_engine(linear_config(), num_state_slots=4, num_kv_blocks=32, kv_block_size=16,
+                                prefill_token_budget=48), make_engine(linear_config(), num_state_slots=4,
+                                                                      num_kv_blocks=32, kv_block_size=16,
+                                                                      prefill_token_budget=48)
+    summary = warm_up(warmed)
+    assert summary["packed_lengths"] and 65 in summary["single_lengths"]  # 65 > budget: a chunked prompt ran
+    s = warmed.scheduler
+    assert not warmed.sequences and not s.running and not s.waiting
+    assert s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert warmed.generate([3, 1, 4, 1, 5], params, "after").output == fresh.generate([3, 1, 4, 1, 5], params,
+                                                                                        "after").output
