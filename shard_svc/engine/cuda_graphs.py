@@ -235,7 +235,8 @@ def enable_cuda_graphs(engine, buckets: tuple[int, ...] | None = None) -> CudaGr
     if runner.weights is not None:
         log.warning("decode graphs off: weights are streamed per layer")
         return None
-    max_batch = runner.kda_pool.slots.num_free - 1  # one slot goes to the padding rows
+    # one slot goes to the padding rows; prefix cache entries hold slots that never decode
+    max_batch = min(runner.kda_pool.slots.num_free - 1, engine.scheduler.max_running)
     bs = runner.kv_cache.block_size
     width = min(runner.kv_cache.blocks.num_blocks, -(-engine.max_model_len // bs))
     graphs = CudaGraphRunner(runner, buckets or bucket_sizes(max_batch), width)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shard_svc.config import ModelConfig
+from shard_svc.engine.prefix_cache import PrefixCache
 from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.sampling import NONFINITE_ROW, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
@@ -32,6 +33,10 @@ class EngineConfig:
     # Host memory for the MLA KV pages of sequences moved off the device when its blocks run short (the scheduler's
     # offload policy, shard_svc/engine/scheduler.py); 0: off, every KV promise stays within the device's blocks.
     host_kv_bytes: int = 0
+    # Prefix cache (shard_svc/engine/prefix_cache.py): entries (each one KDA state slot beside the running ones,
+    # plus shared KV blocks); 0: off. Interval: also snapshot a chunked prefill every this many tokens (0: never).
+    prefix_cache_entries: int = 0
+    prefix_state_interval: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,7 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None
     logprob: float | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (set on the finish)
 
 
 @dataclass
@@ -68,12 +74,20 @@ class Engine:
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
         # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
         self.sync = sync
-        self.runner = ModelRunner(cfg, model, ops, device, engine_cfg.num_state_slots, engine_cfg.num_kv_blocks,
-                                  engine_cfg.kv_block_size, kda_heads=sync.kda_heads if sync else None)
+        # The prefix cache's entries hold state slots of their own, beside the running sequences' slots.
+        self.runner = ModelRunner(cfg, model, ops, device,
+                                  engine_cfg.num_state_slots + engine_cfg.prefix_cache_entries,
+                                  engine_cfg.num_kv_blocks, engine_cfg.kv_block_size,
+                                  kda_heads=sync.kda_heads if sync else None)
         self.kv_offload = (HostKVOffload.for_budget(self.runner.kv_cache, cfg, engine_cfg.host_kv_bytes, kv_metrics)
                            if engine_cfg.host_kv_bytes else None)
-        self.scheduler = Scheduler(self.runner.kda_pool.slots, self.runner.kv_cache.blocks,
-                                   engine_cfg.num_state_slots, engine_cfg.prefill_token_budget, self.kv_offload)
+        pools = self.runner
+        self.prefix_cache = (PrefixCache(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.prefix_cache_entries,
+                                         engine_cfg.prefix_state_interval, pools.kda_pool.copy_slot,
+                                         pools.kv_cache.copy_block)
+                             if engine_cfg.prefix_cache_entries else None)
+        self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots,
+                                   engine_cfg.prefill_token_budget, self.kv_offload, self.prefix_cache)
         # The longest sequence this engine can hold: the model's limit, the operator's, and the KV cache (a sequence's
         # whole KV promise must fit on the device even with host offload, which moves whole sequences).
         kv_tokens = engine_cfg.num_kv_blocks * engine_cfg.kv_block_size
@@ -138,6 +152,10 @@ class Engine:
         if self.sync:
             self.sync.check_plan(plan)
         result = StepResult()
+        cached = [s for s in plan.decode if s.cached_logits is not None]
+        if cached:  # whole prompts restored from the prefix cache: their first token comes from the cached row
+            plan.decode = [s for s in plan.decode if s.cached_logits is None]
+            self._emit_cached(cached, result)
         if plan.prefill:
             # weight streaming: the layers fetched ahead during the prefill are for this step's decode pass
             self._run_pass("prefill", plan.prefill, result, next_tokens=len(plan.decode) or None)
@@ -171,6 +189,37 @@ class Engine:
                 result.events.append(self._finish(seq, "error", error=f"{kind} pass of requests {ids} failed: "
                                                                       f"{type(e).__name__}"))
             return
+        self._emit_all(kind, emitting, drawn, result)
+        if kind == "prefill" and self.prefix_cache is not None:
+            self._snapshot_prefixes(work, logits)
+        tokens = sum(n for _, n in work)
+        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
+                                       [s.request_id for s, _ in work]))
+
+    def _snapshot_prefixes(self, work: list[tuple[Sequence, int]], logits: list[torch.Tensor]) -> None:
+        """Cache entries at the end of each prompt this pass completed, and every `interval` tokens of a chunked
+        prefill (at the first pass boundary past each multiple), each with the logits of its last position."""
+        interval = self.engine_cfg.prefix_state_interval
+        for (seq, n), rows in zip(work, logits):
+            if seq.finished:
+                continue  # a normal finish handed its slot to the cache already; an error caches nothing
+            done = seq.num_computed
+            crossed = interval and done // interval > (done - n) // interval
+            if seq.is_prefilling and crossed and not bool(torch.isfinite(rows[-1]).all()):
+                continue  # never cache a state whose logits are not finite (a sampled row was checked already)
+            if done == len(seq.prompt) or (seq.is_prefilling and crossed):
+                self.prefix_cache.snapshot(seq.prompt[:done], seq.slot, seq.request_id, rows[-1])
+
+    def _emit_cached(self, seqs: list[Sequence], result: StepResult) -> None:
+        emitting = [(seq, seq.cached_logits) for seq in seqs]
+        for seq in seqs:
+            seq.cached_logits = None
+        drawn = (self.sync.draw(emitting) if self.sync
+                 else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
+        self._emit_all("cached", emitting, drawn, result)
+
+    def _emit_all(self, kind: str, emitting: list[tuple[Sequence, torch.Tensor]], drawn: list[tuple[int, float]],
+                  result: StepResult) -> None:
         for (seq, row), (token, logprob) in zip(emitting, drawn):
             if token == NONFINITE_ROW:
                 log.error("non-finite logits; failing the sequence",
@@ -179,9 +228,6 @@ class Engine:
                                                   f"logits at output index {len(seq.output)} hold NaN or inf"))
                 continue
             result.events.append(self._emit(seq, row, token, logprob))
-        tokens = sum(n for _, n in work)
-        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
-                                       [s.request_id for s, _ in work]))
 
     def _emit(self, seq: Sequence, logits: torch.Tensor, token: int, logprob: float) -> TokenEvent:
         lp = logprob if seq.params.logprobs else None
@@ -189,18 +235,20 @@ class Engine:
             seq.step_logits.append(logits.cpu().unsqueeze(0))
         seq.output.append(token)
         if token in seq.stop_ids:
-            return self._finish(seq, "stop", token=token, logprob=lp)
+            return self._finish(seq, "stop", token=token, logprob=lp, last_logits=logits)
         if len(seq.output) >= seq.params.max_tokens:
-            return self._finish(seq, "length", token=token, logprob=lp)
+            return self._finish(seq, "length", token=token, logprob=lp, last_logits=logits)
         return TokenEvent(seq.request_id, token, len(seq.output) - 1, logprob=lp)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
-                logprob: float | None = None) -> TokenEvent:
-        self.scheduler.finish(seq)
+                logprob: float | None = None, last_logits: torch.Tensor | None = None) -> TokenEvent:
+        """last_logits: the row the last token was drawn from, on a normal finish (the prefix cache keeps it)."""
+        self.scheduler.finish(seq, last_logits)
         seq.finish_reason, seq.error = reason, error
         self.sequences.pop(seq.request_id, None)
         index = len(seq.output) - 1 if token is not None else len(seq.output)
-        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob)
+        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob,
+                          seq.cached_tokens)
 
     # -- offline ----------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",

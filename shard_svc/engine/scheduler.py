@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler: pure Python, no tensors.
+"""Continuous-batching scheduler: pure Python; the only tensors it touches are the prefix cache's.
 
 Each step admits waiting sequences while a state slot and their KV promise fit, then plans one prefill pass
 (prompt chunks under a token budget, so decode step time stays bounded) and one decode pass (every sequence
@@ -24,6 +24,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
+from shard_svc.engine.prefix_cache import CachedPrefix, PrefixCache
 from shard_svc.engine.sequence import Sequence, SeqStatus
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
 
@@ -55,10 +58,11 @@ class KVOffloader(Protocol):
 
 class Scheduler:
     def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, prefill_budget: int,
-                 offload: KVOffloader | None = None):
+                 offload: KVOffloader | None = None, prefix_cache: PrefixCache | None = None):
         self.slots, self.blocks = slots, blocks
         self.max_running, self.prefill_budget = max_running, prefill_budget
         self.offload = offload
+        self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # every sequence holding a state slot, in admission order
         self.offloaded: dict[str, int] = {}  # request id -> its KV pages on the host; it holds a slot but waits
@@ -75,14 +79,37 @@ class Scheduler:
         promised = self._outstanding_promise()
         while self.waiting and len(self.running) < self.max_running and self.slots.num_free:
             seq = self.waiting[0]
-            need = self.blocks.blocks_for(seq.max_total_tokens)
+            hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
+            need = self._need(seq, hit)
+            while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
+                    self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least recent first
+                hit = hit if hit is not None and self.prefix_cache.holds(hit) else None
+                need = self._need(seq, hit)
             if need > self.blocks.num_free - promised and not self._fits_with_host(seq):
                 break  # FIFO: a large request is not overtaken forever by small ones
             self.waiting.popleft()
             seq.slot = self.slots.allocate(seq.request_id)
             seq.status = SeqStatus.RUNNING
+            if self.prefix_cache is not None:
+                self._restore_prefix(seq, hit)
             promised += need
             self.running.append(seq)
+
+    def _need(self, seq: Sequence, hit: CachedPrefix | None) -> int:
+        """New blocks the sequence's whole promise takes: a cached prefix's full blocks are shared, not taken."""
+        shared = hit.length // self.blocks.block_size if hit is not None else 0
+        return self.blocks.blocks_for(seq.max_total_tokens) - shared
+
+    def _restore_prefix(self, seq: Sequence, hit: CachedPrefix | None) -> None:
+        self.prefix_cache.count_query(len(seq.prompt), hit.length if hit is not None else 0)
+        if hit is None:
+            return
+        self.prefix_cache.restore(hit, seq.request_id, seq.slot)
+        seq.num_computed = seq.cached_tokens = hit.length
+        if hit.length == len(seq.prompt):
+            seq.cached_logits = hit.logits  # the whole prompt is cached: its first token needs no pass
+        log.info("prefix restored", extra={"request_id": seq.request_id, "cached_tokens": hit.length,
+                                           "prompt_tokens": len(seq.prompt)})
 
     def _fits_with_host(self, seq: Sequence) -> bool:
         """Past the device's promise (host KV offload only): the bound that keeps room on the host for any
@@ -159,11 +186,19 @@ class Scheduler:
         plan.prefill = [(s, n) for s, n in plan.prefill if s.request_id in need]
         plan.decode = [s for s in plan.decode if s.request_id in need]
 
-    def finish(self, seq: Sequence) -> None:
-        """Return the sequence's slot and blocks (or host pages) at once; it is never scheduled again."""
+    def finish(self, seq: Sequence, last_logits: torch.Tensor | None = None) -> None:
+        """Return the sequence's slot and blocks (or host pages) at once; it is never scheduled again.
+
+        With the prefix cache and `last_logits` (the row its last token was sampled from: a normal finish), the
+        computed tokens become a cache entry that keeps the slot and shares the blocks."""
         if seq in self.running:
             self.running.remove(seq)
-            self.slots.free(seq.slot)
+            adopted = (last_logits is not None and self.prefix_cache is not None and seq.num_computed > 0
+                       and seq.request_id not in self.offloaded
+                       and self.prefix_cache.adopt(seq.tokens[:seq.num_computed], seq.slot, seq.request_id,
+                                                   last_logits))
+            if not adopted:
+                self.slots.free(seq.slot)
             self.blocks.release(seq.request_id)
             if self.offloaded.pop(seq.request_id, None) is not None:
                 self.offload.drop(seq.request_id)

@@ -30,6 +30,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose effect is already in the KDA state / MLA cache
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
+    cached_logits: torch.Tensor | None = None  # the whole prompt was cached: its first token is drawn from this row
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
 

@@ -32,13 +32,17 @@ class SlotAllocator:
 
 
 class BlockAllocator:
-    """Fixed pool of KV blocks of `block_size` tokens; a sequence's blocks form its block table."""
+    """Fixed pool of KV blocks of `block_size` tokens; a sequence's blocks form its block table.
+
+    A block may be in several tables (the prefix cache shares full blocks of a cached prefix with the sequences
+    that restore it): each block counts its tables, and it is free again only when the last one releases it."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
+        self._refs: dict[int, int] = {}
 
     @property
     def num_free(self) -> int:
@@ -59,11 +63,28 @@ class BlockAllocator:
                 f"{self.num_blocks} free"
             )
         new = [self._free.pop() for _ in range(need)]
+        for block in new:
+            self._refs[block] = 1
         self._tables.setdefault(owner, []).extend(new)
         return new
+
+    def share(self, owner: str, blocks: list[int]) -> None:
+        """Appends blocks another table holds to `owner`'s table (the caller never writes into them)."""
+        for block in blocks:
+            if self._refs.get(block, 0) < 1:
+                raise ValueError(f"KV block {block} is free; {owner!r} cannot share it")
+            self._refs[block] += 1
+        self._tables.setdefault(owner, []).extend(blocks)
 
     def table(self, owner: str) -> list[int]:
         return self._tables.get(owner, [])
 
+    def refs(self, block: int) -> int:
+        return self._refs.get(block, 0)
+
     def release(self, owner: str) -> None:
-        self._free.extend(reversed(self._tables.pop(owner, [])))
+        for block in reversed(self._tables.pop(owner, [])):
+            self._refs[block] -= 1
+            if not self._refs[block]:
+                del self._refs[block]
+                self._free.append(block)

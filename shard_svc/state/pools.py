@@ -34,6 +34,11 @@ class KDAStatePool:
         i = self.layer_map.kda_slot_of(engine_layer)
         return self.recurrent[i], self.conv[i]
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """The recurrent and conv state of every KDA layer from one slot into another (prefix cache snapshots)."""
+        self.recurrent[:, dst].copy_(self.recurrent[:, src])
+        self.conv[:, dst].copy_(self.conv[:, src])
+
     def zero_slot(self, slot: int) -> None:
         """Called when a slot is handed to a new sequence, before its first forward."""
         self.recurrent[:, slot].zero_()
@@ -66,3 +71,7 @@ class MLAKVCache:
 
     def release(self, owner: str) -> None:
         self.blocks.release(owner)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """One block's latent entries in every MLA layer (a cached prefix's last, partly filled block)."""
+        self.kv[:, dst].copy_(self.kv[:, src])

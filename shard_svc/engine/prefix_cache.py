@@ -1,0 +1,190 @@
+"""Hybrid prefix cache: a request restores the longest cached prefix of its prompt and prefills only the rest.
+
+What a prefix of L tokens needs to be skipped: the MLA latent KV of positions [0, L) and the KDA recurrent + conv
+state after L tokens (K3's block attention residuals mix layer outputs of one position, so they carry nothing across
+positions). The KV is paged: an entry shares the full blocks of its prefix by reference count (block_size tokens
+each, never written again, since a sequence writes only positions past its own cached length), plus its last,
+partly filled block, which a restoring sequence copies into a block of its own before writing after it. The KDA
+state is fixed-size per sequence (about 41 MiB at the 48B shape), so an entry holds one whole state slot of the
+KDA pool: a slot of its own, in the slots the pool holds beyond the running sequences. With every entry also goes
+the logits row of its last position, so a prompt that is cached whole samples its first token without a pass.
+
+Entries are made (1) at the end of every prompt (copy of the state), (2) every `interval` tokens of a chunked
+prefill, at the first pass boundary past each multiple (copy), and (3) when a sequence finishes normally: its slot
+is handed over instead of freed (no copy), covering prompt + output, so the next turn of the conversation hits.
+Least recently used entries are evicted when the entry slots are full or admission needs KV blocks. An entry is
+removed from the index before its slot and blocks are freed, so an evicted snapshot cannot be read.
+
+Lookup hashes the prompt block by block (a chain: each block's hash covers every block before it), then tries
+the entry lengths longest first, comparing the whole token list on a hash hit: a collision can never restore
+another prompt's state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from shard_svc.state.allocators import BlockAllocator, SlotAllocator
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CachedPrefix:
+    tokens: list[int]
+    slot: int
+    owner: str  # its block table's owner in the allocator
+    logits: torch.Tensor  # fp32 [vocab]: the model's logits at position len(tokens) - 1
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    inserted: int = 0
+
+
+class PrefixCache:
+    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_entries: int, interval: int,
+                 copy_state: Callable[[int, int], None], copy_block: Callable[[int, int], None]):
+        """copy_state(src_slot, dst_slot) and copy_block(src, dst) are the device copies (the pools')."""
+        self.slots, self.blocks = slots, blocks
+        self.max_entries, self.interval = max_entries, interval
+        self._copy_state, self._copy_block = copy_state, copy_block
+        self._entries: OrderedDict[tuple, CachedPrefix] = OrderedDict()  # least recently used first
+        self._lengths: dict[int, int] = {}  # entry length -> how many entries have it
+        self._serial = 0
+        self.stats = PrefixCacheStats()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- keys ---------------------------------------------------------------------------------------------------
+    def _chain(self, tokens: list[int], full_blocks: int) -> list[int]:
+        bs = self.blocks.block_size
+        chain = [0]
+        for k in range(full_blocks):
+            chain.append(hash((chain[-1], tuple(tokens[k * bs:(k + 1) * bs]))))
+        return chain
+
+    def _key(self, tokens: list[int], length: int, chain: list[int]) -> tuple:
+        full = length // self.blocks.block_size
+        return length, chain[full], tuple(tokens[full * self.blocks.block_size:length])
+
+    # -- lookup and restore ----------------------------------------------------------------------------------------
+    def lookup(self, prompt: list[int]) -> CachedPrefix | None:
+        """The longest entry whose tokens begin the prompt (now the most recently used), or None."""
+        lengths = sorted((n for n in self._lengths if n <= len(prompt)), reverse=True)
+        if not lengths:
+            return None
+        chain = self._chain(prompt, lengths[0] // self.blocks.block_size)
+        for n in lengths:
+            key = self._key(prompt, n, chain)
+            entry = self._entries.get(key)
+            if entry is not None and entry.tokens == prompt[:n]:
+                self._entries.move_to_end(key)
+                return entry
+        return None
+
+    def holds(self, entry: CachedPrefix) -> bool:
+        return any(e is entry for e in self._entries.values())
+
+    def count_query(self, prompt_tokens: int, hit_tokens: int) -> None:
+        self.stats.queried_tokens += prompt_tokens
+        self.stats.hit_tokens += hit_tokens
+
+    def restore(self, entry: CachedPrefix, owner: str, slot: int) -> None:
+        """Gives `owner` (a sequence holding the fresh state slot `slot` and no blocks) the entry's prefix: its KDA
+        state copied into the slot, its full blocks shared, its last partial block copied into a block of its own."""
+        bs = self.blocks.block_size
+        full = entry.length // bs
+        table = self.blocks.table(entry.owner)
+        self.blocks.share(owner, table[:full])
+        if entry.length % bs:
+            (block,) = self.blocks.reserve(owner, (full + 1) * bs)
+            self._copy_block(table[full], block)
+        self._copy_state(entry.slot, slot)
+
+    # -- inserting ---------------------------------------------------------------------------------------------------
+    def snapshot(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor) -> bool:
+        """An entry for `tokens` (a running sequence's first len(tokens) tokens, with its state in `slot` and its KV
+        in `owner`'s table): the state copied into an entry slot, the blocks shared. False when no slot is free."""
+        if self._touch(tokens):
+            return True
+        if not self._make_room_for_one():
+            return False
+        entry_slot = self.slots.allocate(self._next_owner())
+        self._copy_state(slot, entry_slot)
+        self._add(tokens, entry_slot, owner, logits)
+        return True
+
+    def adopt(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor) -> bool:
+        """As snapshot, for a finished sequence: its slot becomes the entry's (no copy). False (the caller frees
+        the slot) when the tokens are cached already or no entry can be made room for."""
+        if self._touch(tokens) or not self._make_room_for_one():
+            return False
+        self._add(tokens, slot, owner, logits)
+        return True
+
+    def _touch(self, tokens: list[int]) -> bool:
+        key = self._key(tokens, len(tokens), self._chain(tokens, len(tokens) // self.blocks.block_size))
+        entry = self._entries.get(key)
+        if entry is not None and entry.tokens == tokens:
+            self._entries.move_to_end(key)
+            return True
+        return False
+
+    def _make_room_for_one(self) -> bool:
+        """Evicts until an entry may be added; entry slots are kept beside the running ones, so one is free."""
+        if self.max_entries < 1:
+            return False
+        while len(self._entries) >= self.max_entries:
+            self.evict_one()
+        return True
+
+    def _next_owner(self) -> str:
+        self._serial += 1
+        return f"<prefix-cache {self._serial}>"
+
+    def _add(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor) -> None:
+        entry_owner = self._next_owner()
+        self.blocks.share(entry_owner, self.blocks.table(owner)[:self.blocks.blocks_for(len(tokens))])
+        entry = CachedPrefix(list(tokens), slot, entry_owner, logits.detach().float().clone())
+        chain = self._chain(tokens, len(tokens) // self.blocks.block_size)
+        self._entries[self._key(tokens, len(tokens), chain)] = entry
+        self._lengths[entry.length] = self._lengths.get(entry.length, 0) + 1
+        self.stats.inserted += 1
+
+    # -- eviction ----------------------------------------------------------------------------------------------------
+    def evict_one(self) -> bool:
+        """Drops the least recently used entry (out of the index first, then its slot and blocks). False if empty."""
+        if not self._entries:
+            return False
+        _, entry = self._entries.popitem(last=False)
+        self._lengths[entry.length] -= 1
+        if not self._lengths[entry.length]:
+            del self._lengths[entry.length]
+        self.slots.free(entry.slot)
+        self.blocks.release(entry.owner)
+        self.stats.evictions += 1
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks only the cache holds: what evicting every entry would free."""
+        refs = Counter(b for e in self._entries.values() for b in self.blocks.table(e.owner))
+        return sum(1 for block, n in refs.items() if self.blocks.refs(block) == n)

@@ -1,0 +1,139 @@
+"""The prefix cache is exact: every request gives the tokens an engine without a cache gives (float32, both model
+families), at every boundary: a prefix equal to an entry, one token shorter or longer, ending inside a KV block or
+on its edge, a whole prompt cached (max_tokens=1 too), interval snapshots inside a chunked prefill, the next turn of
+a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard_svc.engine.sampling import SamplingParams
+from tests.engine.conftest import k3_config, linear_config, make_engine
+
+BLOCK = 16
+FAMILIES = {"kimi_linear": linear_config(), "kimi_k3": k3_config(layers=5)}
+
+
+def _engines(raw: dict, **kw):
+    common = dict(num_state_slots=4, num_kv_blocks=kw.pop("blocks", 96), kv_block_size=BLOCK,
+                  prefill_token_budget=kw.pop("budget", 64))
+    cached = make_engine(raw, prefix_cache_entries=kw.pop("entries", 4), **common, **kw)
+    plain = make_engine(raw, **common)
+    return cached, plain
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, 250, (n,), generator=g).tolist()
+
+
+def _run(engine, prompt, rid, max_tokens=6, **sampling):
+    seq = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), rid)
+    return seq.output, seq.cached_tokens
+
+
+def _pools_settle(engine) -> None:
+    engine.prefix_cache.clear()
+    s = engine.scheduler
+    assert s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
+
+
+@pytest.mark.parametrize("family,length", [("kimi_linear", 32), ("kimi_linear", 37), ("kimi_k3", 37)])
+def test_boundaries_around_a_cached_prompt(family, length):  # an entry ending on a block edge, inside a block
+    cached, plain = _engines(FAMILIES[family])
+    base = _prompt(length, 1)
+    assert _run(cached, base, "a") == (_run(plain, base, "a")[0], 0)
+    cases = {"equal": base, "one_shorter": base[:-1], "one_longer": base + [7], "longer": base + _prompt(9, 2),
+             "diverges_inside": base[:length - 3] + [3, 4, 5, 6]}
+    for i, (name, prompt) in enumerate(cases.items()):
+        want, _ = _run(plain, prompt, f"{name}-{i}")
+        got, hit = _run(cached, prompt, f"{name}-{i}", temperature=0.0)
+        assert got == want, name
+        if name in ("equal", "one_longer", "longer"):
+            assert hit == length, name  # the prompt-end entry of `base` (or longer, after its own finish)
+    _pools_settle(cached)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_whole_prompt_cached_with_max_tokens_one_and_sampling(family):
+    cached, plain = _engines(FAMILIES[family])
+    prompt = _prompt(40, 3)
+    _run(cached, prompt, "warm", max_tokens=1)
+    for rid, kw in (("greedy-1", dict(max_tokens=1)), ("seeded", dict(temperature=0.8, seed=11, max_tokens=8))):
+        want, _ = _run(plain, prompt, rid, **kw)
+        got, hit = _run(cached, prompt, rid, **kw)
+        assert (got, hit) == (want, 40), rid
+    _pools_settle(cached)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_next_turn_hits_the_finished_conversation(family):
+    cached, plain = _engines(FAMILIES[family])
+    turn1 = _prompt(30, 4)
+    out1, _ = _run(cached, turn1, "t1", max_tokens=10)
+    turn2 = turn1 + out1 + _prompt(12, 5)
+    want, _ = _run(plain, turn2, "t2", max_tokens=10)
+    got, hit = _run(cached, turn2, "t2", max_tokens=10)
+    assert got == want and hit == 30 + 10 - 1  # prompt + output, but the last token, which was never fed back
+    _pools_settle(cached)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_interval_snapshots_inside_a_chunked_prefill(family):
+    cached, plain = _engines(FAMILIES[family], budget=BLOCK, prefix_state_interval=32, entries=6)
+    long = _prompt(100, 6)
+    _run(cached, long, "long")
+    other = long[:70] + _prompt(20, 7)  # shares 70 tokens: the snapshot at 64 is the longest that fits
+    want, _ = _run(plain, other, "other")
+    got, hit = _run(cached, other, "other")
+    assert got == want and hit == 64
+    _pools_settle(cached)
+
+
+def test_sequences_sharing_blocks_survive_the_eviction_of_their_entry():
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=1)
+    shared = _prompt(48, 8)
+    _run(cached, shared, "seed", max_tokens=1)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = {f"s{i}": shared + _prompt(5 + i, 20 + i) for i in range(2)}
+    seqs = {rid: cached.add_request(rid, p, params) for rid, p in prompts.items()}
+    cached.step()  # both admitted and restored from the entry of `shared`
+    assert all(s.cached_tokens == 48 for s in seqs.values())
+    shared_block = cached.scheduler.blocks.table("s0")[0]
+    assert cached.scheduler.blocks.refs(shared_block) == 3  # the entry and both sequences
+    cached.prefix_cache.clear()  # evicted while both still run on its blocks
+    assert cached.scheduler.blocks.refs(shared_block) == 2
+    while cached.has_work():
+        cached.step()
+    for rid, p in prompts.items():
+        assert seqs[rid].output == _run(plain, p, rid, max_tokens=12)[0], rid
+    _pools_settle(cached)
+
+
+def test_an_evicted_entry_is_never_read():
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=1)
+    first, second = _prompt(33, 9), _prompt(33, 10)
+    _run(cached, first, "first", max_tokens=1)
+    entry = cached.prefix_cache.lookup(first)
+    slot, blocks = entry.slot, list(cached.scheduler.blocks.table(entry.owner))
+    _run(cached, second, "second", max_tokens=1)  # one entry: `first` is evicted
+    assert cached.prefix_cache.lookup(first) is None
+    pool, kv = cached.runner.kda_pool, cached.runner.kv_cache
+    pool.recurrent[:, slot] = float("nan")  # what a stale read would see
+    pool.conv[:, slot] = float("nan")
+    for b in blocks:
+        if cached.scheduler.blocks.refs(b) == 0:
+            kv.kv[:, b] = float("nan")
+    got, hit = _run(cached, first, "again")
+    assert hit == 0 and got == _run(plain, first, "again")[0]
+
+
+def test_admission_evicts_cached_prefixes_for_kv_blocks():
+    cached, _ = _engines(FAMILIES["kimi_linear"], entries=4, blocks=24)
+    for i in range(4):
+        _run(cached, _prompt(60, 30 + i), f"fill-{i}", max_tokens=1)
+    assert cached.prefix_cache.blocks_held >= 12 and cached.scheduler.blocks.num_free <= 12
+    big = _prompt(24 * BLOCK - 20, 50)  # needs nearly every block: the entries must give theirs back
+    out, _ = _run(cached, big, "big", max_tokens=4)
+    assert len(out) == 4 and cached.prefix_cache.stats.evictions >= 1
