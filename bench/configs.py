@@ -1,4 +1,4 @@
-"""Full-size model configs for benchmarks (values from ../shared/spec/MODELS.md), as config.json dicts."""
+"""Full-size model configs for benchmarks (values from docs/models.md#reference-sizes), as config.json dicts."""
 
 KIMI_LINEAR_48B = {
     "model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "num_hidden_layers": 27,

@@ -4,7 +4,7 @@
 
 Kimi-Linear-48B head shape: H=32, K=V=128, bf16 inputs, fp32 state. Prefill: B=1 x T=4k/16k/64k and B=8 x 4k
 (ours packed varlen with cu_seqlens, fla in batch form on the same data; fla gets the gate precomputed as in
-ANCHORS.md, ours computes it in the kernel). Decode: N=1..1024 sequences, one token each, state in place.
+docs/anchors.md, ours computes it in the kernel). Decode: N=1..1024 sequences, one token each, state in place.
 Agreement (relative L2 error of outputs and final states, ours vs fla) is checked on every shape; the copy
 bandwidth is measured in the same run. Prints a table and writes kda_kernels.json to --out (default $OUT).
 """

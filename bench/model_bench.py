@@ -258,7 +258,7 @@ def plots(result: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([f"{p['batch']}x{p['length']}" for p in pf], [p["tokens_per_s"] / 1e3 for p in pf], label="kimiserve")
     ax.axhline(result["prefill_ceiling_tokens_per_s"] / 1e3, color="k", ls="--", label="matmul ceiling")
-    ax.axhline(29.0, color="r", ls=":", label="transformers 8x4k (ANCHORS.md)")
+    ax.axhline(29.0, color="r", ls=":", label="transformers 8x4k (docs/anchors.md)")
     ax.set_ylabel("k tokens/s")
     ax.legend()
     fig.savefig(out / "prefill.png", dpi=120, bbox_inches="tight")

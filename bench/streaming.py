@@ -35,7 +35,7 @@ GiB = float(1 << 30)
 
 
 def k3_slice_config(layers: int, full_width: bool = True) -> dict:
-    """K3's text model at full width (MODELS.md §2) with `layers` MoE layers (no dense layer 0). full_width False:
+    """K3's text model at full width (docs/models.md#kimi-k3), `layers` MoE layers, no dense layer 0. full_width False:
     the tiny widths of make-tiny (for the CPU smoke test of this script)."""
     from shard_svc.make_tiny import kimi_k3_config, mla_layers
 

@@ -1,7 +1,7 @@
 """Structured logging: one JSON object per line on stderr, so log pipelines parse fields instead of grepping text.
 
 Every line has ts (UTC, ISO 8601), level, service and msg; fields passed with `extra={...}` are added as is.
-Request ids are logged whole (LESSONS.md 4).
+Request ids are logged whole (docs/lessons.md#whole-ids-in-logs).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 // Weight-streaming engine: checkpoint tensors held in (pinned) host memory, a ring of fixed-address device slots,
-// asynchronous host-to-device copies on a dedicated stream with events, and the guards of LESSONS.md 1:
+// asynchronous host-to-device copies on a dedicated stream with events, and the guards that
+// docs/lessons.md#no-silent-wrong-output asks for:
 //   - MissingSlot:       a host tensor (or a whole layer) asked for with no device slot holding it;
 //   - ByteSizeMismatch:  a copy whose source and destination byte sizes differ (checked before every copy);
 //   - ShortSlotMap:      a layer's slot map that does not cover every tensor of the layer;

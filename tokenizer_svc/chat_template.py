@@ -1,4 +1,4 @@
-"""Chat rendering: the built-in Kimi format (MODELS.md §3) or the checkpoint's own Jinja template, which wins.
+"""Chat rendering: the built-in Kimi format (docs/models.md#chat-format) or the checkpoint's own Jinja template (wins).
 
 Also `parse_tool_calls`, the inverse for model output: the router turns a Kimi tool-calls section back into
 structured calls.

@@ -1,4 +1,4 @@
-"""Constants of the Kimi (K2 family) tokenizer, shared by both Kimi-Linear and Kimi-K3 (MODELS.md §3)."""
+"""Constants of the Kimi (K2 family) tokenizer, shared by Kimi-Linear and Kimi-K3 (docs/models.md#special-tokens)."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def _configured_specials(config: Mapping[str, object], path: Path) -> dict[int, 
 
 def _from_tiktoken(model_dir: Path, config: Mapping[str, object]) -> tuple[Tokenizer, dict[int, str]]:
     ranks = read_tiktoken_model(model_dir / TIKTOKEN_MODEL)
-    # MODELS.md layout: 256 reserved ids right after the base vocab; the config's names override the defaults.
+    # 256 reserved ids right after the base vocab (docs/models.md#special-tokens); the config's names override them.
     specials = kimi_special_tokens(len(ranks)) | _configured_specials(config, model_dir / TOKENIZER_CONFIG)
     return build_bpe_tokenizer(ranks, merges_from_ranks(ranks), specials), specials
 

@@ -2,7 +2,7 @@
 
 Each entry names a module exposing `load_tokenizer(model_dir: Path) -> LoadedTokenizer`. Modules are imported by
 name when the registry is built; one that fails to import is logged as a warning naming it and its error, and only
-its model types are missing: the others still register (LESSONS.md 12).
+its model types are missing: the others still register (docs/lessons.md#a-broken-plug-in-stays-local).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 TokenizerFactory = Callable[[Path], LoadedTokenizer]
 
-# Every Kimi family shares the K2 tokenizer (MODELS.md §3).
+# Every Kimi family shares the K2 tokenizer (docs/models.md#tokenizer-and-chat-format).
 TOKENIZER_MODULES: dict[str, str] = {
     "kimi_k2": "tokenizer_svc.loading",
     "kimi_linear": "tokenizer_svc.loading",

@@ -2,7 +2,8 @@
 
 Layout mirrors the real one at a small scale: 512 base ids (256 single bytes + 256 merges learned from the built-in
 text below with the Kimi split pattern), then the 256 reserved Kimi special ids, at the same offsets from the base
-as MODELS.md's ids from 163584 ([BOS] 512, [EOS] 513, <|im_end|> 514, ..., [PAD] 767). Both load paths are written:
+as the real ids from 163584 (docs/models.md#special-tokens): [BOS] 512, [EOS] 513, <|im_end|> 514, ..., [PAD] 767.
+Both load paths are written:
 `tokenizer.json` (built from the learned merges) and `tiktoken.model` + `tokenizer_config.json` (ranks only, so the
 loader must rebuild the merges). The seed permutes which rank each single byte gets, as real rank files do not list
 bytes in order; the same seed always writes the same bytes.

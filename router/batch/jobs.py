@@ -79,7 +79,7 @@ class BatchJob:
                     raise RuntimeError(f"batch {self.id}: step for status {row.status!r} did not move it on")
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - every batch reaches a terminal status (LESSONS.md 5)
+        except Exception as e:  # noqa: BLE001 - docs/lessons.md#every-request-and-batch-ends
             log.exception("batch failed internally", extra={"batch_id": self.id})
             self._fail_internal(e)
         finally:

@@ -3,7 +3,7 @@
 Order of work: parse config.json; build the model on the meta device; open the safetensors files (memory-mapped)
 and validate every tensor's presence, shape and dtype against the expected table, raising one error that lists
 all problems; only then materialise each parameter on the target device, reading each stored tensor once, and
-check that every parameter was filled (LESSONS.md 1: never run on init values or stale memory).
+check every parameter was filled (never run on init values or stale memory: docs/lessons.md#no-silent-wrong-output).
 """
 
 from __future__ import annotations

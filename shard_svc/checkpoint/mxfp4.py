@@ -1,9 +1,9 @@
 """MXFP4 (OCP MX, compressed-tensors `mxfp4-pack-quantized`, groups of 32) pack and unpack.
 
-Layout (MODELS.md §2): `weight_packed` uint8 [out, in/2] holds two E2M1 codes per byte, LOW NIBBLE FIRST;
+Layout (docs/models.md#mxfp4-experts): `weight_packed` uint8 [out, in/2], two E2M1 codes per byte, LOW NIBBLE FIRST;
 code bit 3 is the sign, bits 0-2 index the magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. `weight_scale` uint8
 [out, in/32] is an E8M0 exponent per group: the multiplier is 2^(byte - 127). A scale byte is never a value
-(LESSONS.md 1: 121 means 2^-6, not 121.0), and byte 255 is NaN, which is refused.
+(docs/lessons.md#no-silent-wrong-output: 121 means 2^-6, not 121.0), and byte 255 is NaN, which is refused.
 """
 
 from __future__ import annotations

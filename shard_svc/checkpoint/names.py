@@ -1,7 +1,7 @@
 """The table of tensors a checkpoint must hold: published name -> shape, accepted dtypes, model parameter, role.
 
 Built from the model's own `named_parameters()`, so the loader, make-tiny and the tests share one source of
-truth. The model mirrors the published names except for the rules below (see MODELS.md):
+truth. The model mirrors the published names except for the rules below (docs/models.md#stored-vs-model-layout):
 - K3 text tensors live under `language_model.` (`cfg.tensor_prefix`);
 - AttnRes modules `*_res.{norm,proj}` are stored flat as `*_res_{norm,proj}`;
 - routed experts are stacked in the model ([E, out, in]) and stored one tensor per expert, optionally MXFP4;

@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
         return h + self.ffn(h, ctx)
 
     def forward_attn_res(self, x: torch.Tensor, carry: BlockCarry, ctx: ForwardContext) -> torch.Tensor:
-        """Block Attention Residuals path (MODELS.md §2, steps 1-8)."""
+        """Block Attention Residuals path (docs/models.md#block-attention-residuals, steps 1-8)."""
         prefix = x
         if carry.count:
             x = self.self_attention_res(prefix, carry.filled(), ctx.ops)
@@ -79,7 +79,7 @@ class KimiModel(nn.Module):
         carry = BlockCarry(self.cfg.num_layers, self.cfg.attn_res_block_size, h)
         for layer in self.layers:
             h = layer.forward_attn_res(h, carry, ctx)
-        # Mix, then norm: the order is part of the model (LESSONS.md 1).
+        # Mix, then norm: the order is part of the model (docs/lessons.md#no-silent-wrong-output).
         return self.norm(self.output_attn_res(h, carry.filled(), ctx.ops), ctx.ops)
 
 

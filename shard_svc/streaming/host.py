@@ -120,7 +120,8 @@ class HostWeights:
         self._filled[layer] = set(self._members[layer])
 
     def check_filled(self) -> None:
-        """Every member of every layer written once: never stream uninitialised host memory (LESSONS.md 1)."""
+        """Every member of every layer written once: never stream uninitialised host memory
+        (docs/lessons.md#no-silent-wrong-output)."""
         missing = [f"layer {layer} {name}" for layer, names in self._members.items() for name in names
                    if name not in self._filled[layer]]
         if missing:

@@ -1,6 +1,6 @@
 """Host KV offload for the MLA latent cache: a sequence's pages move to (pinned) host memory and back.
 
-Sizing comes from a per-model profile derived from the model's own layer map (LESSONS.md 13): the host pool is laid
+Sizing follows the model's own layer map (docs/lessons.md#memory-profiles-per-model): the host pool is laid
 out `[num_mla, pages, block_size, latent]` like the device cache and indexed by MLA cache index, never by engine
 layer index (K3: 93 engine layers, 24 MLA layers at 3, 7, ..., 87, 91, 92 -> host rows 0..23). Every page copy
 checks shape and byte size first. Offload copies a sequence's pages out and only then frees its device blocks (after

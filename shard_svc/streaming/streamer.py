@@ -53,7 +53,7 @@ _METADATA = frozenset({"shape", "dtype", "device", "ndim", "is_meta", "requires_
 
 class UnboundWeight(torch.Tensor):
     """A streamed parameter while its layer holds no slot. Any computation with it raises MissingSlotError, so a
-    missed fetch can never fall through to stale or uninitialised weights (LESSONS.md 1)."""
+    missed fetch can never fall through to stale or uninitialised weights (docs/lessons.md#no-silent-wrong-output)."""
 
     stream_name: str
 

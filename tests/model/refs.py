@@ -1,4 +1,4 @@
-"""Small references written from ../shared/spec/MODELS.md, for the model tests.
+"""Small references written from docs/models.md, for the model tests.
 
 Independent of `shard_svc`: plain torch, explicit loops, one sequence at a time, fp32 where the spec says so. They
 read weights as plain tensors and never call the model's functions, so a test comparing the model against them
@@ -18,7 +18,7 @@ Tensor = torch.Tensor
 
 # -- norms and activations -----------------------------------------------------------------------------------------
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Statistics in fp32, cast back to x's dtype, then times the weight (MODELS.md §1)."""
+    """Statistics in fp32, cast back to x's dtype, then times the weight (docs/models.md#rmsnorm)."""
     xf = x.float()
     normed = xf / torch.sqrt((xf * xf).mean(dim=-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
@@ -73,7 +73,7 @@ def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None = None):
-    """The MODELS.md §1 step-5 recurrence, per head, token by token, fp32.
+    """The docs/models.md#recurrence step, per head, token by token, fp32.
 
     q, k [T, H, K] (already normalised / scaled); v [T, H, V]; g [T, H, K] log-decay; beta [T, H]; state [H, K, V].
     Returns (o [T, H, V], final state [H, K, V]).
@@ -257,10 +257,10 @@ class K3Trace:
 
 def k3_forward(emb: Tensor, layers: list[K3Layer], output_res: Mix, final_norm: Callable[[Tensor], Tensor],
                block_size: int, *, mix_before_norm: bool = True, keep_carry: bool = True) -> K3Trace:
-    """MODELS.md §2 steps 1-8 and the output mix, over one sequence.
+    """docs/models.md#block-attention-residuals steps 1-8 and the output mix, over one sequence.
 
     `mix_before_norm=False` applies the final norm first and mixes afterwards (the wrong order);
-    `keep_carry=False` hands every layer an empty carry (the dropped-carry bug of LESSONS.md 1).
+    `keep_carry=False` hands every layer an empty carry (docs/lessons.md#no-silent-wrong-output: the dropped carry).
     """
     x, blocks, boundaries = emb, [], []
     for idx, layer in enumerate(layers):

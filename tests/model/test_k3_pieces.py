@@ -1,4 +1,4 @@
-"""K3 pieces, one by one, against the spec references in tests/model/refs.py (MODELS.md §2).
+"""K3 pieces, one by one, against the spec references in tests/model/refs.py (docs/models.md#kimi-k3).
 
 Every expected value comes from refs.py or is computed by hand here; the model code only ever produces the
 `actual` side. Tiny random models come from tests/engine/conftest.py.
@@ -30,7 +30,7 @@ EPS = 1e-5  # rms_norm_eps of the tiny configs
 # MLA's q_a_layernorm / kv_a_layernorm: the model authors' code (and transformers) use the norm's default 1e-6,
 # not rms_norm_eps; see shard_svc/model/mla.py.
 MLA_LATENT_EPS = 1e-6
-BOUNDARIES_93 = [0, 12, 24, 36, 48, 60, 72, 84]  # MODELS.md §2: layers that open a block, block size 12
+BOUNDARIES_93 = [0, 12, 24, 36, 48, 60, 72, 84]  # blocks of 12 open here: docs/models.md#block-attention-residuals
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

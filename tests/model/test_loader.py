@@ -27,7 +27,7 @@ _ATTN_RES = re.compile(r"(self_attention_res|mlp_res|output_attn_res)_(norm|proj
 
 
 def ref_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MODELS.md MXFP4 written out again in float64: low nibble first, bit 3 sign, scale byte = exponent."""
+    """docs/models.md#mxfp4-experts again in float64: low nibble first, bit 3 sign, scale byte = exponent."""
     magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
     p = packed.long()
     codes = torch.stack([p % 16, p // 16], dim=-1).flatten(-2)  # [out, in]
@@ -37,7 +37,7 @@ def ref_dequant(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def expected_params(ckpt: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Model parameter name -> value, from the stored tensors and the mapping rules in MODELS.md."""
+    """Model parameter name -> value, from the stored tensors and the rules of docs/models.md#stored-vs-model-layout."""
     stored: dict[str, torch.Tensor] = {}
     for path in sorted(ckpt.glob("*.safetensors")):
         stored.update(load_file(path))

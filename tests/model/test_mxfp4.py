@@ -1,4 +1,4 @@
-"""MXFP4 dequantisation against bytes decoded by hand (MODELS.md §2), and the make-tiny quantiser's inverse."""
+"""MXFP4 dequantisation against bytes decoded by hand (docs/models.md#mxfp4-experts), and make-tiny's quantiser."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_byte_0x2f_scale_127():
 
 
 def test_scale_byte_is_an_exponent_not_a_value():
-    # 121 means 2^(121-127) = 1/64, never 121.0 (LESSONS.md 1).
+    # 121 means 2^(121-127) = 1/64, never 121.0 (docs/lessons.md#no-silent-wrong-output).
     w = dequantize_mxfp4(*one_group([0x2F], 121), torch.float32)
     assert w[0, :2].tolist() == [-6.0 / 64, 1.0 / 64] == [-0.09375, 0.015625]
 

@@ -150,7 +150,7 @@ def test_greedy_tokens_match_transformers(pair):
 
 def test_parity_sees_the_routing_convention(pair, monkeypatch):
     """The cases are sensitive to the MoE weight convention: with the original remote code's bias-included weights
-    (MODELS.md §1) our logits leave the transformers tolerance, so the parity above really checks it."""
+    (docs/models.md#routing) our logits leave the transformers tolerance, so the parity above really checks it."""
     case, hf, engine, prompt, _ = pair
     from shard_svc.ops.moe import eager
 

@@ -1,7 +1,7 @@
 """Host KV offload: the profile comes from the model's own layer map and the host pool is indexed by MLA cache index.
 
 The 93-layer K3 topology has 24 MLA layers at engine indices 3, 7, ..., 87, 91, 92. A pool indexed by engine layer
-(the bug of LESSONS.md 1: a pool sized for 27 layers indexed by a 93-layer model's engine index) fails these tests
+(docs/lessons.md#no-silent-wrong-output: a pool sized for 27 layers, indexed by a 93-layer engine index) fails them
 from engine layer 27 on.
 """
 

@@ -1,4 +1,4 @@
-"""Chat rendering against strings written out by hand from MODELS.md §3, checkpoint templates, render errors,
+"""Chat rendering against strings written by hand from docs/models.md#chat-format, checkpoint templates, render errors,
 and parsing tool calls back out of model output."""
 
 from __future__ import annotations

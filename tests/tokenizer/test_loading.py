@@ -16,7 +16,7 @@ from tokenizer_svc.kimi_format import KIMI_PAT_STR
 from tokenizer_svc.loading import LoadedTokenizer, load_tokenizer
 from tokenizer_svc.tiny import write_tiny_tokenizer
 
-# MODELS.md §3 ids minus the real base (163584), added to the tiny base (512).
+# docs/models.md#special-tokens ids minus the real base (163584), added to the tiny base (512).
 EXPECTED_SPECIALS = {
     "[BOS]": 512, "[EOS]": 513, "<|im_end|>": 514, "<|im_user|>": 515, "<|im_assistant|>": 516,
     "<|im_system|>": 522, "<|tool_calls_section_begin|>": 523, "<|tool_calls_section_end|>": 524,

@@ -1,4 +1,5 @@
-"""The model_type registry: a broken plug-in warns by name and the others still register (LESSONS.md 12)."""
+"""The model_type registry: a broken plug-in warns by name and the others still register
+(docs/lessons.md#a-broken-plug-in-stays-local)."""
 
 from __future__ import annotations
 

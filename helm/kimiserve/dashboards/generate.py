@@ -7,7 +7,8 @@ when an expression names a metric the services do not export, and when an expres
 Prometheus scraping a running stack.
 
 Series carry the target labels `namespace` and `model` (the chart's ServiceMonitors set `model`); the dashboard is
-templated on both. Aggregation across shards and routers is done here, in the queries (LESSONS.md 10).
+templated on both. Aggregation across shards and routers is done here, in the queries
+(docs/lessons.md#metrics-are-an-api).
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ ALERTS: list[dict] = [
              f"[{BATCH_TRANSITION_MINUTES}m]) > 0",
      "summary": "Batches have been {{ $labels.status }} for over " + f"{BATCH_TRANSITION_MINUTES} minutes",
      "description": "{{ $value }} batch(es) stayed in a transitional status without interruption; "
-                    "every batch must reach a terminal status (LESSONS.md 5)."},
+                    "every batch must reach a terminal status (docs/lessons.md#every-request-and-batch-ends)."},
     {"alert": "KimiserveBatchStalled", "for": f"{BATCH_IDLE_MINUTES}m", "severity": "warning",
      "expr": f'max by (namespace, model) (kimiserve_router_batches{{status="in_progress"}}) > 0 '
              f"unless on (namespace, model) "

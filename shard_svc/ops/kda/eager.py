@@ -1,4 +1,4 @@
-"""Eager KDA ops behind the op seam: chunked prefill (the UT/WY form of MODELS.md) and one-token decode.
+"""Eager KDA ops behind the op seam: chunked prefill (docs/models.md#chunked-prefill) and one-token decode.
 
 Both read each sequence's initial state from the pool by slot and write its final state back in place.
 """

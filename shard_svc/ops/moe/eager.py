@@ -17,7 +17,7 @@ def moe_route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weights [T, k] fp32, expert ids [T, k] int64).
 
-    The bias only chooses experts; the weights are the unbiased sigmoid scores of the chosen ones (MODELS.md).
+    The bias only chooses experts; the weights are the chosen ones' unbiased sigmoid scores (docs/models.md#routing).
     """
     scores = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
     ids = torch.topk(scores + upcast(correction_bias), top_k, dim=-1, sorted=True).indices

@@ -1,6 +1,6 @@
 """KDA chunked prefill over packed variable-length sequences (chunk 64), state read from and written to the pool.
 
-Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (the UT/WY chunk form of MODELS.md section 1) and the token
+Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (UT/WY chunk form, docs/models.md#chunked-prefill) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
 
 1. `_kda_chunk_intra_kernel`, one program per (chunk, head), all chunks in parallel. Fuses the gate, its

@@ -3,7 +3,7 @@ inside the grouped GEMMs; activations and the intermediate stay in the model dty
 
 Reference: the eager MoE (`shard_svc/ops/moe/eager.py::moe_experts`) over `checkpoint/mxfp4.py::dequantize_mxfp4`
 weights, which `streaming/experts.py::w4a16_moe_experts` equals bit for bit. The weights as the checkpoint stores
-them (MODELS.md §2): `packed` uint8 [E, out, in/2], two E2M1 codes per byte, LOW NIBBLE FIRST (bit 3 the sign,
+them (docs/models.md#mxfp4-experts): `packed` uint8 [E, out, in/2], two E2M1 codes a byte, LOW NIBBLE FIRST (bit 3 sign,
 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6); `scale` uint8 [E, out, in/32], an E8M0 exponent: the multiplier is
 2^(byte - 127), never the byte's value.
 
