@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from kimiserve.limits import MAX_TEMPERATURE
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
-from router.balancer import NoHealthyShard, pick_shard
+from router.balancer import NoHealthyShard, affinity_key, pick_shard
 from router.errors import AlreadyExists, InvalidArgument, ShardUnavailable
 from router.metrics import RouterMetrics
 from router.shard_client import ShardClient
@@ -112,7 +112,7 @@ class Generation:
         async with self.admission.slot(request_id):
             self.metrics.queue_time.labels(method).observe(time.monotonic() - arrival)
             try:
-                shard = pick_shard([c.view for c in self.shards])
+                shard = pick_shard([c.view for c in self.shards], affinity_key(prompt))
             except NoHealthyShard as e:
                 raise ShardUnavailable(str(e)) from e
             shard_client = next(c for c in self.shards if c.view is shard)
@@ -129,6 +129,7 @@ class Generation:
         detok = self.tokenizer.detokenizer(keep_special)
         stops = StopStringFilter(list(s.stop))
         generated: list[int] = []
+        cached = 0
         first_at = None
         finished = False
         try:
@@ -140,13 +141,15 @@ class Generation:
                 if kind == "token":
                     token = event.token.token_id
                     generated.append(token)
+                    cached = cached or event.token.cached_prompt_tokens
                     first_at = first_at or time.monotonic()
                     delta = "" if token in hidden_ids else await detok.add([token])
                     text = stops.feed(delta)
                     if stops.stopped:
                         finished = True
                         await shard.cancel(request_id)
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(generated))
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(generated),
+                                                 cached_prompt_tokens=cached)
                         yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage)
                         break
                     yield Chunk([token], text)

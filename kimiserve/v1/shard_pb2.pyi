@@ -48,14 +48,16 @@ class ShardRequest(_message.Message):
 class ShardEvent(_message.Message):
     __slots__ = ("request_id", "token", "finished", "error")
     class Token(_message.Message):
-        __slots__ = ("token_id", "index", "logprob")
+        __slots__ = ("token_id", "index", "logprob", "cached_prompt_tokens")
         TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
         INDEX_FIELD_NUMBER: _ClassVar[int]
         LOGPROB_FIELD_NUMBER: _ClassVar[int]
+        CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         token_id: int
         index: int
         logprob: float
-        def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+        cached_prompt_tokens: int
+        def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
     class Finished(_message.Message):
         __slots__ = ("finish_reason", "usage", "error_message")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]

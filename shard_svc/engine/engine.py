@@ -49,7 +49,7 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None
     logprob: float | None = None
-    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (set on the finish)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
 
 @dataclass
@@ -238,7 +238,7 @@ class Engine:
             return self._finish(seq, "stop", token=token, logprob=lp, last_logits=logits)
         if len(seq.output) >= seq.params.max_tokens:
             return self._finish(seq, "length", token=token, logprob=lp, last_logits=logits)
-        return TokenEvent(seq.request_id, token, len(seq.output) - 1, logprob=lp)
+        return TokenEvent(seq.request_id, token, len(seq.output) - 1, logprob=lp, cached_tokens=seq.cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
                 logprob: float | None = None, last_logits: torch.Tensor | None = None) -> TokenEvent:

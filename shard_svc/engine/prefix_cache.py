@@ -23,7 +23,7 @@ another prompt's state.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -158,7 +158,7 @@ class PrefixCache:
 
     def _add(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor) -> None:
         entry_owner = self._next_owner()
-        self.blocks.share(entry_owner, self.blocks.table(owner)[:self.blocks.blocks_for(len(tokens))])
+        self.blocks.share(entry_owner, self.blocks.table(owner)[:self.blocks.blocks_for(len(tokens))], cache=True)
         entry = CachedPrefix(list(tokens), slot, entry_owner, logits.detach().float().clone())
         chain = self._chain(tokens, len(tokens) // self.blocks.block_size)
         self._entries[self._key(tokens, len(tokens), chain)] = entry
@@ -186,5 +186,4 @@ class PrefixCache:
     @property
     def blocks_held(self) -> int:
         """Blocks only the cache holds: what evicting every entry would free."""
-        refs = Counter(b for e in self._entries.values() for b in self.blocks.table(e.owner))
-        return sum(1 for block, n in refs.items() if self.blocks.refs(block) == n)
+        return self.blocks.num_cache_only

@@ -39,6 +39,8 @@ class LoadSnapshot:
     free_blocks: int
     total_slots: int
     total_blocks: int
+    prefix_entries: int = 0
+    prefix_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,16 @@ class EngineLoop:
         return events
 
     def _take_snapshot(self) -> None:
-        """Called on the engine thread with the lock held; requests not yet taken in count as queued."""
+        """Called on the engine thread with the lock held; requests not yet taken in count as queued. Slots are the
+        running sequences' (the prefix cache's are beside them); blocks only the cache holds count as free, since
+        an admission takes them back."""
         s = self.engine.scheduler
+        cache = self.engine.prefix_cache
+        cached_blocks = cache.blocks_held if cache is not None else 0
         self._snapshot = LoadSnapshot(s.queued_tokens + sum(len(x.prompt) for x in self._intake), len(s.running),
-                                      s.num_waiting + len(self._intake), s.slots.num_free, s.blocks.num_free,
-                                      s.slots.num_slots, s.blocks.num_blocks)
+                                      s.num_waiting + len(self._intake), s.max_running - len(s.running),
+                                      s.blocks.num_free + cached_blocks, s.max_running, s.blocks.num_blocks,
+                                      len(cache) if cache is not None else 0, cached_blocks)
 
     def _route(self, event: TokenEvent) -> None:
         """Called with the lock held."""
@@ -186,6 +193,9 @@ class EngineLoop:
         load = self.load()
         self.metrics.set_occupancy(load.running, load.queued, load.total_slots - load.free_slots,
                                    load.total_slots, load.total_blocks - load.free_blocks, load.total_blocks)
+        cache = self.engine.prefix_cache
+        if cache is not None:
+            self.metrics.set_prefix_cache(cache.stats, load.prefix_entries, cache.max_entries, load.prefix_blocks)
 
     def _fail(self, error: Exception) -> None:
         """Every live request ends with the failure and its usage so far; the fatal hooks stop the shard."""

@@ -74,6 +74,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "minus one sequence's promise); when a step's blocks run short, whole sequences' KV pages "
                         "move to the host, the most recently admitted first, and those sequences wait until blocks "
                         "free up and their pages come back. 0 (default): off, every promise stays on the device")
+    p.add_argument("--prefix-cache-entries", type=int, default=16,
+                   help="cached prompt prefixes kept for reuse: each holds one KDA state slot (beside the "
+                        "--num-state-slots of running sequences; about 41 MiB at the 48B shape) and shares the "
+                        "prefix's KV blocks, which admissions reclaim when they need them. 0: no prefix cache")
+    p.add_argument("--prefix-state-interval", type=int, default=4096,
+                   help="also cache the state every this many tokens of a chunked prefill (at the first pass "
+                        "boundary past each multiple), so prompts sharing only the start of a long one hit. "
+                        "A multiple of 64; 0: only at prompt ends and finishes")
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
@@ -89,8 +97,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
+    if args.prefix_cache_entries < 0 or args.prefix_state_interval < 0 or args.prefix_state_interval % 64:
+        raise SystemExit(f"--prefix-cache-entries must be >= 0 (got {args.prefix_cache_entries}) and "
+                         f"--prefix-state-interval a multiple of 64 (got {args.prefix_state_interval})")
     engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
-                          args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)))
+                          args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
+                          prefix_cache_entries=args.prefix_cache_entries,
+                          prefix_state_interval=args.prefix_state_interval)
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
                              args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,

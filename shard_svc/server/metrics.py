@@ -28,7 +28,19 @@ class ShardMetrics:
         self.blocks_total = Gauge("kimiserve_shard_kv_blocks_total", "MLA KV-cache blocks in the pool", **kw)
         self.finished = Counter("kimiserve_shard_sequences_finished", "Sequences finished, by finish reason",
                                 labelnames=labels + ("reason",), registry=self.registry)
+        self.prefix_queried = Counter("kimiserve_shard_prefix_cache_queried_tokens",
+                                      "Prompt tokens of admitted sequences, looked up in the prefix cache", **kw)
+        self.prefix_hit = Counter("kimiserve_shard_prefix_cache_hit_tokens",
+                                  "Prompt tokens restored from the prefix cache instead of prefilled", **kw)
+        self.prefix_evictions = Counter("kimiserve_shard_prefix_cache_evictions",
+                                        "Prefix cache entries evicted (entries full, or blocks needed)", **kw)
+        self.prefix_entries = Gauge("kimiserve_shard_prefix_cache_entries", "Prefix cache entries held", **kw)
+        self.prefix_entries_total = Gauge("kimiserve_shard_prefix_cache_entries_total",
+                                          "Prefix cache entries the shard keeps at most", **kw)
+        self.prefix_blocks = Gauge("kimiserve_shard_prefix_cache_kv_blocks",
+                                   "KV blocks only the prefix cache holds (admissions reclaim them)", **kw)
         self.labels = {"shard": shard, "rank": str(rank)}
+        self._prefix_seen = (0, 0, 0)
 
     def observe_pass(self, kind: str, seconds: float, tokens: int) -> None:
         if kind == "prefill":
@@ -47,3 +59,15 @@ class ShardMetrics:
 
     def sequence_finished(self, reason: str) -> None:
         self.finished.labels(reason=reason, **self.labels).inc()
+
+    def set_prefix_cache(self, stats, entries: int, max_entries: int, blocks: int) -> None:
+        """stats: the cache's running totals (PrefixCacheStats); the counters advance by what is new since last."""
+        now = (stats.queried_tokens, stats.hit_tokens, stats.evictions)
+        for counter, new, old in zip((self.prefix_queried, self.prefix_hit, self.prefix_evictions), now,
+                                     self._prefix_seen):
+            if new > old:
+                counter.labels(**self.labels).inc(new - old)
+        self._prefix_seen = now
+        self.prefix_entries.labels(**self.labels).set(entries)
+        self.prefix_entries_total.labels(**self.labels).set(max_entries)
+        self.prefix_blocks.labels(**self.labels).set(blocks)

@@ -52,12 +52,14 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
     """A TokenEvent is a Token, a Finished, or a Token followed by Finished (the last token of a sequence)."""
     out = []
     if event.token_id is not None:
-        token = shard_pb2.ShardEvent.Token(token_id=event.token_id, index=event.index)
+        token = shard_pb2.ShardEvent.Token(token_id=event.token_id, index=event.index,
+                                           cached_prompt_tokens=event.cached_tokens if event.index == 0 else 0)
         if event.logprob is not None:
             token.logprob = event.logprob
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, token=token))
     if event.finish_reason is not None:
-        usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens)
+        usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+                                 cached_prompt_tokens=event.cached_tokens)
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, finished=shard_pb2.ShardEvent.Finished(
             finish_reason=FINISH[event.finish_reason], usage=usage, error_message=event.error or "")))
     return out

@@ -35,7 +35,9 @@ class BlockAllocator:
     """Fixed pool of KV blocks of `block_size` tokens; a sequence's blocks form its block table.
 
     A block may be in several tables (the prefix cache shares full blocks of a cached prefix with the sequences
-    that restore it): each block counts its tables, and it is free again only when the last one releases it."""
+    that restore it): each block counts its tables, and it is free again only when the last one releases it.
+    Tables of cache owners are told apart, so the blocks only the cache holds (what evicting it would free) are
+    counted as they change, not by a walk over every table."""
 
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
@@ -43,6 +45,9 @@ class BlockAllocator:
         self._free = list(range(num_blocks - 1, -1, -1))
         self._tables: dict[str, list[int]] = {}
         self._refs: dict[int, int] = {}
+        self._cache_refs: dict[int, int] = {}
+        self._cache_owners: set[str] = set()
+        self.num_cache_only = 0
 
     @property
     def num_free(self) -> int:
@@ -64,16 +69,19 @@ class BlockAllocator:
             )
         new = [self._free.pop() for _ in range(need)]
         for block in new:
-            self._refs[block] = 1
+            self._count(block, +1, owner)
         self._tables.setdefault(owner, []).extend(new)
         return new
 
-    def share(self, owner: str, blocks: list[int]) -> None:
-        """Appends blocks another table holds to `owner`'s table (the caller never writes into them)."""
+    def share(self, owner: str, blocks: list[int], cache: bool = False) -> None:
+        """Appends blocks another table holds to `owner`'s table (the caller never writes into them). cache: the
+        owner is a prefix cache entry."""
+        if cache:
+            self._cache_owners.add(owner)
         for block in blocks:
             if self._refs.get(block, 0) < 1:
                 raise ValueError(f"KV block {block} is free; {owner!r} cannot share it")
-            self._refs[block] += 1
+            self._count(block, +1, owner)
         self._tables.setdefault(owner, []).extend(blocks)
 
     def table(self, owner: str) -> list[int]:
@@ -84,7 +92,20 @@ class BlockAllocator:
 
     def release(self, owner: str) -> None:
         for block in reversed(self._tables.pop(owner, [])):
-            self._refs[block] -= 1
+            self._count(block, -1, owner)
             if not self._refs[block]:
                 del self._refs[block]
                 self._free.append(block)
+        self._cache_owners.discard(owner)
+
+    def _count(self, block: int, delta: int, owner: str) -> None:
+        was = self._cache_only(block)
+        self._refs[block] = self._refs.get(block, 0) + delta
+        if owner in self._cache_owners:
+            self._cache_refs[block] = self._cache_refs.get(block, 0) + delta
+            if not self._cache_refs[block]:
+                del self._cache_refs[block]
+        self.num_cache_only += self._cache_only(block) - was
+
+    def _cache_only(self, block: int) -> bool:
+        return self._refs.get(block, 0) > 0 and self._refs.get(block) == self._cache_refs.get(block, 0)

@@ -42,3 +42,20 @@ def test_pick_shard_prefers_headroom_and_skips_unhealthy():
     assert pick_shard([a, b, c]).name == "a"
     with pytest.raises(NoHealthyShard, match="a"):
         pick_shard([ShardView("a"), c])
+
+
+def test_prefix_affinity_keeps_a_prompt_start_on_one_shard_while_it_has_room():
+    from router.balancer import affinity_key
+
+    views = [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1", "s2")]
+    convo = list(range(300))
+    first = pick_shard(views, affinity_key(convo)).name
+    assert pick_shard(views, affinity_key(convo + [7, 8, 9])).name == first  # the next turn: same start
+    assert pick_shard(list(reversed(views)), affinity_key(convo)).name == first  # order does not matter
+    spread = {pick_shard(views, affinity_key([i] * 10)).name for i in range(60)}
+    assert spread == {"s0", "s1", "s2"}  # different starts spread over every shard
+    busy = next(v for v in views if v.name == first)
+    busy.free_slots = 1  # far less room than the others: headroom wins over affinity
+    assert pick_shard(views, affinity_key(convo)).name != first
+    busy.free_slots = 7  # within the slack: affinity holds
+    assert pick_shard(views, affinity_key(convo)).name == first
