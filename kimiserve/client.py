@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from kimiserve.sampling_args import add_sampling_args
+from kimiserve.text import encodable
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -17,7 +18,7 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, stop=args.stop, stop_token_ids=args.stop_token_ids,
+                                  top_k=args.top_k, stop=[encodable(s) for s in args.stop], stop_token_ids=args.stop_token_ids,
                                   ignore_eos=args.ignore_eos)
     if args.seed is not None:
         s.seed = args.seed
@@ -47,7 +48,7 @@ def _fail(e: grpc.RpcError) -> int:
 def run_complete(args: argparse.Namespace) -> int:
     req = router_pb2.GenerateRequest(sampling=_sampling(args))
     if args.prompt is not None:
-        req.text = args.prompt
+        req.text = encodable(args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
     else:
         req.prompt_token_ids.ids.extend(args.prompt_ids)
     ids, text, last = [], [], None
@@ -69,8 +70,8 @@ def run_complete(args: argparse.Namespace) -> int:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    messages = [common_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
-    messages.append(common_pb2.ChatMessage(role="user", content=args.message))
+    messages = [common_pb2.ChatMessage(role="system", content=encodable(args.system))] if args.system else []
+    messages.append(common_pb2.ChatMessage(role="user", content=encodable(args.message)))
     req = router_pb2.ChatRequest(messages=messages, sampling=common_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature))
     if args.seed is not None:

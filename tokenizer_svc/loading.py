@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders
 
+from kimiserve.text import encodable
 from tokenizer_svc.bpe import build_bpe_tokenizer, merges_from_ranks, read_tiktoken_model, unicode_to_bytes
 from tokenizer_svc.errors import TokenizerLoadError
 from tokenizer_svc.kimi_format import END_OF_TURN, kimi_special_tokens
@@ -46,8 +47,11 @@ class LoadedTokenizer:
         return len(self.token_bytes)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special-token strings become their ids. No BOS (the Kimi format never adds one)."""
-        return self.hf.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special-token strings become their ids. No BOS (the Kimi format never adds one).
+
+        Surrogates are fixed first as Kimi's tiktoken tokenizer fixes them (pairs joined, a lone one is U+FFFD;
+        kimiserve/text.py): `tokenizers` refuses text that is not encodable as UTF-8."""
+        return self.hf.encode(encodable(text), add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; ids past the vocab decode to nothing; bytes that are not UTF-8 become U+FFFD."""

@@ -114,3 +114,13 @@ def test_malformed_tiktoken_line_names_file_and_line(tmp_path: Path, tiktoken_di
 def test_missing_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="neither tokenizer.json nor tiktoken.model"):
         load_tokenizer(tmp_path)
+
+
+@pytest.mark.parametrize("which", ["tok", "tik"])
+def test_surrogates_are_encoded_as_tiktoken_encodes_them(which: str, request: pytest.FixtureRequest) -> None:
+    """A lone surrogate (argv bytes that are not UTF-8, a JSON \\udcff escape) is U+FFFD, a surrogate pair the
+    character it spells, as Kimi's tiktoken tokenizer encodes them; `tokenizers` alone raises TypeError."""
+    t: LoadedTokenizer = request.getfixturevalue(which)
+    assert t.encode("a\udcffb c\ud800") == t.encode("a\ufffdb c\ufffd")
+    assert t.encode("\ud83d\ude00 x") == t.encode("\U0001F600 x")
+    assert t.decode(t.encode("a\udcffb")) == "a\ufffdb"

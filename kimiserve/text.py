@@ -1,0 +1,21 @@
+"""Text that cannot be encoded as UTF-8, made encodable the way Kimi's own tokenizer (tiktoken) does it.
+
+A Python str may hold surrogate code points (U+D800..U+DFFF): from argv bytes that are not UTF-8
+(surrogateescape), or from JSON `\\udXXX` escapes. UTF-8 cannot encode them, so neither protobuf nor the
+`tokenizers` library accepts such a string. tiktoken's `encode` fixes such text before encoding by a round trip
+through UTF-16: a high + low surrogate pair becomes the character it encodes, and a lone surrogate becomes U+FFFD.
+`encodable` does exactly that, so the tokenizer service, the CLI and batch input agree with tiktoken.
+"""
+
+from __future__ import annotations
+
+import re
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> str:
+    """`text` with surrogate pairs joined and lone surrogates replaced by U+FFFD; `text` itself when it has none."""
+    if _SURROGATE.search(text) is None:  # the common case: one linear scan, no copy
+        return text
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
