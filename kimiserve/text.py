@@ -10,6 +10,7 @@ through UTF-16: a high + low surrogate pair becomes the character it encodes, an
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -19,3 +20,15 @@ def encodable(text: str) -> str:
     if _SURROGATE.search(text) is None:  # the common case: one linear scan, no copy
         return text
     return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def encodable_json(value: Any) -> Any:
+    """A parsed JSON value with `encodable` applied to every string in it (keys too): JSON text may spell a lone
+    surrogate as an escape (`"\\udcff"`). Recursive, so give it values whose depth is already bounded."""
+    if isinstance(value, str):
+        return encodable(value)
+    if isinstance(value, list):
+        return [encodable_json(v) for v in value]
+    if isinstance(value, dict):
+        return {encodable(k): encodable_json(v) for k, v in value.items()}
+    return value

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from kimiserve.limits import MAX_TEMPERATURE
+from kimiserve.limits import MAX_STOP_STRINGS, MAX_TEMPERATURE
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, affinity_key, pick_shard
@@ -19,7 +19,6 @@ from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
-MAX_STOP_STRINGS = 16
 
 
 @dataclass

@@ -3,6 +3,7 @@ the interactive RPCs and batch requests, so both validate and tokenize the same 
 
 from __future__ import annotations
 
+from kimiserve import limits
 from kimiserve.v1 import router_pb2
 from router.errors import InvalidArgument, NotFound
 from router.generation import Generation
@@ -25,7 +26,16 @@ def check_model(gen: Generation, model: str) -> None:
         raise NotFound(f"model {model!r} is not served here; this router serves {served!r}")
 
 
+def check_sizes(check, req) -> None:
+    """The API's size limits (kimiserve/limits.py), before any rendering or tokenizing work."""
+    try:
+        check(req)
+    except limits.RequestTooLarge as e:
+        raise InvalidArgument(str(e)) from e
+
+
 async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> list[int]:
+    check_sizes(limits.check_generate, req)
     check_model(gen, req.model)
     kind = req.WhichOneof("prompt")
     if kind == "text":
@@ -38,6 +48,7 @@ async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> l
 
 
 async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> list[int]:
+    check_sizes(limits.check_chat, req)
     check_model(gen, req.model)
     if not req.messages:
         raise InvalidArgument("messages is empty")

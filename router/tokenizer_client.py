@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from kimiserve.limits import clip
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailable
 
@@ -12,7 +13,7 @@ _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NO
 
 
 def _translate(e: grpc.aio.AioRpcError) -> RouterError:
-    return _STATUS.get(e.code(), RouterError)(f"tokenizer service: {e.details()}")
+    return _STATUS.get(e.code(), RouterError)(f"tokenizer service: {clip(e.details() or '')}")
 
 
 class TokenizerClient:

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kimiserve.limits import clip
 from tokenizer_svc.chat_types import ChatMessage, ToolCall, validate_messages
 from tokenizer_svc.errors import RenderError, TokenizerLoadError
 
@@ -121,18 +122,27 @@ class JinjaChatTemplate:
             return self._render(messages, tools, add_generation_prompt)
         except Exception as exc:  # any exception a template raises is this request's render error
             index = self._first_failing_message(messages, tools, add_generation_prompt)
+            # The template's message may quote the input (e.g. raise_exception on a whole message): cut it short.
             raise RenderError(
-                f"messages[{index}]: chat template ({self.source}) raised {type(exc).__name__}: {exc}"
+                f"messages[{index}]: chat template ({self.source}) raised {type(exc).__name__}: {clip(str(exc))}"
             ) from exc
 
     def _first_failing_message(self, messages: Messages, tools: Tools, gen: bool) -> int:
-        """Index of the last message of the shortest prefix that fails, to point the client at a message."""
-        for end in range(1, len(messages)):
+        """Index k such that messages[:k] renders and messages[:k + 1] fails, to point the client at a message.
+
+        A binary search over prefix lengths (the whole conversation is known to fail, the empty one is taken to
+        render): O(log n) renders of at most n messages each, where trying every prefix would be quadratic. When
+        failures only grow with the prefix (the usual case) this is the first failing message."""
+        ok, failing = 0, len(messages)
+        while failing - ok > 1:
+            mid = (ok + failing) // 2
             try:
-                self._render(messages[:end], tools, gen)
+                self._render(messages[:mid], tools, gen)
             except Exception:  # noqa: BLE001 - only locates the failure render() already re-raises as RenderError
-                return end - 1
-        return len(messages) - 1
+                failing = mid
+            else:
+                ok = mid
+        return failing - 1
 
 
 def _token_content(value: object) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimiserve.limits import JsonTooDeep, loads_json
 from tokenizer_svc.errors import RenderError
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -61,11 +62,13 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
         for j, call in enumerate(msg.tool_calls):
             if not call.name:
                 raise RenderError(f"messages[{i}].tool_calls[{j}]: function name is empty")
+            where = f"messages[{i}].tool_calls[{j}] ({call.name})"
             try:
-                args = json.loads(call.arguments)
+                args = loads_json(call.arguments)
             except json.JSONDecodeError as exc:
-                where = f"messages[{i}].tool_calls[{j}] ({call.name})"
                 raise RenderError(f"{where}: arguments are not JSON: {exc}") from exc
+            except JsonTooDeep as exc:
+                raise RenderError(f"{where}: arguments: {exc}") from exc
             if not isinstance(args, dict):
                 raise RenderError(f"messages[{i}].tool_calls[{j}] ({call.name}): arguments must be a JSON object")
 
@@ -73,9 +76,11 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
 def parse_tool_json(index: int, text: str) -> dict[str, Any]:
     """One tools[] entry given as JSON text; RenderError naming the tool index when it is not a JSON object."""
     try:
-        tool = json.loads(text)
+        tool = loads_json(text)
     except json.JSONDecodeError as exc:
         raise RenderError(f"tools[{index}]: malformed JSON: {exc}") from exc
+    except JsonTooDeep as exc:
+        raise RenderError(f"tools[{index}]: {exc}") from exc
     if not isinstance(tool, dict):
         raise RenderError(f"tools[{index}]: must be a JSON object, got {type(tool).__name__}")
     return tool
@@ -86,9 +91,11 @@ def function_tool(index: int, name: str, description: str, parameters_json: str)
     if not name:
         raise RenderError(f"tools[{index}]: function name is empty")
     try:
-        parameters = json.loads(parameters_json) if parameters_json else {}
+        parameters = loads_json(parameters_json) if parameters_json else {}
     except json.JSONDecodeError as exc:
         raise RenderError(f"tools[{index}] ({name}): parameters_json is malformed JSON: {exc}") from exc
+    except JsonTooDeep as exc:
+        raise RenderError(f"tools[{index}] ({name}): parameters_json: {exc}") from exc
     if not isinstance(parameters, dict):
         raise RenderError(f"tools[{index}] ({name}): parameters_json must be a JSON object")
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}

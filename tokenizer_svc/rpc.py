@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kimiserve.limits import clip
 from tokenizer_svc import metrics
 from tokenizer_svc.errors import InvalidRequest, ModelNotFound
 
@@ -34,10 +35,11 @@ StreamMethod = Callable[[Any, Req, grpc.aio.ServicerContext], AsyncIterator[Resp
 def _status_for(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     for kind, code in _CODES.items():
         if isinstance(exc, kind):
-            log.info("%s rejected: %s", rpc, exc, extra={"rpc": rpc, "code": code.name, "error": str(exc)})
-            return code, str(exc)
+            message = clip(str(exc))
+            log.info("%s rejected: %s", rpc, message, extra={"rpc": rpc, "code": code.name, "error": message})
+            return code, message
     log.exception("%s failed", rpc, extra={"rpc": rpc})
-    return grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__}: {exc}"
+    return grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__}: {clip(str(exc))}"
 
 
 def _observe(rpc: str, code: grpc.StatusCode, start: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from kimiserve import limits
 from kimiserve.v1 import tokenizer_pb2 as pb
 from kimiserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import metrics
@@ -65,6 +66,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     @unary("RenderChat")
     async def RenderChat(self, request: pb.RenderChatRequest, context: Ctx) -> pb.RenderChatResponse:
         self._check_model(request.model)
+        try:  # counts and sizes first (kimiserve/limits.py): no conversion or rendering work for an oversized one
+            limits.check_chat_parts(request.messages, request.tools)
+        except limits.RequestTooLarge as exc:
+            raise InvalidRequest(str(exc)) from exc
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         prompt = await asyncio.to_thread(
             render_chat,

@@ -63,7 +63,8 @@ class ShardServicer:
         """The sequence stream. The router opens one (or a few) long-lived streams and multiplexes sequences over them by
         request_id. Every Submit reaches exactly one terminal event on the same stream: Finished, or Error with its
         request_id. When the stream ends or breaks, every sequence submitted on it that is still running is cancelled and
-        its slots and blocks are freed.
+        its slots and blocks are freed. A message that is not a valid protobuf ShardRequest ends the stream there (as a
+        break) with INVALID_ARGUMENT; on the unary rpcs such a request body is INVALID_ARGUMENT too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,6 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimiserve.limits import JsonTooDeep, loads_json
+from kimiserve.text import encodable_json
 from kimiserve.v1 import common_pb2, router_pb2
 
 MAX_REQUESTS = 50_000
@@ -58,9 +60,12 @@ def parse_jsonl(text: str) -> ParsedInput:
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = encodable_json(loads_json(raw))  # lone surrogate escapes become U+FFFD, as in the tokenizer
         except json.JSONDecodeError as e:
             _issue(out, "invalid_json", f"line {line_no} is not valid JSON: {e.msg} at column {e.colno}", line_no)
+            continue
+        except JsonTooDeep as e:
+            _issue(out, "invalid_json", f"line {line_no}: {e}", line_no)
             continue
         if not isinstance(obj, dict):
             _issue(out, "invalid_line", f"line {line_no} is a JSON {type(obj).__name__}, not an object", line_no)

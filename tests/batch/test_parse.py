@@ -71,6 +71,8 @@ def test_a_bad_request_fails_alone(body_line, fragment):
     (json.dumps({"custom_id": 12, "body": {}}), "missing_custom_id", 1),
     (line("a") + "\n" + line("b") + "\n" + line("a"), "duplicate_custom_id", 3),
     ("\n  \n", "empty_input", 0),
+    (line("a") + "\n" + '{"custom_id": "d", "body": ' + "[" * 5000 + "]" * 5000 + "}", "invalid_json", 2),
+    (line("a") + "\n" + line("d", body={"prompt": "p", "x": json.loads("[" * 64 + "]" * 64)}), "invalid_json", 2),
 ])
 def test_an_unusable_input_fails_the_batch(text, code, line_no):
     parsed = parse_jsonl(text)
@@ -97,3 +99,12 @@ def test_inline_requests():
     dup = parse_inline(items + [router_pb2.BatchRequestItem(custom_id="g")])
     assert [i.code for i in dup.issues] == ["duplicate_custom_id"] and dup.issues[0].line == 4
     assert [i.code for i in parse_inline([router_pb2.BatchRequestItem()]).issues] == ["missing_custom_id"]
+
+
+def test_a_lone_surrogate_escape_is_read_as_the_tokenizer_reads_it():
+    """JSON may spell a lone surrogate ("\\udcff"), which protobuf cannot hold: it becomes U+FFFD (as Kimi's
+    tiktoken encodes it), a pair of escapes the character it spells."""
+    parsed = parse_jsonl(line("s", body={"prompt": "a\udcffb \ud83d\ude00", "stop": ["\udcff"]}))
+    assert parsed.issues == [] and parsed.requests[0].kind == GENERATE
+    req = router_pb2.GenerateRequest.FromString(parsed.requests[0].payload)
+    assert req.text == "a\ufffdb \U0001F600" and list(req.sampling.stop) == ["\ufffd"]

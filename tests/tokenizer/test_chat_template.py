@@ -4,15 +4,26 @@ and parsing tool calls back out of model output."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
-from tokenizer_svc.chat_template import BuiltinKimiTemplate, load_chat_template, parse_tool_calls, render_chat
-from tokenizer_svc.chat_types import ChatMessage, ToolCall
+from kimiserve.limits import MAX_ERROR_CHARS, MAX_JSON_DEPTH
+from tokenizer_svc.chat_template import (BuiltinKimiTemplate, JinjaChatTemplate, load_chat_template,
+                                         parse_tool_calls, render_chat)
+from tokenizer_svc.chat_types import ChatMessage, ToolCall, function_tool, parse_tool_json
 from tokenizer_svc.errors import RenderError, TokenizerLoadError
 
 LIMIT = 10_000
+
+
+class FunctionTool(NamedTuple):
+    name: str
+    description: str
+    parameters_json: str
+
 DEFAULT_SYSTEM = "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
 WEATHER_TOOL = {
     "type": "function",
@@ -152,6 +163,54 @@ def test_template_exception_names_the_message(tmp_path: Path) -> None:
     expected = r"messages\[2\]: chat template \(tokenizer_config.json\) raised .*assistant turn is empty"
     with pytest.raises(RenderError, match=expected):
         render_chat(loaded, messages, [], True, LIMIT)
+
+
+def test_template_failure_is_located_in_logarithmic_renders(tmp_path: Path, monkeypatch) -> None:
+    """Locating the failing message renders O(log n) prefixes, not every prefix (quadratic in the conversation),
+    and a template error that quotes the input is cut short."""
+    template = (
+        "{% for m in messages %}{% if m.content == 'bad' %}{{ raise_exception('bad turn: ' ~ messages|tojson) }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    loaded = load_chat_template(tmp_path, write_config(tmp_path, chat_template=template))
+    renders = []
+    original = JinjaChatTemplate._render
+
+    def counted(self, messages, tools, gen):
+        renders.append(len(messages))
+        return original(self, messages, tools, gen)
+
+    monkeypatch.setattr(JinjaChatTemplate, "_render", counted)
+    messages = [ChatMessage("user", "x" * 100)] * 3000 + [ChatMessage("user", "bad")] + [ChatMessage("user", "y")]
+    with pytest.raises(RenderError, match=r"messages\[3000\]: .* raised TemplateError: bad turn") as e:
+        render_chat(loaded, messages, [], True, 1_000)
+    assert len(renders) <= 2 + math.ceil(math.log2(len(messages))), renders
+    assert len(str(e.value)) < MAX_ERROR_CHARS + 200 and "more characters cut" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "messages,tools",
+    [
+        ([ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", '{"a":' + "[" * 5_000),))], []),
+        ([ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", '{"a":' + "[" * 64 + "]" * 64 + "}"),))], []),
+        ([ChatMessage("user", "a")], ["[" * 100_000]),
+        ([ChatMessage("user", "a")], [FunctionTool("f", "", '{"a":' * 5_000)]),
+    ],
+    ids=["args-recursion", "args-one-past-the-limit", "tool-json", "parameters"],
+)
+def test_deeply_nested_json_is_a_render_error(messages: list[ChatMessage], tools: list) -> None:
+    """Nesting past MAX_JSON_DEPTH is refused by name (Python's parser would raise RecursionError around 1,000)."""
+    with pytest.raises(RenderError, match=rf"(messages\[0\]|tools\[0\]).*deeper than the limit of {MAX_JSON_DEPTH}"):
+        parsed = [function_tool(0, t.name, "", t.parameters_json) if isinstance(t, FunctionTool)
+                  else parse_tool_json(0, t) for t in tools]
+        render(messages, parsed)
+
+
+def test_json_at_the_depth_limit_renders() -> None:
+    args = "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
+    deep = {"a": json.loads(args)}
+    got = render([ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", json.dumps(deep)),))])
+    assert json.dumps(deep) in got
 
 
 def test_sandbox_refuses_mutation_and_dunder_access(tmp_path: Path) -> None:
