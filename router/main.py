@@ -15,6 +15,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kimiserve import security
+from kimiserve.decode_guard import AioDecodeGuard
+from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
 from router.batch.runner import BatchConfig  # batch jobs (router/batch)
@@ -88,7 +90,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
     # round_robin: with `dns:///NAME:PORT` (a headless Service) requests spread over every tokenizer pod.
     tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(
-        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin")]))
+        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"),
+                                                  ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)]))
     await tokenizer.load_info()
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     discovery = ShardDiscovery(
@@ -101,7 +104,9 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     generation = Generation(shards, tokenizer, Admission(cfg.max_in_flight, cfg.max_queued, metrics), metrics,
                             cfg.default_max_tokens)
     interceptors = [security.ApiKeyInterceptor(security.ApiKeys(cfg.api_keys_file))] if cfg.api_keys_file else []
-    server = grpc.aio.server(interceptors=interceptors)
+    interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     servicer = RouterService(generation)
     # -- batch jobs (router/batch): SQLite store, runner, and the batch RPCs on the same Router service --
     batches = BatchWiring(cfg.batch or BatchConfig(default_db_path(), owner=f"{cfg.host}:{cfg.port}"),
