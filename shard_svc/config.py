@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from shard_svc.errors import ConfigError, UnsupportedModelError, UnsupportedQuantizationError
+from shard_svc.config_values import ConfigReader
+from shard_svc.errors import ConfigError, ConfigValueError, UnsupportedModelError, UnsupportedQuantizationError
 
 LayerKind = Literal["kda", "mla"]
 MlpKind = Literal["dense", "moe"]
@@ -137,6 +138,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: must be a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         parser = _PARSERS.get(model_type)
         if parser is None:
@@ -152,20 +155,22 @@ def _req(d: dict[str, Any], key: str, source: str) -> Any:
     return d[key]
 
 
-def _layer_kinds(text: dict[str, Any], lin: dict[str, Any], n: int, source: str) -> tuple[LayerKind, ...]:
+def _layer_kinds(text: dict[str, Any], lin: dict[str, Any], n: int, source: str,
+                 reader: ConfigReader) -> tuple[LayerKind, ...]:
     if text.get("layer_types"):
         names = {"linear_attention": "kda", "full_attention": "mla"}
-        try:
-            kinds = tuple(names[t] for t in text["layer_types"])
-        except KeyError as e:
-            raise ConfigError(f"{source}: unknown layer type {e.args[0]!r} in layer_types") from e
+        types = _list(text, "layer_types", source)
+        unknown = [t for t in types if not isinstance(t, str) or t not in names]
+        if unknown:
+            raise ConfigError(f"{source}: unknown layer type {unknown[0]!r} in layer_types")
+        kinds = tuple(names[t] for t in types)
     else:
-        full = _req(lin, "full_attn_layers", source)
-        kda = lin.get("kda_layers", [i for i in range(1, n + 1) if i not in full])
+        full = [reader.check_int(f"full_attn_layers[{j}]", v, 1, n)
+                for j, v in enumerate(_list(lin, "full_attn_layers", source))]
+        kda = ([reader.check_int(f"kda_layers[{j}]", v, 1, n) for j, v in enumerate(_list(lin, "kda_layers", source))]
+               if "kda_layers" in lin else [i for i in range(1, n + 1) if i not in full])
         kinds_list: list[str | None] = [None] * n
         for one_based, kind in [(i, "mla") for i in full] + [(i, "kda") for i in kda]:
-            if not 1 <= one_based <= n:
-                raise ConfigError(f"{source}: layer {one_based} (1-based) outside 1..{n}")
             if kinds_list[one_based - 1] is not None:
                 raise ConfigError(f"{source}: layer {one_based} (1-based) listed as both KDA and MLA")
             kinds_list[one_based - 1] = kind
@@ -178,16 +183,23 @@ def _layer_kinds(text: dict[str, Any], lin: dict[str, Any], n: int, source: str)
     return kinds  # type: ignore[return-value]
 
 
-def _mlp_kinds(text: dict[str, Any], n: int, source: str) -> tuple[MlpKind, ...]:
+def _list(d: dict[str, Any], key: str, source: str) -> list[Any]:
+    value = _req(d, key, source)
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: {key} must be a list, got {type(value).__name__}")
+    return value
+
+
+def _mlp_kinds(text: dict[str, Any], n: int, source: str, reader: ConfigReader) -> tuple[MlpKind, ...]:
     if text.get("mlp_layer_types"):
         names = {"dense": "dense", "sparse": "moe"}
-        kinds = tuple(names.get(t) for t in text["mlp_layer_types"])
+        kinds = tuple(names.get(t) if isinstance(t, str) else None for t in _list(text, "mlp_layer_types", source))
         if None in kinds or len(kinds) != n:
             raise ConfigError(f"{source}: mlp_layer_types must be {n} of 'dense'|'sparse'")
         return kinds  # type: ignore[return-value]
     if text.get("moe_layer_freq", 1) != 1:
         raise UnsupportedModelError(f"{source}: moe_layer_freq={text['moe_layer_freq']} is not supported")
-    first_dense = text.get("first_k_dense_replace", 0)
+    first_dense = reader.size("first_k_dense_replace", 0, hi=n)
     return tuple("dense" if i < first_dense else "moe" for i in range(n))
 
 
@@ -213,20 +225,23 @@ def _quantization(text: dict[str, Any], source: str) -> Literal["mxfp4"] | None:
     )
 
 
-def _eos_ids(text: dict[str, Any]) -> tuple[int, ...]:
-    eos = text.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+def _section(d: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    value = d.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{source}: {key} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _parse(raw: dict[str, Any], source: str, model_type: str) -> ModelConfig:
-    text = raw.get("text_config", raw) if model_type == "kimi_k3" else raw
-    lin = text.get("linear_attn_config") or {}
-    get = lambda key, default=None: lin.get(key, text.get(key, default))  # noqa: E731
-    n = int(_req(text, "num_hidden_layers", source))
-    if text.get("use_grouped_topk") and text.get("num_expert_group", 1) > 1 and (
-        text.get("topk_group", 1) < text.get("num_expert_group", 1)
+    """Every size is read through ConfigReader (typed and range-checked, config_values.py) before anything is built
+    from it; consistency between fields is checked here."""
+    text = (_section(raw, "text_config", source) or raw) if model_type == "kimi_k3" else raw
+    lin = _section(text, "linear_attn_config", source)
+    t = ConfigReader(source, text)
+    la = ConfigReader(source, lin, text)  # KDA keys: linear_attn_config first, then the text config
+    n = t.size("num_hidden_layers")
+    if text.get("use_grouped_topk") and t.size("num_expert_group", 1) > 1 and (
+        t.size("topk_group", 1) < t.size("num_expert_group", 1)
     ):
         raise UnsupportedModelError(
             f"{source}: grouped top-k routing (num_expert_group={text['num_expert_group']}, "
@@ -237,62 +252,68 @@ def _parse(raw: dict[str, Any], source: str, model_type: str) -> ModelConfig:
     act = text.get("hidden_act", "silu")
     if act not in ("silu", "situ"):
         raise UnsupportedModelError(f"{source}: hidden_act {act!r} is not supported (silu, situ)")
-    kda_heads = int(get("num_heads", text.get("num_attention_heads")))
+    mla_heads = t.size("num_attention_heads")
     kda = KDAConfig(
-        num_heads=kda_heads,
-        head_dim=int(get("head_dim", 128)),
-        conv_kernel=int(get("short_conv_kernel_size", 4)),
-        gate_lower_bound=get("gate_lower_bound"),
-        full_rank_output_gate=bool(get("use_full_rank_gate", False)),
+        num_heads=la.size("num_heads", mla_heads),
+        head_dim=la.size("head_dim", 128),
+        conv_kernel=la.size("short_conv_kernel_size", 4),
+        gate_lower_bound=la.real("gate_lower_bound", None, -1e3, 0.0),
+        full_rank_output_gate=bool(lin.get("use_full_rank_gate", text.get("use_full_rank_gate", False))),
     )
     mla = MLAConfig(
-        num_heads=int(_req(text, "num_attention_heads", source)),
-        q_lora_rank=text.get("q_lora_rank"),
-        kv_lora_rank=int(_req(text, "kv_lora_rank", source)),
-        qk_nope_head_dim=int(_req(text, "qk_nope_head_dim", source)),
-        qk_rope_head_dim=int(_req(text, "qk_rope_head_dim", source)),
-        v_head_dim=int(_req(text, "v_head_dim", source)),
+        num_heads=mla_heads,
+        q_lora_rank=t.optional_size("q_lora_rank"),
+        kv_lora_rank=t.size("kv_lora_rank"),
+        qk_nope_head_dim=t.size("qk_nope_head_dim"),
+        qk_rope_head_dim=t.size("qk_rope_head_dim"),
+        v_head_dim=t.size("v_head_dim"),
         output_gate=bool(text.get("mla_use_output_gate", False)),
     )
+    num_experts = t.size("num_experts", 0)
     moe = MoEConfig(
-        num_experts=int(text.get("num_experts", text.get("n_routed_experts", 0))),
-        top_k=int(text.get("num_experts_per_token", text.get("num_experts_per_tok", 0))),
-        intermediate_size=int(text.get("moe_intermediate_size", 0)),
-        num_shared_experts=int(text.get("num_shared_experts", text.get("n_shared_experts", 0))),
-        routed_scaling_factor=float(text.get("routed_scaling_factor", 1.0)),
+        num_experts=num_experts,
+        top_k=t.size("num_experts_per_token", 0),
+        intermediate_size=t.size("moe_intermediate_size", 0),
+        num_shared_experts=t.size("num_shared_experts", 0),
+        routed_scaling_factor=t.real("routed_scaling_factor", 1.0, 1e-6, 1e3),
         renormalize=bool(text.get("moe_renormalize", text.get("norm_topk_prob", True))),
-        latent_size=text.get("routed_expert_hidden_size"),
+        latent_size=t.optional_size("routed_expert_hidden_size"),
         latent_norm=bool(text.get("latent_moe_use_norm", False)),
     )
     if text.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise UnsupportedModelError(
             f"{source}: moe_router_activation_func={text['moe_router_activation_func']!r}; only sigmoid"
         )
-    mlp_kinds = _mlp_kinds(text, n, source)
-    if "moe" in mlp_kinds and (moe.num_experts <= 0 or not 0 < moe.top_k <= moe.num_experts):
-        raise ConfigError(f"{source}: MoE layers need 0 < num_experts_per_token ({moe.top_k}) <= num_experts "
-                          f"({moe.num_experts})")
+    mlp_kinds = _mlp_kinds(text, n, source, t)
+    if "moe" in mlp_kinds and (moe.num_experts <= 0 or not 0 < moe.top_k <= moe.num_experts
+                               or moe.intermediate_size <= 0):
+        raise ConfigValueError(f"{source}: MoE layers need 0 < num_experts_per_token ({moe.top_k}) <= num_experts "
+                               f"({moe.num_experts}) and moe_intermediate_size ({moe.intermediate_size}) >= 1")
+    intermediate_size = t.size("intermediate_size", 0)
+    if "dense" in mlp_kinds and intermediate_size <= 0:
+        raise ConfigValueError(f"{source}: dense MLP layers need intermediate_size >= 1, got {intermediate_size}")
+    vocab_size = t.size("vocab_size")
     return ModelConfig(
         model_type=model_type,
-        vocab_size=int(_req(text, "vocab_size", source)),
-        hidden_size=int(_req(text, "hidden_size", source)),
+        vocab_size=vocab_size,
+        hidden_size=t.size("hidden_size"),
         num_layers=n,
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
-        intermediate_size=int(text.get("intermediate_size", 0)),
-        layer_map=LayerMap.from_kinds(_layer_kinds(text, lin, n, source)),
+        rms_norm_eps=t.real("rms_norm_eps", 1e-5, 1e-12, 0.1),
+        intermediate_size=intermediate_size,
+        layer_map=LayerMap.from_kinds(_layer_kinds(text, lin, n, source, t)),
         mlp_kinds=mlp_kinds,
         kda=kda,
         mla=mla,
         moe=moe,
         activation=act,
-        situ_beta=float(text.get("activation_situ_beta", 4.0)),
-        situ_linear_beta=float(text.get("activation_situ_linear_beta", 25.0)),
-        attn_res_block_size=text.get("attn_res_block_size"),
+        situ_beta=t.real("activation_situ_beta", 4.0, 1e-6, 1e6),
+        situ_linear_beta=t.real("activation_situ_linear_beta", 25.0, 1e-6, 1e6),
+        attn_res_block_size=t.optional_size("attn_res_block_size"),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        max_position_embeddings=int(text.get("model_max_length", text.get("max_position_embeddings", 1 << 20))),
-        bos_token_id=text.get("bos_token_id"),
-        eos_token_ids=_eos_ids(text),
-        pad_token_id=text.get("pad_token_id"),
+        max_position_embeddings=t.size("max_position_embeddings", 1 << 20),
+        bos_token_id=t.token_id("bos_token_id", vocab_size),
+        eos_token_ids=t.token_ids("eos_token_id", vocab_size),
+        pad_token_id=t.token_id("pad_token_id", vocab_size),
         torch_dtype=str(text.get("torch_dtype", text.get("dtype", raw.get("torch_dtype", "bfloat16")))),
         quantization=_quantization(text, source) or _quantization(raw, source),
         tensor_prefix="language_model." if model_type == "kimi_k3" else "",

@@ -9,6 +9,11 @@ class ConfigError(KimiServeError):
     """config.json is missing, malformed, or describes something this engine does not run."""
 
 
+class ConfigValueError(ConfigError):
+    """A config.json value has the wrong type (a float such as 1e7 where a size is expected) or is outside its
+    allowed range; the message names the key, the value, the range and the file."""
+
+
 class UnsupportedModelError(ConfigError):
     """Unknown model_type or an architecture option the engine does not implement."""
 
