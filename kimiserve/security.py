@@ -4,7 +4,8 @@
   certificates signed by it (mTLS between router, tokenizer and shards).
 - Client credentials for the router's connections to the tokenizer and the shards (`UpstreamTls`).
 - API keys on the router: `authorization: Bearer <key>` metadata checked by a server interceptor against keys read
-  from a file (one per line, `#` comments). Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs
+  from a file (one per line, `#` comments), reloaded when it changes; an emptied or broken file leaves no key valid
+  (see ApiKeys). Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs
   the method and the reason, plus a short SHA-256 prefix of a presented key so that two clients can be told apart
   without revealing either key.
 - A plaintext health-only port (`--health-port`): kubelet's native gRPC probes cannot speak TLS, so with TLS on the
@@ -154,41 +155,75 @@ def key_fingerprint(key: str) -> str:
 
 
 class ApiKeys:
-    """Keys from a file, one per line (blank lines and `#` comments ignored). The file is re-read when its
-    modification time changes (a rotated Kubernetes Secret), at most once per `recheck_s`."""
+    """Keys from a file, one per line (blank lines and `#` comments ignored), re-read when the file changes (a rotated
+    Kubernetes Secret), checked at most once per `recheck_s`.
+
+    The file is the only source of truth, and a reload fails closed:
+    - at startup, a file that is missing, unreadable, not UTF-8, holds a key that is not printable ASCII or holds no
+      key at all is a SecurityConfigError naming the file (and the byte offset or line): the router does not start;
+    - while running, a file that becomes empty revokes every key: from then on every request is UNAUTHENTICATED,
+      logged at ERROR, until a key is written again. Emptying the file locks everyone out; it never turns auth off;
+    - a file that becomes unreadable, disappears or is invalid also leaves no key valid (logged at ERROR). The keys
+      loaded before may be exactly the ones being revoked (a leaked key is rotated out), so serving them from memory
+      while the file cannot be read would keep a revoked key working for as long as the file stays broken.
+    A change is noticed by the file's identity, size, mtime and ctime, so a write within one mtime tick, a replaced
+    file or a permission change is still re-read.
+    """
 
     def __init__(self, path: Path, recheck_s: float = 2.0):
         self.path, self._recheck_s = Path(path), recheck_s
-        self._mtime: float | None = None
         self._checked_at = 0.0
-        self._keys: tuple[bytes, ...] = ()
-        self._load(initial=True)
+        self._signature = self._stat()  # before reading: a change made meanwhile is seen at the next check
+        self._keys: tuple[bytes, ...] = self._read()  # raises SecurityConfigError: a bad file at startup is fatal
+        log.info("API keys loaded", extra={"path": str(self.path), "keys": len(self._keys)})
 
-    def _load(self, initial: bool = False) -> None:
+    def _stat(self) -> tuple[int, ...] | None:
         try:
-            mtime = os.stat(self.path).st_mtime_ns
-        except OSError as e:
-            if initial:
-                raise SecurityConfigError(f"cannot read the API keys file {self.path}: {e.strerror}") from e
-            log.error("API keys file unreadable; keeping the keys loaded before", extra={"path": str(self.path)})
-            return
-        if mtime == self._mtime:
-            return
-        lines = _read(self.path, "API keys file (--api-keys-file)").decode().splitlines()
-        keys = tuple(k.encode() for k in (line.split("#", 1)[0].strip() for line in lines) if k)
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+    def _read(self) -> tuple[bytes, ...]:
+        data = _read(self.path, "API keys file (--api-keys-file)")
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = data.count(b"\n", 0, e.start) + 1
+            raise SecurityConfigError(f"the API keys file {self.path} is not UTF-8: byte 0x{data[e.start]:02x} at "
+                                      f"byte offset {e.start} (line {line})") from None
+        keys = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            key = line.split("#", 1)[0].strip()
+            if key and not (key.isascii() and key.isprintable()):
+                # Metadata values travel in HTTP/2 headers: such a key could never be presented.
+                raise SecurityConfigError(f"the API keys file {self.path}, line {number}: a key must be printable "
+                                          "ASCII")
+            if key:
+                keys.append(key.encode())
         if not keys:
             raise SecurityConfigError(f"the API keys file {self.path} holds no key")
-        self._keys, self._mtime = keys, mtime
-        log.info("API keys loaded", extra={"path": str(self.path), "keys": len(keys)})
+        return tuple(keys)
+
+    def _reload_if_changed(self) -> None:
+        signature = self._stat()
+        if signature == self._signature:
+            return
+        self._signature = signature
+        try:
+            self._keys = self._read()
+        except SecurityConfigError as e:
+            self._keys = ()
+            log.error("API keys file not usable: NO key is valid, every request is refused until it is fixed: %s",
+                      e, extra={"path": str(self.path)})
+            return
+        log.info("API keys reloaded", extra={"path": str(self.path), "keys": len(self._keys)})
 
     def valid(self, presented: str) -> bool:
         now = time.monotonic()
         if now - self._checked_at >= self._recheck_s:
             self._checked_at = now
-            try:
-                self._load()
-            except SecurityConfigError as e:
-                log.error("API keys file not reloaded: %s", e)
+            self._reload_if_changed()
         token = presented.encode()
         # Compare against every key (no early exit), in constant time per key.
         return sum(hmac.compare_digest(token, k) for k in self._keys) > 0

@@ -163,7 +163,7 @@ def test_tls_flags_are_validated():
         security.ServerTls("/nonexistent/c.pem", "/nonexistent/k.pem").credentials()
 
 
-def test_api_keys_file_parsing_reload_and_refusals(tmp_path, caplog):
+def test_api_keys_file_parsing_reload_and_refusals(tmp_path):
     path = tmp_path / "keys"
     path.write_text("# operators\nkey-one  # alice\n\n key-two\n")
     keys = security.ApiKeys(path, recheck_s=0)
@@ -172,15 +172,54 @@ def test_api_keys_file_parsing_reload_and_refusals(tmp_path, caplog):
     path.write_text("key-three\n")
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # a rotated Secret: new mtime
     assert keys.valid("key-three") and not keys.valid("key-one")
-    path.write_text("# nothing\n")
-    os.utime(path, ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
-    with caplog.at_level(logging.ERROR):
-        assert keys.valid("key-three")  # an emptied file keeps the keys loaded before, loudly
-    assert "no key" in caplog.text
-    with pytest.raises(security.SecurityConfigError, match="holds no key"):
-        security.ApiKeys(path)
     with pytest.raises(security.SecurityConfigError, match="cannot read the API keys file"):
         security.ApiKeys(tmp_path / "absent")
+
+
+def test_an_emptied_keys_file_revokes_every_key(tmp_path, caplog):
+    """Emptying the file locks everyone out (it never turns auth off), loudly; a key written again is accepted.
+    Files are rewritten in place without touching the mtime by hand: a change within one mtime tick is still seen."""
+    path = tmp_path / "keys"
+    path.write_text("key-one\n")
+    keys = security.ApiKeys(path, recheck_s=0)
+    assert keys.valid("key-one")
+    with caplog.at_level(logging.ERROR):
+        path.write_bytes(b"# nothing\n")
+        assert not keys.valid("key-one") and not keys.valid("")
+    assert "NO key is valid" in caplog.text and "holds no key" in caplog.text
+    path.write_bytes(b"key-two\n")
+    assert keys.valid("key-two") and not keys.valid("key-one")
+    path.write_text("")
+    with pytest.raises(security.SecurityConfigError, match="holds no key"):
+        security.ApiKeys(path)  # at startup an empty file is refused: the router could admit nobody
+
+
+@pytest.mark.parametrize("data, fragment", [
+    (b"key-one\n\xffkey\n", "is not UTF-8: byte 0xff at byte offset 8 (line 2)"),
+    (b"key-one\nk\xc3\xa9y\n", "line 2: a key must be printable ASCII"),
+])
+def test_an_invalid_keys_file_is_a_named_error_and_fails_closed_on_reload(tmp_path, caplog, data, fragment):
+    path = tmp_path / "keys"
+    path.write_bytes(data)
+    with pytest.raises(security.SecurityConfigError) as e:
+        security.ApiKeys(path)
+    assert str(path) in str(e.value) and fragment in str(e.value)
+    path.write_text("key-one\n")
+    keys = security.ApiKeys(path, recheck_s=0)
+    with caplog.at_level(logging.ERROR):
+        path.write_bytes(data)
+        assert not keys.valid("key-one")  # the keys loaded before are not kept: they may be the revoked ones
+    assert fragment in caplog.text
+
+
+def test_a_deleted_keys_file_leaves_no_key_valid(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("key-one\n")
+    keys = security.ApiKeys(path, recheck_s=0)
+    path.unlink()
+    assert not keys.valid("key-one")
+    path.write_text("key-one\n")
+    assert keys.valid("key-one")
 
 
 def test_bearer_token_parsing():
