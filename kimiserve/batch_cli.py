@@ -87,7 +87,14 @@ def result_json(r: router_pb2.BatchResult) -> dict:
 
 
 def _submit(stub, args) -> int:
-    text = args.file.read_text(encoding="utf-8")
+    try:
+        text = args.file.read_bytes().decode("utf-8")
+    except OSError as e:
+        sys.stderr.write(f"kimiserve: cannot read {args.file}: {e.strerror}\n")
+        return 2
+    except UnicodeDecodeError as e:
+        sys.stderr.write(f"kimiserve: {args.file} is not UTF-8 (byte offset {e.start}); JSONL must be UTF-8\n")
+        return 2
     if len(text.encode("utf-8")) > MAX_MESSAGE_BYTES - 4096:
         sys.stderr.write(f"kimiserve: {args.file} is {len(text.encode())} bytes; one batch takes at most about "
                          f"{MAX_MESSAGE_BYTES} bytes of JSONL: split it into several batches\n")

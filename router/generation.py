@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from kimiserve.limits import MAX_STOP_STRINGS, MAX_TEMPERATURE
+from kimiserve.limits import MAX_TEMPERATURE
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, affinity_key, pick_shard
@@ -40,8 +40,6 @@ def validate_sampling(s: common_pb2.SamplingParams) -> None:
         problems.append(f"top_p must be in (0, 1], got {s.top_p}")
     if s.HasField("top_k") and s.top_k < 0:
         problems.append(f"top_k must be >= 0, got {s.top_k}")
-    if len(s.stop) > MAX_STOP_STRINGS:
-        problems.append(f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
     if problems:
         raise InvalidArgument("; ".join(problems))
 
