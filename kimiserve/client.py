@@ -18,8 +18,8 @@ FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_
 
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  top_k=args.top_k, stop=[encodable(s) for s in args.stop], stop_token_ids=args.stop_token_ids,
-                                  ignore_eos=args.ignore_eos)
+                                  top_k=args.top_k, stop=[encodable(stop) for stop in args.stop],
+                                  stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
     if args.seed is not None:
         s.seed = args.seed
     return s
