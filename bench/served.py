@@ -6,7 +6,10 @@ TTFT against a warm one, runs `kimiserve bench` at each concurrency level, stops
 levels in-process: an Engine with CUDA graphs, `c` requests kept in flight, a new one added as each finishes.
 Writes served.json (updated after every phase) and prints a table.
 
-    python -m bench.served --out DIR [--levels 1,16,64,256] [--input-len 1024] [--output-len 128]
+    python -m bench.served --out DIR [--levels 1,16,64,256] [--input-len 1024] [--output-len 128] [--multi-turn]
+
+--multi-turn adds the prefix-cache replay (2k-token start, 8 turns of 300 new and 200 generated tokens) with the
+cache on and off: TTFT per turn, cached tokens, and the memory the entries hold.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -60,14 +64,31 @@ def first_token_s(stub, input_len: int, seed: int) -> float:
     raise RuntimeError("no token came back")
 
 
+def _shard_args(args, slots: int, blocks: int, max_len: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
+    return ("--load-format", "dummy", "--num-state-slots", str(slots), "--num-kv-blocks", str(blocks),
+            "--kv-block-size", str(BLOCK), "--prefill-token-budget", str(args.prefill_budget),
+            "--max-model-len", str(max_len), *extra)
+
+
+def _bench(port: int, out: Path, timeout: float, *flags: str) -> dict:
+    cmd = [sys.executable, "-m", "kimiserve.cli", "bench", "--router", f"127.0.0.1:{port}", "--out", str(out),
+           "--no-progress", *flags]
+    subprocess.run(cmd, check=True, timeout=timeout)
+    return json.loads((out / "bench.json").read_text())
+
+
+def _scrape(url: str) -> dict[str, float]:
+    body = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+            for line in body.splitlines() if line and not line.startswith("#")}
+
+
 def served(args, model: Path, result: dict, save) -> None:
     slots, blocks = capacity(args.levels, args.input_len, args.output_len)
-    shard_args = ("--load-format", "dummy", "--num-state-slots", str(slots), "--num-kv-blocks", str(blocks),
-                  "--kv-block-size", str(BLOCK), "--prefill-token-budget", str(args.prefill_budget),
-                  "--max-model-len", str(args.input_len + args.output_len + BLOCK))
     port = free_port()
     start = time.perf_counter()
-    children = start_stack(model, 1, "cuda", "127.0.0.1", port, timeout=900, shard_args=shard_args,
+    children = start_stack(model, 1, "cuda", "127.0.0.1", port, timeout=900,
+                           shard_args=_shard_args(args, slots, blocks, args.input_len + args.output_len + BLOCK),
                            router_args=("--max-in-flight", "1024", "--max-queued", "4096"))
     try:
         result["startup_s"] = time.perf_counter() - start
@@ -75,17 +96,51 @@ def served(args, model: Path, result: dict, save) -> None:
         result["first_request_ttft_s"] = first_token_s(stub, args.input_len, 1)
         result["warm_ttft_s"] = min(first_token_s(stub, args.input_len, s) for s in (2, 3, 4))
         save()
-        out = args.out / "bench"
-        cmd = [sys.executable, "-m", "kimiserve.cli", "bench", "--router", f"127.0.0.1:{port}",
-               "--concurrency", ",".join(map(str, args.levels)), "--input-len", str(args.input_len),
-               "--output-len", str(args.output_len), "--out", str(out), "--no-progress"]
+        flags = ["--concurrency", ",".join(map(str, args.levels)), "--input-len", str(args.input_len),
+                 "--output-len", str(args.output_len)]
         if args.num_prompts:
-            cmd += ["--num-prompts", str(args.num_prompts)]
-        subprocess.run(cmd, check=True, timeout=args.bench_timeout)
-        result["served"] = json.loads((out / "bench.json").read_text())["levels"]
+            flags += ["--num-prompts", str(args.num_prompts)]
+        result["served"] = _bench(port, args.out / "bench", args.bench_timeout, *flags)["levels"]
         save()
     finally:
         stop_stack(children, grace_s=30)
+
+
+def multi_turn(args, model: Path, result: dict, save) -> None:
+    """The issue-15 replay: a 2k-token start, 8 turns of 300 new tokens and 200 generated, with the prefix cache on
+    and off; TTFT per turn, the hit tokens, and the memory the entries hold."""
+    from shard_svc.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(KIMI_LINEAR_48B))
+    turns, first, new, out_len, convs = 8, 2048, 300, 200, args.conversations
+    longest = first + turns * (new + out_len)
+    blocks = convs * 2 * -(-longest // BLOCK) + 64
+    result["multi_turn"] = {}
+    for mode, entries in (("cache", args.prefix_entries), ("no_cache", 0)):
+        port = free_port()
+        extra = ("--prefix-cache-entries", str(entries))
+        children = start_stack(model, 1, "cuda", "127.0.0.1", port, timeout=900,
+                               shard_args=_shard_args(args, convs + 2, blocks, longest + BLOCK, extra))
+        try:
+            report = _bench(port, args.out / f"multi_{mode}", args.bench_timeout, "--concurrency", str(convs),
+                            "--num-prompts", str(convs * turns), "--turns", str(turns), "--input-len", str(first),
+                            "--turn-len", str(new), "--output-len", str(out_len), "--warmup", "1")
+            level = report["levels"][0]
+            shard = _scrape(children[1].metrics_url)
+            k = cfg.kda
+            state_bytes = cfg.layer_map.num_kda * k.num_heads * (k.head_dim * k.head_dim * 4
+                                                                  + 3 * k.head_dim * (k.conv_kernel - 1) * 2)
+            block_bytes = cfg.layer_map.num_mla * BLOCK * cfg.mla.latent_dim * 2
+            result["multi_turn"][mode] = {
+                "by_turn": level["by_turn"], "ttft_ms": level["ttft_ms"],
+                "cached_prompt_tokens": level["cached_prompt_tokens"], "prompt_tokens": level["prompt_tokens"],
+                "entries": shard.get("kimiserve_shard_prefix_cache_entries", 0.0),
+                "entry_state_bytes": state_bytes,
+                "cache_only_kv_blocks": shard.get("kimiserve_shard_prefix_cache_kv_blocks", 0.0),
+                "kv_block_bytes": block_bytes}
+            save()
+        finally:
+            stop_stack(children, grace_s=30)
 
 
 def in_process(args, result: dict, save) -> None:
@@ -153,6 +208,12 @@ def table(result: dict) -> str:
                      f"{s['ttft_ms']['p50']:>11.0f}/{s['ttft_ms']['p99']:<11.0f} "
                      f"{e.get('ttft_ms_p50', float('nan')):>11.0f}/{e.get('ttft_ms_p99', float('nan')):<11.0f} "
                      f"{s['tpot_ms']['p50']:>19.2f}")
+    for mode, m in result.get("multi_turn", {}).items():
+        turns = " ".join(f"{t['ttft_ms'].get('p50', float('nan')):.0f}" for t in m["by_turn"])
+        lines.append(f"multi-turn {mode}: TTFT p50 by turn (ms) {turns}; cached {m['cached_prompt_tokens']} of "
+                     f"{m['prompt_tokens']} prompt tokens; {m['entries']:.0f} entries x "
+                     f"{m['entry_state_bytes'] / 2**20:.1f} MiB + {m['cache_only_kv_blocks']:.0f} blocks x "
+                     f"{m['kv_block_bytes'] / 2**10:.0f} KiB")
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +227,10 @@ def main() -> None:
     p.add_argument("--prefill-budget", type=int, default=8192)
     p.add_argument("--bench-timeout", type=float, default=420)
     p.add_argument("--skip-in-process", action="store_true")
+    p.add_argument("--skip-served", action="store_true")
+    p.add_argument("--multi-turn", action="store_true", help="also the multi-turn replay with the prefix cache on/off")
+    p.add_argument("--conversations", type=int, default=4, help="multi-turn: conversations at once")
+    p.add_argument("--prefix-entries", type=int, default=16, help="multi-turn: --prefix-cache-entries when on")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     logging.basicConfig(level=logging.INFO)
@@ -177,7 +242,11 @@ def main() -> None:
         (args.out / "served.json").write_text(json.dumps(result, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        served(args, model_dir(Path(tmp)), result, save)
+        model = model_dir(Path(tmp))
+        if not args.skip_served:
+            served(args, model, result, save)
+        if args.multi_turn:
+            multi_turn(args, model, result, save)
     if not args.skip_in_process:
         in_process(args, result, save)
     sys.stdout.write(table(result))

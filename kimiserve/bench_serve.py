@@ -32,11 +32,13 @@ PERCENTILES = (50, 90, 99)
 class RequestRecord:
     prompt_tokens: int
     sent: float
+    turn: int = 0
     first: float | None = None
     done: float | None = None
     output_tokens: int = 0
     chunk_times: list[float] = field(default_factory=list)
     status: str = "OK"
+    cached_tokens: int = 0
 
     @property
     def ok(self) -> bool:
@@ -111,8 +113,8 @@ class Load:
         n = round(self.args.input_len * self.rng.uniform(1 - s, 1 + s)) if s else self.args.input_len
         return self.tokens(max(1, n))
 
-    async def one(self, prompt: list[int]) -> tuple[RequestRecord, list[int]]:
-        record = RequestRecord(len(prompt), time.perf_counter())
+    async def one(self, prompt: list[int], turn: int = 0) -> tuple[RequestRecord, list[int]]:
+        record = RequestRecord(len(prompt), time.perf_counter(), turn)
         req = router_pb2.GenerateRequest(
             prompt_token_ids=common_pb2.TokenIds(ids=prompt),
             sampling=common_pb2.SamplingParams(max_tokens=self.args.output_len, temperature=0.0, ignore_eos=True))
@@ -126,6 +128,7 @@ class Load:
                     output.extend(chunk.token_ids)
                 if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     record.output_tokens = chunk.usage.completion_tokens
+                    record.cached_tokens = chunk.usage.cached_prompt_tokens
             record.done = time.perf_counter()
         except grpc.aio.AioRpcError as e:
             record.status = e.code().name
@@ -133,8 +136,8 @@ class Load:
 
     async def conversation(self, records: list[RequestRecord], progress) -> None:
         prompt = self.first_prompt()
-        for _ in range(self.args.turns):
-            record, output = await self.one(prompt)
+        for turn in range(self.args.turns):
+            record, output = await self.one(prompt, turn)
             records.append(record)
             progress.update(1)
             if not record.ok:
@@ -193,6 +196,11 @@ def summarize(records: list[RequestRecord], seconds: float, args: BenchArgs, con
         "requests_per_s": len(ok) / seconds, "goodput_requests_per_s": len(good) / seconds,
         "ttft_ms": _pcts([r.ttft for r in ok]), "tpot_ms": _pcts(tpots), "itl_ms": _pcts(itls),
         "e2e_ms": _pcts([r.done - r.sent for r in ok]), "max_stall_ms": max(itls, default=0.0) * 1e3,
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
+        "by_turn": [{"turn": t, "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
+                     "cached_tokens_mean": statistics.fmean(r.cached_tokens for r in rs),
+                     "ttft_ms": _pcts([r.ttft for r in rs])}
+                    for t in range(args.turns) if (rs := [r for r in ok if r.turn == t])] if args.turns > 1 else [],
     }
 
 
@@ -208,6 +216,11 @@ def table(levels: list[dict]) -> str:
                      f"{s['requests_per_s']:>7.2f} {s['goodput_requests_per_s']:>8.2f} {g('ttft_ms', 'p50'):>9.1f} "
                      f"{g('ttft_ms', 'p99'):>9.1f} {g('tpot_ms', 'p50'):>9.2f} {g('tpot_ms', 'p99'):>9.2f} "
                      f"{g('itl_ms', 'p99'):>8.2f} {g('e2e_ms', 'p50'):>9.1f} {s['max_stall_ms']:>8.1f}")
+    for s in levels:
+        for t in s["by_turn"]:
+            lines.append(f"  turn {t['turn'] + 1}: prompt {t['prompt_tokens_mean']:.0f} tokens, cached "
+                         f"{t['cached_tokens_mean']:.0f}, TTFT p50 {t['ttft_ms'].get('p50', float('nan')):.1f} ms "
+                         f"p90 {t['ttft_ms'].get('p90', float('nan')):.1f} ms")
     return "\n".join(lines) + "\n(times in ms; goodput in requests/s meeting the SLO)\n"
 
 
