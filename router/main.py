@@ -28,6 +28,9 @@ from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+# On SIGTERM, in-flight requests and running batch requests may finish for this long. `kimiserve up` waits this
+# long (plus the router's own teardown) before it kills a stopping router, and passes its --drain-timeout on.
+DRAIN_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=256, help="requests at the shards at once")
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond that; then refused")
     p.add_argument("--default-max-tokens", type=int, default=256)
-    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--api-keys-file", default=None,
                    help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
     security.add_server_tls_args(p)
