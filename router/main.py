@@ -31,6 +31,9 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 # On SIGTERM, in-flight requests and running batch requests may finish for this long. `kimiserve up` waits this
 # long (plus the router's own teardown) before it kills a stopping router, and passes its --drain-timeout on.
 DRAIN_TIMEOUT_S = 60.0
+# gRPC's default reconnect backoff grows to 120 s: a shard or tokenizer restarted after a long outage would then sit
+# unused for up to two minutes. Reconnect attempts at most 2 s apart cost nothing on a cluster network.
+UPSTREAM_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 @dataclass(frozen=True)
@@ -92,12 +95,13 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
     # round_robin: with `dns:///NAME:PORT` (a headless Service) requests spread over every tokenizer pod.
     tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(
-        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin")]))
+        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"), *UPSTREAM_OPTIONS]))
     await tokenizer.load_info()
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     discovery = ShardDiscovery(
         shards, [static_resolver(cfg.shards)] + ([dns_resolver(cfg.shards_dns)] if cfg.shards_dns else []),
-        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls)),
+        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls,
+                                                                                options=UPSTREAM_OPTIONS)),
         interval_s=cfg.discovery_interval_s, drain_timeout_s=cfg.drain_timeout_s,
         on_removed=lambda addr: _forget_shard_metrics(metrics, addr))
     await discovery.refresh()
