@@ -52,6 +52,7 @@ class UpStack:
 
     def __init__(self, model: Path, home: Path, shards: int = 2, extra_args: tuple[str, ...] = ()):
         self.home, self.log_path = home, home / "up.log"
+        home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.router = f"127.0.0.1:{self.port}"
         env = {**os.environ, "XDG_CACHE_HOME": str(home / "cache"), "PYTHONPATH": str(REPO_ROOT)}
