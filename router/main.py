@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 from kimiserve import security
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
+from router.batch.errors import BatchStoreError
 from router.batch.runner import BatchConfig  # batch jobs (router/batch)
 from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
@@ -177,5 +178,9 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(cfg, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BatchStoreError as e:  # e.g. --batch-db on a read-only or full disk: one clear line, no traceback
+        log.error("router cannot start: %s", e, extra={"db": str(cfg.batch.db_path)})
+        return 2
     return 0

@@ -8,20 +8,30 @@ What each test proves:
 - a killed tokenizer fails requests cleanly (UNAVAILABLE, no hang) until `up` has restarted it, then they succeed;
 - a router SIGKILLed mid-batch is restarted by `up` on the same port and database and the batch completes with every
   line exactly once (the store-level checks of this are in tests/batch/test_durability.py);
+- with the batch database on a disk that fills up or turns read-only, writes are refused with a status and message
+  naming the file (RESOURCE_EXHAUSTED / UNAVAILABLE), reads and interactive requests go on, a router cannot start on
+  it (exit 2, one clear log line), and once the disk is usable again the batch completes with every line once and
+  the database passes SQLite's integrity check;
 - after each of them every shard's slot and KV-block gauges are back to zero.
 `up` itself (signals during startup, a SIGKILLed `up`, giving up on a child) is in test_up.py.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import sqlite3
+import subprocess
 import time
+from pathlib import Path
 
 import grpc
+import pytest
 
 from kimiserve.v1 import router_pb2
 from router.shard_client import PROBE_TIMEOUT_S, PROBES_TO_FAIL
+from tests.batch.conftest import Backends, RouterProc
 from tests.batch.lines import assert_each_once, slow_lines
 from tests.reliability.conftest import stream_many
 from tests.services.helpers import generate, scrape, shard_load, total, wait_until
@@ -169,3 +179,106 @@ def test_router_killed_mid_batch_is_restarted_and_every_line_runs_once(up_stack)
     assert_each_once(results, ids)
     assert all(len(r.response.token_ids) == r.response.usage.completion_tokens == 24 for r in results)
     stack.assert_shards_idle()
+
+
+# -- the batch database on a full or read-only disk ---------------------------------------------------------------
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 4 MiB tmpfs of the test's own: a disk that can really fill up or turn read-only (needs root to mount)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def batch_router(stack, db: Path, log: Path) -> RouterProc:
+    """A router of the test's own, on the supervised stack's tokenizer and shards, with its batch store at `db`."""
+    shards = stack.shards()
+    backends = Backends(stack.child("tokenizer").address, [s.address for s in shards],
+                        [s.metrics_url for s in shards])
+    return RouterProc(backends, db, log)
+
+
+def fill(disk: Path) -> Path:
+    """Writes until the filesystem refuses with ENOSPC."""
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(OSError) as full:
+            while True:
+                os.write(fd, b"\0" * 65536)
+        assert full.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+def integrity(db: Path) -> list:
+    with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
+        return con.execute("PRAGMA integrity_check").fetchall()
+
+
+def test_batch_db_disk_full_mid_batch_refuses_clearly_and_resumes_each_line_once(up_stack, tiny_disk, tmp_path):
+    router = batch_router(up_stack, tiny_disk / "batches.sqlite3", tmp_path / "router.log").start()
+    try:
+        n = 40
+        batch = router.create(slow_lines(n, max_tokens=24), max_concurrency=4)
+        router.wait(batch.id, until=lambda b: b.request_counts.completed >= 4)
+        filler = fill(tiny_disk)
+
+        with pytest.raises(grpc.RpcError) as refused:
+            router.create(slow_lines(2, max_tokens=2))
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(router.db) in refused.value.details() and "disk is full" in refused.value.details()
+        wait_until(lambda: any(e.get("msg", "").startswith("batch store unwritable") for e in router.logs()), 30,
+                   "the runner to report the unwritable store")
+        assert router.get(batch.id).status == router_pb2.BATCH_STATUS_IN_PROGRESS, "reads still work"
+        _, _, last = generate(router.stub, ids=[5, 6, 7], max_tokens=3, ignore_eos=True)
+        assert last.usage.completion_tokens == 3, "interactive requests do not need the batch store"
+
+        os.remove(filler)
+        done = router.wait(batch.id, timeout=120)
+        assert (done.status, done.request_counts.completed, done.request_counts.failed) == \
+            (router_pb2.BATCH_STATUS_COMPLETED, n, 0)
+        results = router.results(batch.id)
+        assert_each_once(results, [f"s-{i}" for i in range(n)])
+        assert all(len(r.response.token_ids) == 24 for r in results)
+        assert any(e.get("msg") == "batch store writable again; batches resume" for e in router.logs())
+        assert router.stop() == 0
+        assert integrity(router.db) == [("ok",)]
+    finally:
+        router.close()
+    up_stack.assert_shards_idle()
+
+
+def test_batch_db_on_a_read_only_disk_stops_the_router_at_start_with_a_clear_error(up_stack, tiny_disk, tmp_path):
+    """A disk can be made read-only only while no file on it is open for writing: the case met in practice is a
+    router (re)started on a read-only mount (e.g. readOnlyRootFilesystem with the default --batch-db path)."""
+    db = tiny_disk / "batches.sqlite3"
+    first = batch_router(up_stack, db, tmp_path / "first.log").start()
+    try:
+        done = first.wait(first.create(slow_lines(3, max_tokens=2)).id)
+        assert first.stop() == 0
+    finally:
+        first.close()
+    subprocess.run(["mount", "-o", "remount,ro", str(tiny_disk)], check=True)
+    for path, name in ((db, "existing"), (tiny_disk / "new.sqlite3", "new")):
+        router = batch_router(up_stack, path, tmp_path / f"{name}.log")
+        with pytest.raises(RuntimeError, match="exited before it was SERVING"):
+            router.start()
+        router.close()
+        assert router.proc.returncode == 2, router.logs()[-3:]
+        errors = [e for e in router.logs() if e.get("msg", "").startswith("router cannot start")]
+        assert len(errors) == 1 and str(path) in errors[0]["msg"] and "exc" not in errors[0], router.logs()[-3:]
+
+    subprocess.run(["mount", "-o", "remount,rw", str(tiny_disk)], check=True)
+    assert integrity(db) == [("ok",)]
+    again = batch_router(up_stack, db, tmp_path / "again.log").start()
+    try:
+        assert again.get(done.id).request_counts.completed == 3
+        assert_each_once(again.results(done.id), ["s-0", "s-1", "s-2"])
+    finally:
+        again.close()
