@@ -70,6 +70,13 @@ class Child:
         self.proc = _popen(self.cmd)
 
 
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the built-in tiny K3)")
     p.add_argument("--shards", type=int, default=1)
@@ -82,7 +89,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on stop, the router's in-flight requests may finish this long (passed to the router)")
-    p.add_argument("--max-restarts", type=int, default=RestartPolicy.max_failures,
+    p.add_argument("--max-restarts", type=_at_least_one, default=RestartPolicy.max_failures,
                    help="a child failing this many times in a row, each soon after its start, stops the stack "
                         "(exit 1)")
 
