@@ -1,17 +1,19 @@
 """Faults against a supervised stack (`kimiserve up --shards 2`, real processes, real gRPC on localhost).
 
 What each test proves:
-- a SIGKILLed shard fails exactly the requests it was running (UNAVAILABLE naming it), the other shard's streams
-  finish with exact usage, `up` keeps running, restarts the shard on its port, and the router routes to it again;
+- a SIGKILLed shard fails exactly the requests it held (UNAVAILABLE naming it), the other shard's streams finish
+  with exact usage, `up` keeps running (the stack is not stopped), restarts the shard on its port, and the router puts
+  it back in rotation: a burst the size of both shards' slots succeeds with the restarted shard taking its share;
 - a SIGSTOPped (hung, not dead) shard fails its requests within the router's probe bound, `up` does not restart a
-  live process, and after SIGCONT the router takes it back;
-- a killed tokenizer fails requests cleanly (UNAVAILABLE, no hang) until `up` has restarted it, then they succeed;
+  live process, and after SIGCONT the router takes it back and it serves its share again;
+- a killed tokenizer fails new requests cleanly (UNAVAILABLE naming the tokenizer, no hang) and in-flight streams
+  UNAVAILABLE or finished with exact usage, until `up` has restarted it; then requests succeed;
 - a router SIGKILLed mid-batch is restarted by `up` on the same port and database and the batch completes with every
   line exactly once (the store-level checks of this are in tests/batch/test_durability.py);
-- with the batch database on a disk that fills up or turns read-only, writes are refused with a status and message
-  naming the file (RESOURCE_EXHAUSTED / UNAVAILABLE), reads and interactive requests go on, a router cannot start on
-  it (exit 2, one clear log line), and once the disk is usable again the batch completes with every line once and
-  the database passes SQLite's integrity check;
+- the batch database on a disk that fills up mid-batch: writes refused RESOURCE_EXHAUSTED naming the file, reads and
+  interactive requests go on, and once space is freed the batch completes with every line once and the database
+  passes SQLite's integrity check; on a read-only disk a router does not start (exit 2, one log line naming the
+  file) and the database is intact and usable once the disk is writable again;
 - after each of them every shard's slot and KV-block gauges are back to zero.
 `up` itself (signals during startup, a SIGKILLed `up`, giving up on a child) is in test_up.py.
 """
