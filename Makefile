@@ -1,9 +1,10 @@
-# `make up` serves the built-in tiny model; `make test` runs the whole suite. Both build .venv from nothing.
+# `make up` serves the built-in tiny model; `make test` runs the whole suite; `make soak` loads a stack with a random
+# mix of good, invalid, cancelled and disconnected requests for SOAK_MINUTES (5) and reports leaks. All build .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test venv protos clean bench-gpu
+.PHONY: up test soak venv protos clean bench-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -19,6 +20,12 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# Not part of `make test`. Exit 1 if a slot or KV block leaked or a request ended other than its kind allows;
+# the report goes to SOAK_OUT (soak-report.json). Knobs: SOAK_MINUTES, SOAK_CONCURRENCY, SOAK_FAMILY, SOAK_SEED.
+SOAK_MINUTES ?= 5
+soak: $(STAMP)
+	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m tests.reliability.soak
 
 # Every GPU benchmark of the README's Performance section, one folder each under BENCH_OUT. Runs with the GPU
 # machine's own Python (torch with CUDA, Triton; fla-core and einops for the KDA comparison), not the CPU venv.

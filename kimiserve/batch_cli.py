@@ -21,6 +21,8 @@ from pathlib import Path
 import grpc
 from google.protobuf import json_format
 
+from kimiserve.router_channel import add_router_args, router_channel
+from kimiserve.security import SecurityConfigError
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
@@ -64,7 +66,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     listing = sub.add_parser("list", help="list batches, newest first")
     listing.add_argument("--limit", type=int, default=20)
     for sp in (submit, status, results, cancel, listing):
-        sp.add_argument("--router", default="127.0.0.1:50051")
+        add_router_args(sp)
 
 
 def batch_json(batch: router_pb2.Batch) -> dict:
@@ -120,7 +122,12 @@ def _results(stub, args) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(args.router) as channel:
+    try:
+        channel = router_channel(args)
+    except SecurityConfigError as e:
+        sys.stderr.write(f"kimiserve: {e}\n")
+        return 2
+    with channel:
         stub = router_pb2_grpc.RouterStub(channel)
         try:
             if args.batch_command == "submit":

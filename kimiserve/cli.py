@@ -30,6 +30,9 @@ PASSTHROUGH: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kimiserve.lifeline import follow_parent
+
+    follow_parent()  # a child of `kimiserve up` stops when up dies
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASSTHROUGH:
         return importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:])

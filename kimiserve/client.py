@@ -8,7 +8,9 @@ import sys
 
 import grpc
 
+from kimiserve.router_channel import add_router_args, router_channel
 from kimiserve.sampling_args import add_sampling_args
+from kimiserve.security import SecurityConfigError
 from kimiserve.text import encodable
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -28,7 +30,7 @@ def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
 def add_complete_args(p: argparse.ArgumentParser) -> None:
     add_sampling_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--router", default="127.0.0.1:50051")
+    add_router_args(p)
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:
@@ -37,12 +39,20 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.7)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--router", default="127.0.0.1:50051")
+    add_router_args(p)
 
 
 def _fail(e: grpc.RpcError) -> int:
     sys.stderr.write(f"kimiserve: {e.code().name}: {e.details()}\n")
     return 2
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel | None:
+    try:
+        return router_channel(args)
+    except SecurityConfigError as e:
+        sys.stderr.write(f"kimiserve: {e}\n")
+        return None
 
 
 def run_complete(args: argparse.Namespace) -> int:
@@ -52,7 +62,10 @@ def run_complete(args: argparse.Namespace) -> int:
     else:
         req.prompt_token_ids.ids.extend(args.prompt_ids)
     ids, text, last = [], [], None
-    with grpc.insecure_channel(args.router) as channel:
+    channel = _channel(args)
+    if channel is None:
+        return 2
+    with channel:
         try:
             for chunk in router_pb2_grpc.RouterStub(channel).Generate(req):
                 ids.extend(chunk.token_ids)
@@ -76,7 +89,10 @@ def run_chat(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature))
     if args.seed is not None:
         req.sampling.seed = args.seed
-    with grpc.insecure_channel(args.router) as channel:
+    channel = _channel(args)
+    if channel is None:
+        return 2
+    with channel:
         try:
             for chunk in router_pb2_grpc.RouterStub(channel).Chat(req):
                 sys.stdout.write(chunk.text)

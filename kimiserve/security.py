@@ -110,12 +110,14 @@ class UpstreamTls:
     cert: Path | None = None  # PEM client certificate presented to them (mTLS)
     key: Path | None = None
     server_name: str | None = None  # name to verify in their certificates instead of the dialled host (pod IPs)
+    flags: str = "--upstream"  # prefix of the flags that set these, named in errors (client commands: --tls)
 
     def credentials(self) -> grpc.ChannelCredentials:
+        f = self.flags
         return grpc.ssl_channel_credentials(
-            root_certificates=_read(self.ca, "upstream CA (--upstream-ca)"),
-            private_key=_read(self.key, "upstream client key (--upstream-key)") if self.key else None,
-            certificate_chain=_read(self.cert, "upstream client certificate (--upstream-cert)") if self.cert else None)
+            root_certificates=_read(self.ca, f"CA ({f}-ca)"),
+            private_key=_read(self.key, f"client key ({f}-key)") if self.key else None,
+            certificate_chain=_read(self.cert, f"client certificate ({f}-cert)") if self.cert else None)
 
 
 def add_upstream_tls_args(p: argparse.ArgumentParser) -> None:

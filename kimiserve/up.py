@@ -1,7 +1,10 @@
-"""`kimiserve up`: the whole stack on localhost as child processes (tokenizer, N shards, router).
+"""`kimiserve up`: the whole stack on localhost as child processes (tokenizer, N shards, router), supervised.
 
-Waits until every service answers SERVING on grpc.health.v1, prints the router address and metrics URLs, and on
-Ctrl-C / SIGTERM stops the router first (it drains in-flight requests), then the shards and the tokenizer.
+Waits until every service answers SERVING on grpc.health.v1 and prints the router address and metrics URLs. A child
+that exits is restarted on the same ports with backoff while the others keep serving (kimiserve/supervisor.py);
+after repeated quick failures `up` stops the stack and exits 1. On Ctrl-C / SIGTERM, also during startup, it stops
+the router first (it drains in-flight requests for --drain-timeout), then the shards, then the tokenizer, and exits
+0. Children get SIGTERM from the kernel if `up` itself is killed (kimiserve/lifeline.py).
 """
 
 from __future__ import annotations
@@ -13,27 +16,65 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kimiserve.health import wait_serving
+from kimiserve.health import is_serving
+from kimiserve.lifeline import child_env
 from kimiserve.ports import free_ports
+from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
+from router.main import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 DEFAULT_MODEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kimiserve" / "tiny-k3"
+# How long a stopping child may take before it is killed. The router: its drain, then closing its shard streams,
+# discovery and batch store. A shard: its engine loop's stop (60 s, shard_svc/server/main.py) and server grace (5 s);
+# it is idle by then, as the router stopped first. The tokenizer: its --grace-s (5 s).
+ROUTER_TEARDOWN_S = 10.0
+SHARD_STOP_S = 70.0
+TOKENIZER_STOP_S = 15.0
+STOP_ORDER = ("router", "shard", "tokenizer")
+
+
+class StartupInterrupted(Exception):
+    """A stop was asked for while the stack was starting; every child already started has been stopped."""
+
+
+class ChildFailed(RuntimeError):
+    """A child exited before it was SERVING."""
 
 
 @dataclass
 class Child:
-    name: str
+    name: str  # tokenizer | shard-I | router
     address: str
     metrics_url: str
     proc: subprocess.Popen
     cmd: list[str]
+    stop_grace_s: float
+
+    @property
+    def role(self) -> str:
+        return self.name.split("-", 1)[0]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
 
     def restart(self) -> None:
         """Starts the same command again (same ports), e.g. after the process died."""
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True)
+        self.proc = _popen(self.cmd)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -46,6 +87,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="router port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="on stop, the router's in-flight requests may finish this long (passed to the router)")
+    p.add_argument("--max-restarts", type=_at_least_one, default=RestartPolicy.max_failures,
+                   help="a child failing this many times in a row, each soon after its start, stops the stack "
+                        "(exit 1)")
 
 
 def ensure_default_model() -> Path:
@@ -60,73 +106,128 @@ def ensure_default_model() -> Path:
     return DEFAULT_MODEL_DIR
 
 
-def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int) -> Child:
+def _popen(cmd: list[str]) -> subprocess.Popen:
+    # A session of its own: a terminal's Ctrl-C reaches only `up`, which stops the router first so it drains.
+    # child_env: the child gets SIGTERM if this process dies (kimiserve/lifeline.py).
+    return subprocess.Popen(cmd, start_new_session=True, env=child_env())
+
+
+def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int, stop_grace_s: float) -> Child:
     cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port)]
-    # A session of its own: a terminal's Ctrl-C reaches only `up`, which stops the router first so it drains.
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    return Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", proc, cmd)
+    child = Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", _popen(cmd), cmd, stop_grace_s)
+    log.info("child started", extra={"child": name, "pid": child.pid, "address": child.address,
+                                     "metrics_url": child.metrics_url})
+    return child
+
+
+def _check_stop(stop: threading.Event, what: str) -> None:
+    if stop.is_set():
+        raise StartupInterrupted(f"stop requested while {what}")
+
+
+def _wait_serving(child: Child, timeout: float, stop: threading.Event) -> None:
+    end = time.monotonic() + timeout
+    while not is_serving(child.address):
+        _check_stop(stop, f"waiting for {child.name} at {child.address}")
+        if child.poll() is not None:
+            raise ChildFailed(f"{child.name} (pid {child.pid}, {child.address}) exited before it was SERVING: "
+                              f"{describe_exit(child.poll())}")
+        if time.monotonic() > end:
+            raise TimeoutError(f"{child.name} at {child.address} was not SERVING after {timeout:.0f} s")
+        stop.wait(0.2)
 
 
 def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float,
                 shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), tp: int = 1,
-                ep: int = 1) -> list[Child]:
-    """Starts tokenizer, shards, then the router; returns them with the router last."""
+                ep: int = 1, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                stop: threading.Event | None = None) -> list[Child]:
+    """Starts tokenizer, shards, then the router; returns them with the router last.
+
+    `stop` set while starting: every child started so far is stopped and StartupInterrupted raised. Call from a
+    thread that outlives the children (see kimiserve/lifeline.py)."""
+    stop = stop or threading.Event()
     children: list[Child] = []
     ports = iter(p for p in free_ports(2 * shards + 4, host) if p != port)
     try:
-        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, next(ports),
-                               next(ports)))
+        _check_stop(stop, "starting the tokenizer")
+        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, next(ports), next(ports),
+                               TOKENIZER_STOP_S))
         group = max(tp, ep)  # devices per shard: a shard group of max(tp, ep) ranks (shard_svc/parallel)
         group_args = ("--tp", str(tp), "--ep", str(ep)) if group > 1 else ()
         for i in range(shards):
+            _check_stop(stop, f"starting shard-{i}")
             dev = f"cuda:{i * group}" if device == "cuda" else device
             children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev, *group_args,
                                                   "--shard-name", f"shard-{i}", *shard_args], host, next(ports),
-                                   next(ports)))
+                                   next(ports), SHARD_STOP_S))
         for child in children:
-            wait_serving(child.address, timeout, alive=lambda c=child: c.proc.poll() is None)
-        shard_addrs = ",".join(c.address for c in children if c.name.startswith("shard-"))
+            _wait_serving(child, timeout, stop)
+        _check_stop(stop, "starting the router")
+        shard_addrs = ",".join(c.address for c in children if c.role == "shard")
         router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs,
-                                   *router_args], host, port, next(ports))
+                                   "--drain-timeout", str(drain_timeout_s), *router_args], host, port, next(ports),
+                        drain_timeout_s + ROUTER_TEARDOWN_S)
         children.append(router)
-        wait_serving(router.address, timeout, alive=lambda: router.proc.poll() is None)
+        _wait_serving(router, timeout, stop)
     except BaseException:
         stop_stack(children)
         raise
     return children
 
 
-def stop_stack(children: list[Child], grace_s: float = 30.0) -> None:
-    """Router first so it drains, then the rest; SIGTERM, then SIGKILL after the grace period."""
-    for child in sorted(children, key=lambda c: c.name != "router"):
-        if child.proc.poll() is None:
+def stop_stack(children: list[Child], grace_s: float | None = None) -> None:
+    """Router first so it drains, then the shards together, then the tokenizer: SIGTERM, then SIGKILL after each
+    child's stop grace (`grace_s`, if given, for every child)."""
+    for role in STOP_ORDER:
+        group = [c for c in children if c.role == role and c.poll() is None]
+        for child in group:
             child.proc.send_signal(signal.SIGTERM)
+        for child in group:
+            grace = child.stop_grace_s if grace_s is None else grace_s
             try:
-                child.proc.wait(grace_s)
+                child.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                log.warning("child did not stop in time; killing", extra={"child": child.name})
+                log.warning("child did not stop in time; killing", extra={"child": child.name, "pid": child.pid,
+                                                                          "grace_s": grace})
                 child.proc.kill()
                 child.proc.wait()
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame) -> None:
+        log.info("stop requested", extra={"signal": signal.Signals(signum).name})
+        stop.set()
+
+    # Before anything starts: a signal during startup must stop what was started, not kill `up` and orphan it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     model = args.model or ensure_default_model()
-    children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
-                           tp=args.tp, ep=args.ep)
+    try:
+        children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
+                               tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop)
+    except StartupInterrupted as e:
+        log.info("stopped during startup", extra={"reason": str(e)})
+        return 0
+    except (ChildFailed, TimeoutError) as e:
+        log.error("the stack did not start", extra={"error": str(e)})
+        return 1
     router = children[-1]
     lines = [f"kimiserve is up: router at {router.address}  (try: kimiserve chat \"Hello\" --router "
              f"{router.address})"]
     lines += [f"  {c.name:<10} {c.address:<22} metrics {c.metrics_url}" for c in children]
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    while not done.wait(1.0):
-        dead = [c.name for c in children if c.proc.poll() is not None]
-        if dead:
-            log.error("a service exited; stopping the stack", extra={"services": dead})
-            break
+    supervisor = Supervisor(children, RestartPolicy(max_failures=args.max_restarts))
+    try:
+        while not stop.wait(0.5):
+            supervisor.check()
+    except GaveUp as e:
+        log.error("stopping the stack: a child cannot be kept running", extra={"error": str(e)})
+        stop_stack(children)
+        return 1
     stop_stack(children)
+    log.info("stack stopped", extra={"restarts": supervisor.restarts})
     return 0

@@ -19,6 +19,7 @@ from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
+from router.batch.errors import BatchStoreError
 from router.batch.runner import BatchConfig  # batch jobs (router/batch)
 from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
@@ -30,6 +31,12 @@ from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
+# On SIGTERM, in-flight requests and running batch requests may finish for this long. `kimiserve up` waits this
+# long (plus the router's own teardown) before it kills a stopping router, and passes its --drain-timeout on.
+DRAIN_TIMEOUT_S = 60.0
+# gRPC's default reconnect backoff grows to 120 s: a shard or tokenizer restarted after a long outage would then sit
+# unused for up to two minutes. Reconnect attempts at most 2 s apart cost nothing on a cluster network.
+UPSTREAM_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=256, help="requests at the shards at once")
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond that; then refused")
     p.add_argument("--default-max-tokens", type=int, default=256)
-    p.add_argument("--drain-timeout", type=float, default=60.0)
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
+                   help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--api-keys-file", default=None,
                    help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
     security.add_server_tls_args(p)
@@ -90,13 +98,14 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
     # round_robin: with `dns:///NAME:PORT` (a headless Service) requests spread over every tokenizer pod.
     tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(
-        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"),
+        cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"), *UPSTREAM_OPTIONS,
                                                   ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)]))
     await tokenizer.load_info()
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     discovery = ShardDiscovery(
         shards, [static_resolver(cfg.shards)] + ([dns_resolver(cfg.shards_dns)] if cfg.shards_dns else []),
-        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls)),
+        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls,
+                                                                                options=UPSTREAM_OPTIONS)),
         interval_s=cfg.discovery_interval_s, drain_timeout_s=cfg.drain_timeout_s,
         on_removed=lambda addr: _forget_shard_metrics(metrics, addr))
     await discovery.refresh()
@@ -174,5 +183,9 @@ def run(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await serve(cfg, stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except BatchStoreError as e:  # e.g. --batch-db on a read-only or full disk: one clear line, no traceback
+        log.error("router cannot start: %s", e, extra={"db": str(cfg.batch.db_path)})
+        return 2
     return 0

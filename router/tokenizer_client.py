@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from kimiserve.limits import clip
@@ -10,6 +12,7 @@ from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailab
 
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
            grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
+ENDED_STATUS_WAIT_S = 5.0  # a call whose write failed has ended; its status arrives at once
 
 
 def _translate(e: grpc.aio.AioRpcError) -> RouterError:
@@ -64,8 +67,10 @@ class StreamingDetokenizer:
         try:
             await self._call.write(req)
             reply = await self._call.read()
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            raise await self._ended() from e
+        if reply is grpc.aio.EOF:
+            raise await self._ended()
         return reply.text
 
     async def finish(self) -> str:
@@ -76,8 +81,19 @@ class StreamingDetokenizer:
             while (reply := await self._call.read()) is not grpc.aio.EOF:
                 text += reply.text
             return text
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+            raise await self._ended() from e
+
+    async def _ended(self) -> RouterError:
+        """The call ended under us (the tokenizer died or restarted): its final status says why. A failed write
+        reports only "RPC already finished" or a generic INTERNAL error; the call's own status is the real cause."""
+        try:
+            code = await asyncio.wait_for(self._call.code(), ENDED_STATUS_WAIT_S)
+            details = await self._call.details()
+        except asyncio.TimeoutError:
+            code, details = grpc.StatusCode.UNAVAILABLE, "the call ended without a status"
+        return _STATUS.get(code, RouterError)(f"tokenizer service: DetokenizeStream ended with {code.name}: "
+                                              f"{details}")
 
     def cancel(self) -> None:
         self._call.cancel()

@@ -4,7 +4,8 @@ import grpc
 
 from router.errors import InvalidArgument, NotFound, RouterError
 
-__all__ = ["BatchNotFound", "BatchStateError", "BatchStoreError", "DuplicateResult", "InvalidArgument"]
+__all__ = ["BatchNotFound", "BatchStateError", "BatchStoreError", "BatchStoreFull", "BatchStoreReadOnly",
+           "DuplicateResult", "InvalidArgument"]
 
 
 class BatchNotFound(NotFound):
@@ -19,6 +20,18 @@ class BatchStateError(RouterError):
 
 class BatchStoreError(RouterError):
     """The SQLite store cannot be used as required (e.g. WAL journaling unavailable on its filesystem)."""
+
+
+class BatchStoreFull(BatchStoreError):
+    """The disk holding the store is full: nothing can be recorded until space is freed (retry later)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class BatchStoreReadOnly(BatchStoreError):
+    """The store's file or filesystem became read-only (e.g. remounted after disk errors)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class DuplicateResult(RouterError):

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from kimiserve.v1 import router_pb2
 from router.admission import BATCH, Admission
 from router.batch import states
-from router.batch.errors import BatchNotFound, BatchStateError, InvalidArgument
+from router.batch.errors import BatchNotFound, BatchStateError, BatchStoreError, InvalidArgument
 from router.batch.execute import BatchExecutor
 from router.batch.jobs import CANCEL, SHUTDOWN, BatchJob, now_ms
 from router.batch.metrics import BatchMetrics
@@ -70,15 +70,27 @@ class BatchRunner:
             for task in late:
                 task.cancel()
             await asyncio.gather(*late, return_exceptions=True)
-        self.store.renew([j.id for j in jobs], self.cfg.owner, 0)  # others may take them over at once
+        try:
+            self.store.renew([j.id for j in jobs], self.cfg.owner, 0)  # others may take them over at once
+        except BatchStoreError as e:  # their leases run out within lease_s instead; a stop must not fail
+            log.error("batch leases not released: %s", e, extra={"batch_ids": [j.id for j in jobs]})
         for event in self._changed.values():
             event.set()
         log.info("batch runner stopped", extra={"released_batch_ids": [j.id for j in jobs]})
 
     async def _loop(self) -> None:
+        store_error: str | None = None  # logged once when the store turns unwritable, once when it recovers
         while True:
             try:
                 self._tick()
+                if store_error is not None:
+                    log.info("batch store writable again; batches resume", extra={"db": str(self.store.path)})
+                    store_error = None
+            except BatchStoreError as e:
+                if str(e) != store_error:
+                    log.error("batch store unwritable; batches wait until it is writable: %s", e,
+                              extra={"db": str(self.store.path)})
+                    store_error = str(e)
             except Exception:  # noqa: BLE001 - e.g. the store busy beyond its timeout; try again next tick
                 log.exception("batch runner tick failed")
             try:

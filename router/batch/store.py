@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from router.batch import states
-from router.batch.errors import BatchStoreError, DuplicateResult
+from router.batch.errors import BatchStoreError, BatchStoreFull, BatchStoreReadOnly, DuplicateResult
 from router.batch.parse import INVALID, BatchIssue, ParsedRequest
 
 SCHEMA = """
@@ -66,6 +66,7 @@ CREATE TABLE IF NOT EXISTS results (
     UNIQUE (batch_id, idx)
 );
 """
+SQLITE_FULL, SQLITE_READONLY = 13, 8  # SQLite's primary result codes SQLITE_FULL, SQLITE_READONLY
 TIMESTAMP_COLUMNS = {s: f"{s}_at_ms" for s in states.STATUSES if s != states.VALIDATING}
 
 
@@ -143,7 +144,7 @@ class BatchStore:
         self._db.close()
 
     def _tx(self):
-        return _Transaction(self._db)
+        return _Transaction(self._db, self.path)
 
     # ---- batches ----------------------------------------------------------------------------------------------
     def create(self, batch_id: str, input_kind: str, raw_input: bytes, metadata: dict[str, str], window_s: int,
@@ -286,17 +287,45 @@ class BatchStore:
 
 class _Transaction:
     """BEGIN IMMEDIATE (takes the write lock up front, so two routers never deadlock on an upgrade) ... COMMIT,
-    ROLLBACK on an exception."""
+    ROLLBACK on an exception. A write the filesystem refuses (full, read-only) is rolled back whole and raised as a
+    named BatchStoreError naming the file; nothing of it reaches the database."""
 
-    def __init__(self, db: sqlite3.Connection):
-        self._db = db
+    def __init__(self, db: sqlite3.Connection, path: Path):
+        self._db, self._path = db, path
 
     def __enter__(self):
-        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise write_error(self._path, e) from e
 
     def __exit__(self, exc_type, exc, tb):
-        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        if exc_type is None:
+            try:
+                self._db.execute("COMMIT")
+                return False
+            except sqlite3.OperationalError as e:
+                self._rollback()
+                raise write_error(self._path, e) from e
+        self._rollback()
+        if isinstance(exc, sqlite3.OperationalError):
+            raise write_error(self._path, exc) from exc
         return False
+
+    def _rollback(self) -> None:
+        if self._db.in_transaction:  # SQLite may have rolled back already (e.g. after SQLITE_FULL)
+            self._db.execute("ROLLBACK")
+
+
+def write_error(path: Path, e: sqlite3.OperationalError) -> BatchStoreError:
+    """The named error for a write SQLite could not make (sqlite_errorcode needs Python 3.11; older: generic)."""
+    primary = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
+    if primary == SQLITE_FULL:
+        return BatchStoreFull(f"batch store {path}: the disk is full ({e}); batch results cannot be recorded "
+                              "until space is freed")
+    if primary == SQLITE_READONLY:
+        return BatchStoreReadOnly(f"batch store {path}: the file or its filesystem is read-only ({e})")
+    return BatchStoreError(f"batch store {path}: write failed: {e}")
 
 
 def _batch_row(r: tuple) -> BatchRow:

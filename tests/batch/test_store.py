@@ -2,11 +2,12 @@
 
 import sqlite3
 
+import grpc
 import pytest
 
 from kimiserve.v1 import router_pb2
 from router.batch import states
-from router.batch.errors import DuplicateResult
+from router.batch.errors import BatchStoreReadOnly, DuplicateResult
 from router.batch.parse import parse_jsonl
 from router.batch.store import BatchStore, NewResult
 
@@ -108,3 +109,20 @@ def test_leases(store):
     assert store.claimable("r2", 6000) == ["batch_a"]  # lease ran out
     assert store.claim("batch_a", "r2", 6000, 36_000)
     assert store.get("batch_a").owner == "r2" and store.claimable("r1", 7000) == []
+
+
+def test_a_write_the_file_refuses_is_rolled_back_and_named(tmp_path):
+    """A store whose file turned read-only (its connection can no longer write): the write raises
+    BatchStoreReadOnly naming the file, answered UNAVAILABLE, and leaves nothing behind. (A full disk, answered
+    RESOURCE_EXHAUSTED, is tested on a real tmpfs in tests/reliability/test_faults.py.)"""
+    path = tmp_path / "b.sqlite3"
+    store = BatchStore(path)
+    store.create("b1", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", 0, 10)
+    store._db.close()
+    store._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
+    with pytest.raises(BatchStoreReadOnly, match=f"batch store {path}: the file or its filesystem is read-only"
+                       ) as refused:
+        store.create("b2", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", 0, 10)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    assert not store._db.in_transaction
+    assert store.get("b1") is not None and store.get("b2") is None
