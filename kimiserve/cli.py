@@ -1,6 +1,9 @@
 """The `kimiserve` command: one subcommand per job, each living in the package that owns it.
 
-Only the chosen subcommand's module is imported, so client commands start without loading torch.
+Only the chosen subcommand's module is imported, so client commands start without loading torch. Every
+subcommand's `--help` lists each flag with its default. A user's mistake (a missing model directory, a malformed
+config.json, missing tokenizer files, a bad certificate path...) is one line on stderr and exit code 2; `--debug`
+shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -27,6 +30,67 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
 PASSTHROUGH: dict[str, tuple[str, str]] = {
     "tokenizer": ("tokenizer_svc.main", "serve a checkpoint's tokenizer"),
 }
+# Errors that mean the user asked for something that cannot be done (module -> class names). Only modules already
+# imported are looked at: an error class of a module the command never loaded cannot have been raised.
+USER_ERRORS: dict[str, tuple[str, ...]] = {
+    "shard_svc.errors": ("ConfigError", "CheckpointError"),
+    "tokenizer_svc.errors": ("TokenizerLoadError", "UnsupportedModelType"),
+    "kimiserve.security": ("SecurityConfigError",),
+    "shard_svc.ops": ("OpBackendError",),
+    "shard_svc.streaming.errors": ("StreamingConfigError",),
+    "router.batch.errors": ("BatchStoreError",),
+}
+OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default (flags without help text get one that says only that)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and action.option_strings and action.default not in (None, argparse.SUPPRESS,
+                                                                                      False):
+            action.help = "(default: %(default)s)"  # a flag without help text still shows its default
+        return super()._format_action(action)
+
+
+def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """--log-level, --log-format and --debug, before or after the subcommand (after wins)."""
+    d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
+    p.add_argument("--log-level", default=d("INFO"), help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-format", choices=("auto", "json", "text"), default=d("auto"),
+                   help="auto: readable text on a terminal, JSON lines otherwise")
+    p.add_argument("--debug", action="store_true", default=d(False),
+                   help="show the traceback of an error instead of one line")
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    found: list[type[BaseException]] = list(OS_USER_ERRORS)
+    for module, names in USER_ERRORS.items():
+        if module in sys.modules:
+            found += [getattr(sys.modules[module], n) for n in names if hasattr(sys.modules[module], n)]
+    return tuple(found)
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimiserve", description="Serve the Kimi hybrid models over gRPC.",
+                                     formatter_class=DefaultsFormatter)
+    _global_flags(parser, defaults=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    for name, (module, adder, _, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsFormatter)
+        if name == chosen:
+            getattr(importlib.import_module(module), adder)(p)
+            _global_flags(p, defaults=False)
+    for name, (_, help_text) in PASSTHROUGH.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,22 +100,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in PASSTHROUGH:
         return importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:])
-    parser = argparse.ArgumentParser(prog="kimiserve", description="Serve the Kimi hybrid models over gRPC.")
-    parser.add_argument("--log-level", default="INFO")
-    sub = parser.add_subparsers(dest="command", required=True)
-    chosen = next((a for a in argv if a in COMMANDS), None)
-    for name, (module, adder, _, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        if name == chosen:
-            getattr(importlib.import_module(module), adder)(p)
-    for name, (_, help_text) in PASSTHROUGH.items():
-        sub.add_parser(name, help=help_text, add_help=False)
-    args = parser.parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     from kimiserve.logs import setup_logging
 
-    setup_logging(args.command, args.log_level)
+    setup_logging(args.command, args.log_level, args.log_format)
     module, _, runner, _ = COMMANDS[args.command]
-    return getattr(importlib.import_module(module), runner)(args)
+    try:
+        return getattr(importlib.import_module(module), runner)(args)
+    except Exception as e:  # noqa: BLE001 - sorted below: the user's mistake in one line, anything else raised
+        if args.debug or not isinstance(e, _user_error_types()):
+            raise
+        sys.stderr.write(f"kimiserve {args.command}: error: {e}\n")
+        return 2
 
 
 if __name__ == "__main__":

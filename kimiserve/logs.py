@@ -1,7 +1,8 @@
-"""Structured logging: one JSON object per line on stderr, so log pipelines parse fields instead of grepping text.
+"""Structured logging on stderr: one JSON object per line for log pipelines (the default when stderr is not a
+terminal), or one readable line per record on a terminal (`--log-format text`, the default there).
 
-Every line has ts (UTC, ISO 8601), level, service and msg; fields passed with `extra={...}` are added as is.
-Request ids are logged whole (docs/lessons.md#whole-ids-in-logs).
+Every record has ts (UTC, ISO 8601), level, service and msg; fields passed with `extra={...}` are added as is (in
+text, as key=value after the message). Request ids are logged whole (docs/lessons.md#whole-ids-in-logs).
 """
 
 from __future__ import annotations
@@ -39,10 +40,33 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
-def setup_logging(service: str, level: int | str = logging.INFO) -> None:
-    """Route the root logger to stderr as JSON lines tagged with `service`. Replaces any handlers set before."""
+class TextFormatter(logging.Formatter):
+    """One readable line: time, level, service, message, then the extra fields as key=value (whole values)."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.%f")[:-3]
+        fields = " ".join(f"{k}={json.dumps(v, ensure_ascii=False, default=str)}" for k, v in vars(record).items()
+                          if k not in _STANDARD_ATTRS)
+        line = f"{ts} {record.levelname:<7} {self.service}: {record.getMessage()}" + (f"  {fields}" if fields else "")
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+LOG_FORMATS = ("auto", "json", "text")
+
+
+def setup_logging(service: str, level: int | str = logging.INFO, log_format: str = "auto") -> None:
+    """Route the root logger to stderr tagged with `service`, as JSON lines or text lines (auto: text on a
+    terminal, JSON otherwise). Replaces any handlers set before."""
+    if log_format == "auto":
+        log_format = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service))
+    handler.setFormatter(TextFormatter(service) if log_format == "text" else JsonFormatter(service))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
