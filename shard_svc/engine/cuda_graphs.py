@@ -235,7 +235,9 @@ def enable_cuda_graphs(engine, buckets: tuple[int, ...] | None = None) -> CudaGr
     if runner.weights is not None:
         log.warning("decode graphs off: weights are streamed per layer")
         return None
-    # one slot goes to the padding rows; prefix cache entries hold slots that never decode
+    # The padding rows take the extra slot graph_engine_config added: one sequence fewer may run. Prefix cache
+    # entries hold slots that never decode.
+    engine.scheduler.max_running -= 1
     max_batch = min(runner.kda_pool.slots.num_free - 1, engine.scheduler.max_running)
     bs = runner.kv_cache.block_size
     width = min(runner.kv_cache.blocks.num_blocks, -(-engine.max_model_len // bs))

@@ -121,7 +121,7 @@ class PrefixCache:
         in `owner`'s table): the state copied into an entry slot, the blocks shared. False when no slot is free."""
         if self._touch(tokens):
             return True
-        if not self._make_room_for_one():
+        if not self._make_room_for_one(needs_slot=True):
             return False
         entry_slot = self.slots.allocate(self._next_owner())
         self._copy_state(slot, entry_slot)
@@ -131,7 +131,7 @@ class PrefixCache:
     def adopt(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor) -> bool:
         """As snapshot, for a finished sequence: its slot becomes the entry's (no copy). False (the caller frees
         the slot) when the tokens are cached already or no entry can be made room for."""
-        if self._touch(tokens) or not self._make_room_for_one():
+        if self._touch(tokens) or not self._make_room_for_one(needs_slot=False):
             return False
         self._add(tokens, slot, owner, logits)
         return True
@@ -144,12 +144,13 @@ class PrefixCache:
             return True
         return False
 
-    def _make_room_for_one(self) -> bool:
-        """Evicts until an entry may be added; entry slots are kept beside the running ones, so one is free."""
+    def _make_room_for_one(self, needs_slot: bool) -> bool:
+        """Evicts until an entry may be added (and, for a copy, a state slot is free). False if it cannot be."""
         if self.max_entries < 1:
             return False
-        while len(self._entries) >= self.max_entries:
-            self.evict_one()
+        while len(self._entries) >= self.max_entries or (needs_slot and not self.slots.num_free):
+            if not self.evict_one():
+                return False
         return True
 
     def _next_owner(self) -> str:

@@ -77,7 +77,9 @@ class Scheduler:
         if self.offloaded:
             return  # offloaded sequences come back before anything new is admitted
         promised = self._outstanding_promise()
-        while self.waiting and len(self.running) < self.max_running and self.slots.num_free:
+        while self.waiting and len(self.running) < self.max_running:
+            if not self.slots.num_free and not (self.prefix_cache is not None and self.prefix_cache.evict_one()):
+                break  # cached prefixes give their state slots back to running sequences
             seq = self.waiting[0]
             hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
             need = self._need(seq, hit)

@@ -3,8 +3,9 @@
 On a GPU the first pass of each shape compiles its Triton kernels (seconds each); a shard that reported SERVING
 before that made its first users wait for the compiler (a 6 s first TTFT against 47 ms warm on the 48B shape).
 The requests below cover a prefill of one sequence and of several packed ones, prompt lengths on and off the
-kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, and decode at batch 1 and at the
-batch the packed round reaches. Finished requests give back their slots and blocks, so the pools are as fresh as
+kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, packed passes filling a quarter, half
+and all of the prefill budget (kernels pick tiles by a pass's token count), and decode at batch 1 and at the
+batches the packed rounds reach. Finished requests give back their slots and blocks, so the pools are as fresh as
 before (a slot is zeroed when it is handed out).
 """
 
@@ -24,8 +25,21 @@ def prompt_lengths(engine: Engine) -> list[int]:
     """Lengths that fit one request's context and the KV cache, on and off the tiles, up to a chunked prompt."""
     longest = engine.max_model_len - OUTPUT_TOKENS
     budget = engine.engine_cfg.prefill_token_budget
-    wanted = {1, 15, 16, 63, 64, 65, 1000, budget, budget + 17}
+    wanted = {1, 15, 16, 63, 64, 65, 1000, 1024, budget, budget + 17}
     return sorted(n for n in wanted if 1 <= n <= longest)
+
+
+def packed_rounds(engine: Engine) -> list[list[int]]:
+    """Prompt lengths of packed passes that fill a quarter, half and all of the prefill budget (kernels choose
+    tiles by the pass's token count), with as many sequences as the running slots allow."""
+    longest = engine.max_model_len - OUTPUT_TOKENS
+    budget = engine.engine_cfg.prefill_token_budget
+    rounds = []
+    for total in sorted({max(1, budget // 4), max(1, budget // 2), budget}):
+        length = min(longest, total, 1024)
+        count = max(1, min(engine.scheduler.max_running, total // length))
+        rounds.append([length] * count)
+    return rounds
 
 
 def warm_up(engine: Engine) -> dict:
@@ -39,12 +53,13 @@ def warm_up(engine: Engine) -> dict:
     together = [n for n in lengths if n <= engine.engine_cfg.prefill_token_budget]
     while sum(n + OUTPUT_TOKENS for n in together) > fits // 2 and len(together) > 1:
         together.pop()
-    for n in together:  # all at once: packed prefill passes, decode at the batch they reach
-        engine.add_request(f"warmup-packed-{n}", [(5 * i) % 89 + 1 for i in range(n)], params)
     steps = 0
-    while engine.has_work():
-        engine.step()
-        steps += 1
+    for r, round_lengths in enumerate([together, *packed_rounds(engine)]):
+        for k, n in enumerate(round_lengths):  # all at once: packed prefill passes, decode at the batch they reach
+            engine.add_request(f"warmup-packed-{r}-{k}", [(5 * i + r + k) % 89 + 1 for i in range(n)], params)
+        while engine.has_work():
+            engine.step()
+            steps += 1
     summary = {"seconds": round(time.perf_counter() - start, 3), "single_lengths": lengths,
                "packed_lengths": together, "packed_steps": steps}
     log.info("engine warmed up", extra=summary)

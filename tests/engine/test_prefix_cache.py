@@ -137,3 +137,19 @@ def test_admission_evicts_cached_prefixes_for_kv_blocks():
     big = _prompt(24 * BLOCK - 20, 50)  # needs nearly every block: the entries must give theirs back
     out, _ = _run(cached, big, "big", max_tokens=4)
     assert len(out) == 4 and cached.prefix_cache.stats.evictions >= 1
+
+
+def test_a_snapshot_with_every_slot_taken_evicts_instead_of_failing():
+    """A slot held outside the scheduler's count (CUDA graphs' padding slot, on a GPU) leaves running + entries one
+    short of the pool: a prompt-end snapshot then takes an entry's slot instead of raising."""
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=4)  # 4 running + 4 entries: 8 slots
+    cached.runner.kda_pool.slots.allocate("<held elsewhere>")
+    for i in range(2):
+        _run(cached, _prompt(20, 60 + i), f"fill-{i}", max_tokens=1)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = {f"r{i}": _prompt(24, 70 + i) for i in range(4)}  # 4 running + 2 entries + 1 held: one slot free
+    seqs = {rid: cached.add_request(rid, p, params) for rid, p in prompts.items()}
+    while cached.has_work():
+        cached.step()
+    for rid, p in prompts.items():
+        assert seqs[rid].output == _run(plain, p, rid, max_tokens=5)[0], rid
