@@ -39,6 +39,7 @@ USER_ERRORS: dict[str, tuple[str, ...]] = {
     "shard_svc.ops": ("OpBackendError",),
     "shard_svc.streaming.errors": ("StreamingConfigError",),
     "router.batch.errors": ("BatchStoreError",),
+    "kimiserve.ports": ("PortInUse",),
 }
 OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 

@@ -1,8 +1,29 @@
-"""Free localhost ports for child services (tests and `kimiserve up`)."""
+"""Ports: free localhost ports for child services (tests and `kimiserve up`), and the refusal to share one.
+
+gRPC servers set SO_REUSEPORT by default, so a second server on a taken port starts "fine" and the kernel splits
+connections between the two: two stacks silently serving each other's clients. Every kimiserve server turns it
+off (SERVER_OPTIONS), and `up` checks its ports before starting anything.
+"""
 
 from __future__ import annotations
 
 import socket
+
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
+class PortInUse(OSError):
+    """A port kimiserve was asked to serve on is taken; the message names it."""
+
+
+def check_free(host: str, port: int, what: str) -> None:
+    """Raises PortInUse when `port` on `host` cannot be bound (without SO_REUSEPORT)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise PortInUse(f"{what} port {host}:{port} is in use ({e.strerror}); another kimiserve stack? "
+                            f"Choose another with --port") from None
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:

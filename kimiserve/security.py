@@ -27,6 +27,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from kimiserve.ports import SERVER_OPTIONS
+
 log = logging.getLogger(__name__)
 AUTH_HEADER = "authorization"
 # Services reachable without an API key: kubelet probes and load balancers cannot send one.
@@ -89,7 +91,7 @@ def bind(server, address: str, tls: ServerTls | None) -> int:
 
 def health_only_server_aio(servicer: health.aio.HealthServicer, host: str, port: int) -> grpc.aio.Server:
     """An aio server serving only grpc.health.v1 (plaintext) on host:port; the caller starts and stops it."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     bind(server, f"{host}:{port}", None)
     return server
@@ -97,7 +99,7 @@ def health_only_server_aio(servicer: health.aio.HealthServicer, host: str, port:
 
 def health_only_server(servicer: health.HealthServicer, host: str, port: int) -> grpc.Server:
     """A sync server serving only grpc.health.v1 (plaintext) on host:port; the caller starts and stops it."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     bind(server, f"{host}:{port}", None)
     return server

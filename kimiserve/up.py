@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kimiserve.health import is_serving
 from kimiserve.lifeline import child_env
-from kimiserve.ports import free_ports
+from kimiserve.ports import check_free, free_ports
 from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
 from router.main import DRAIN_TIMEOUT_S
 
@@ -92,6 +92,35 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=_at_least_one, default=RestartPolicy.max_failures,
                    help="a child failing this many times in a row, each soon after its start, stops the stack "
                         "(exit 1)")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where this stack keeps its state (the batch database); default: "
+                        "$XDG_CACHE_HOME/kimiserve/stack-HOST-PORT, so two stacks never share one")
+    shard = p.add_argument_group("shard capacity (passed to every shard; unset: the shard's own default, see "
+                                 "`kimiserve shard --help`)")
+    for flag, kind in SHARD_FLAGS:
+        shard.add_argument(flag, type=kind, default=None)
+
+
+# Shard flags `up` passes through when given.
+SHARD_FLAGS = (("--num-state-slots", int), ("--num-kv-blocks", int), ("--kv-block-size", int),
+               ("--prefill-token-budget", int), ("--max-model-len", int), ("--prefix-cache-entries", int),
+               ("--prefix-state-interval", int), ("--host-kv-gb", float), ("--op-backend", str))
+
+
+def shard_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    out: list[str] = []
+    for flag, _ in SHARD_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
+def state_dir(args: argparse.Namespace) -> Path:
+    if args.state_dir is not None:
+        return args.state_dir
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "kimiserve" / f"stack-{args.host}-{args.port}"
 
 
 def ensure_default_model() -> Path:
@@ -204,9 +233,14 @@ def run(args: argparse.Namespace) -> int:
     # Before anything starts: a signal during startup must stop what was started, not kill `up` and orphan it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    check_free(args.host, args.port, "router")
     model = args.model or ensure_default_model()
+    state = state_dir(args)
+    state.mkdir(parents=True, exist_ok=True)
     try:
         children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
+                               shard_args=shard_flags(args),
+                               router_args=("--batch-db", str(state / "batches.sqlite3")),
                                tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop)
     except StartupInterrupted as e:
         log.info("stopped during startup", extra={"reason": str(e)})

@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 from kimiserve import security
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
+from kimiserve.ports import SERVER_OPTIONS
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
 from router.batch.errors import BatchStoreError
@@ -115,7 +116,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     interceptors = [security.ApiKeyInterceptor(security.ApiKeys(cfg.api_keys_file))] if cfg.api_keys_file else []
     interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
+                             options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
     servicer = RouterService(generation)
     # -- batch jobs (router/batch): SQLite store, runner, and the batch RPCs on the same Router service --
     batches = BatchWiring(cfg.batch or BatchConfig(default_db_path(), owner=f"{cfg.host}:{cfg.port}"),

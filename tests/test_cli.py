@@ -55,3 +55,44 @@ def test_log_formats(tmp_path):
     assert " INFO " in line and "make-tiny:" in line and not line.startswith("{")
     auto = _cli("make-tiny", "--family", "kimi_linear", "--out", str(tmp_path / "b"))  # not a terminal: JSON
     assert json.loads(auto.stderr.strip().splitlines()[-1])["service"] == "make-tiny"
+
+
+def test_up_refuses_a_router_port_in_use_before_starting_anything():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _cli("up", "--port", str(port), timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and f"127.0.0.1:{port} is in use" in out.stderr
+
+
+def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tmp_path):
+    import signal
+    import time
+
+    import grpc
+
+    from kimiserve.ports import free_port
+    from kimiserve.v1 import router_pb2, router_pb2_grpc
+    from shard_svc.make_tiny import make_tiny
+
+    model = make_tiny("kimi_linear", tmp_path / "model", seed=0)
+    port, state = free_port(), tmp_path / "state"
+    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--port", str(port),
+                             "--num-kv-blocks", "8", "--kv-block-size", "16", "--state-dir", str(state)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "kimiserve is up" in proc.stdout.readline()
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            card = router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(), timeout=30)
+        assert card.models[0].max_context_tokens == 8 * 16
+        assert (state / "batches.sqlite3").exists()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+    assert proc.returncode == 0

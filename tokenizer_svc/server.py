@@ -13,6 +13,7 @@ from prometheus_client import start_http_server
 
 from kimiserve import security
 from kimiserve.decode_guard import AioDecodeGuard
+from kimiserve.ports import SERVER_OPTIONS
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import load_chat_template
 from tokenizer_svc.config import TokenizerServerConfig
@@ -42,7 +43,8 @@ async def start_server(
     cfg: TokenizerServerConfig, served: ServedTokenizer
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
-    server = grpc.aio.server(interceptors=[AioDecodeGuard()])  # a corrupt request body: INVALID_ARGUMENT
+    # A corrupt request body: INVALID_ARGUMENT. No SO_REUSEPORT: a taken port fails here.
+    server = grpc.aio.server(interceptors=[AioDecodeGuard()], options=SERVER_OPTIONS)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

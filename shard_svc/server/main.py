@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 
 from kimiserve import security
 from kimiserve.decode_guard import DecodeGuard
+from kimiserve.ports import SERVER_OPTIONS
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
@@ -158,7 +159,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
             health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     loop.fatal_hooks.append(on_device_fault)  # a failed engine loop or group reports NOT_SERVING, like a device fault
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
                          interceptors=[DecodeGuard()])  # a corrupt request body: INVALID_ARGUMENT
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
