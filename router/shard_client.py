@@ -73,19 +73,29 @@ class ShardClient:
             self.view.in_flight -= 1
 
     # -- stream ------------------------------------------------------------------------------------------------
-    async def _requests(self, outbox: asyncio.Queue):
-        while True:
-            yield await outbox.get()
+    async def _write(self, call, outbox: asyncio.Queue) -> None:
+        """Requests go out through the call's write(), not an async generator handed to gRPC: gRPC would close
+        such a generator from its own task when the stream breaks while it waits on the outbox, and log errors."""
+        try:
+            while True:
+                await call.write(await outbox.get())
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.UsageError):
+            return  # the reading side sees the broken stream and reports it
 
     async def _run_stream(self, outbox: asyncio.Queue) -> None:
+        call = self._stub.Stream()
+        writer = asyncio.create_task(self._write(call, outbox), name=f"stream writer {self.address}")
         try:
-            async for event in self._stub.Stream(self._requests(outbox)):
+            async for event in call:
                 self._dispatch(event)
             reason = "the shard closed its stream"
         except grpc.aio.AioRpcError as e:
             reason = f"stream broke: {e.code().name} {e.details()}"
         except asyncio.CancelledError:
+            call.cancel()
             return
+        finally:
+            writer.cancel()
         self._mark_down(reason)
 
     def _dispatch(self, event: shard_pb2.ShardEvent) -> None:
