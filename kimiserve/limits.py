@@ -38,6 +38,16 @@ MAX_STOP_TOKEN_IDS = 256  # SamplingParams.stop_token_ids
 MAX_TEMPERATURE = 100.0
 # Request ids travel in gRPC metadata and in every log line: printable ASCII, bounded length.
 MAX_REQUEST_ID_CHARS = 256
+# OpenAI's ranges for the presence and frequency penalties: [-MAX_PENALTY, MAX_PENALTY].
+MAX_PENALTY = 2.0
+# Repetition penalty range (0, MAX_REPETITION_PENALTY]; 1 is off. Beyond 2 a repeated token is all but banned.
+MAX_REPETITION_PENALTY = 2.0
+# Alternatives per generated token (OpenAI's top_logprobs cap).
+MAX_TOP_LOGPROBS = 20
+# SamplingParams.response_format json_schema.schema or regex, UTF-8 bytes: the shard compiles it into a grammar.
+MAX_RESPONSE_FORMAT_BYTES = 64 * 1024
+# A json_schema's name, as OpenAI bounds it.
+MAX_SCHEMA_NAME_CHARS = 64
 # Nesting of JSON given as text (tool-call arguments, tools, parameter schemas, batch lines): deeper is refused
 # before Python's recursive parser or a chat template's tojson could run out of stack.
 MAX_JSON_DEPTH = 64
@@ -59,7 +69,7 @@ def _over(field: str, value: int, limit: int, unit: str) -> RequestTooLarge:
 
 
 def check_sampling(s: Message) -> None:
-    """SamplingParams sizes: stop strings (count, bytes each) and stop token ids (count)."""
+    """SamplingParams sizes: stop strings (count, bytes each), stop token ids (count), response_format text."""
     if len(s.stop) > MAX_STOP_STRINGS:
         raise _over("sampling.stop", len(s.stop), MAX_STOP_STRINGS, "stop strings")
     for i, stop in enumerate(s.stop):
@@ -67,6 +77,12 @@ def check_sampling(s: Message) -> None:
             raise _over(f"sampling.stop[{i}]", size, MAX_STOP_STRING_BYTES, "bytes")
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise _over("sampling.stop_token_ids", len(s.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
+    fmt = s.response_format
+    kind = fmt.WhichOneof("kind") if s.HasField("response_format") else None
+    text = fmt.json_schema.schema if kind == "json_schema" else fmt.regex if kind == "regex" else ""
+    if (size := len(text.encode("utf-8"))) > MAX_RESPONSE_FORMAT_BYTES:
+        field = "json_schema.schema" if kind == "json_schema" else kind
+        raise _over(f"sampling.response_format.{field}", size, MAX_RESPONSE_FORMAT_BYTES, "bytes")
 
 
 def check_generate(req: Message) -> None:

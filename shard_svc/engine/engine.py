@@ -11,7 +11,9 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.engine.prefix_cache import PrefixCache
 from shard_svc.engine.runner import ModelRunner
-from shard_svc.engine.sampling import NONFINITE_ROW, SamplingParams, make_generator, sample_all
+from shard_svc.engine.grammar import Grammars
+from shard_svc.engine.penalties import TokenCounts
+from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import Sequence
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
@@ -50,6 +52,7 @@ class TokenEvent:
     error: str | None = None
     logprob: float | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass
@@ -69,8 +72,10 @@ class StepResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 engine_cfg: EngineConfig = EngineConfig(), sync=None, kv_metrics: StreamingMetrics | None = None):
-        """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves."""
+                 engine_cfg: EngineConfig = EngineConfig(), sync=None, kv_metrics: StreamingMetrics | None = None,
+                 grammars: Grammars | None = None):
+        """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
+        grammars: the checkpoint's vocabulary for response_format (None: such requests are refused)."""
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
         # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
         self.sync = sync
@@ -97,12 +102,26 @@ class Engine:
                                f"KV cache {engine_cfg.num_kv_blocks} blocks x {engine_cfg.kv_block_size} = "
                                f"{kv_tokens} tokens")
         self.sequences: dict[str, Sequence] = {}
+        self.grammars = grammars
+        # Penalties' state, a row per state slot: running sequences may hold any slot of the pool (the prefix cache
+        # hands slots back and forth).
+        self.token_counts = TokenCounts(pools.kda_pool.slots.num_slots, cfg.vocab_size, device)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams):
         """The checks that depend only on the request and the engine's fixed sizes (not on what is live), so a
         server thread can refuse a bad request at once while the engine thread steps. Raises InvalidRequest /
-        ContextTooLong."""
+        ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), to hand to
+        add_request: grammars are compiled on the submitting thread, not the engine's."""
+        self._check_sizes(request_id, prompt, params)
+        if params.response_format is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(f"request {request_id!r}: response_format needs the checkpoint's tokenizer "
+                                 "(tokenizer.json or tiktoken.model), which this shard has not loaded")
+        return self.grammars.compile(params.response_format, request_id)
+
+    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -117,15 +136,19 @@ class Engine:
                                  f"({self.context_limits})")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    keep_prompt_logits: bool = False) -> Sequence:
-        """Validates and queues a request; raises DuplicateRequest or what check_request raises."""
+                    keep_prompt_logits: bool = False, matcher=None) -> Sequence:
+        """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
+        check_request returned for it (compiled here when not given)."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
-        self.check_request(request_id, prompt, params)
+        if matcher is None:
+            matcher = self.check_request(request_id, prompt, params)
+        else:
+            self._check_sizes(request_id, prompt, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
-                       keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids)
+                       keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         if self.sync:
@@ -178,8 +201,7 @@ class Engine:
                 if seq.keep_prompt_logits:
                     (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
             emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
-            drawn = (self.sync.draw(emitting) if self.sync
-                     else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
+            drawn = self._draw(emitting)
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
             if self.sync:
                 raise  # in a shard group the other ranks cannot know which sequences failed: the group fails
@@ -214,41 +236,65 @@ class Engine:
         emitting = [(seq, seq.cached_logits) for seq in seqs]
         for seq in seqs:
             seq.cached_logits = None
-        drawn = (self.sync.draw(emitting) if self.sync
-                 else sample_all([(row, seq.params, seq.generator) for seq, row in emitting]))
-        self._emit_all("cached", emitting, drawn, result)
+        self._emit_all("cached", emitting, self._draw(emitting), result)
 
-    def _emit_all(self, kind: str, emitting: list[tuple[Sequence, torch.Tensor]], drawn: list[tuple[int, float]],
+    def _draw(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
+        """In a shard group the leader samples and every rank gets its tokens; alone, this engine samples."""
+        return self.sync.draw(len(emitting), lambda: self._sample(emitting)) if self.sync else self._sample(emitting)
+
+    def _sample(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
+        """Draws a token for each (sequence, logits row): the penalties' counts of sequences about to draw their
+        first token are set up, response_format masks computed for the constrained ones, then one batched draw."""
+        self.token_counts.start([(seq.slot, seq.prompt) for seq, _ in emitting
+                                 if seq.params.has_penalties and not seq.output])
+        constrained = [seq for seq, _ in emitting if seq.matcher is not None]
+        masks = iter(self.grammars.masks([seq.matcher for seq in constrained]) if constrained else ())
+        return sample_all([SampleRow(row, seq.params, seq.generator, seq.slot,
+                                     next(masks) if seq.matcher is not None else None)
+                           for seq, row in emitting], self.token_counts)
+
+    def _emit_all(self, kind: str, emitting: list[tuple[Sequence, torch.Tensor]], drawn: list[Drawn],
                   result: StepResult) -> None:
-        for (seq, row), (token, logprob) in zip(emitting, drawn):
-            if token == NONFINITE_ROW:
-                log.error("non-finite logits; failing the sequence",
+        for (seq, row), d in zip(emitting, drawn):
+            if d.token == NONFINITE_ROW:
+                grammar = (f"; response_format: {seq.matcher.get_error() or 'no token allowed'}"
+                           if seq.matcher is not None else "")
+                log.error("no token can be drawn; failing the sequence",
                           extra={"request_id": seq.request_id, "pass": kind, "output_index": len(seq.output)})
-                result.events.append(self._finish(seq, "error", error=f"request {seq.request_id!r}: the model's "
-                                                  f"logits at output index {len(seq.output)} hold NaN or inf"))
+                result.events.append(self._finish(seq, "error", error=f"request {seq.request_id!r}: the logits at "
+                                                  f"output index {len(seq.output)} hold NaN or inf, or allow no "
+                                                  f"token{grammar}"))
                 continue
-            result.events.append(self._emit(seq, row, token, logprob))
+            result.events.append(self._emit(seq, row, d))
 
-    def _emit(self, seq: Sequence, logits: torch.Tensor, token: int, logprob: float) -> TokenEvent:
-        lp = logprob if seq.params.logprobs else None
+    def _emit(self, seq: Sequence, logits: torch.Tensor, drawn: Drawn) -> TokenEvent:
+        token = drawn.token
+        extra = {"logprob": drawn.logprob, "top_logprobs": drawn.top} if seq.params.logprobs else {}
         if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
             seq.step_logits.append(logits.cpu().unsqueeze(0))
         seq.output.append(token)
         if token in seq.stop_ids:
-            return self._finish(seq, "stop", token=token, logprob=lp, last_logits=logits)
+            return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):  # the mask allowed it, so only a grammar engine fault lands here
+                return self._finish(seq, "error", token=token, error=f"request {seq.request_id!r}: response_format "
+                                    f"refused token {token}: {seq.matcher.get_error()}", **extra)
+            if seq.matcher.is_stopped():  # the format admits no further text: the output is complete
+                return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
         if len(seq.output) >= seq.params.max_tokens:
-            return self._finish(seq, "length", token=token, logprob=lp, last_logits=logits)
-        return TokenEvent(seq.request_id, token, len(seq.output) - 1, logprob=lp, cached_tokens=seq.cached_tokens)
+            return self._finish(seq, "length", token=token, last_logits=logits, **extra)
+        return TokenEvent(seq.request_id, token, len(seq.output) - 1, cached_tokens=seq.cached_tokens, **extra)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
-                logprob: float | None = None, last_logits: torch.Tensor | None = None) -> TokenEvent:
+                logprob: float | None = None, last_logits: torch.Tensor | None = None,
+                top_logprobs: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
         """last_logits: the row the last token was drawn from, on a normal finish (the prefix cache keeps it)."""
         self.scheduler.finish(seq, last_logits)
         seq.finish_reason, seq.error = reason, error
         self.sequences.pop(seq.request_id, None)
         index = len(seq.output) - 1 if token is not None else len(seq.output)
         return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob,
-                          seq.cached_tokens)
+                          seq.cached_tokens, top_logprobs)
 
     # -- offline ----------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",

@@ -1,4 +1,14 @@
-"""Sampling parameters and per-sequence sampling (greedy, temperature, top-k, top-p, seeded)."""
+"""Sampling parameters and the batched sampler of one pass: penalties, the structured-output mask, then greedy or
+seeded temperature / top-k / top-p draws, with logprobs and top alternatives.
+
+Each row's distribution is built in this order (the proto's SamplingParams documents the same):
+  1. penalties (shard_svc/engine/penalties.py): repetition over prompt + output, then presence and frequency over
+     the output, from per-slot token counts kept on the device;
+  2. the response_format mask (shard_svc/engine/grammar.py): disallowed tokens get -inf;
+  3. greedy: argmax; sampled: max-shifted temperature, top-k, top-p, then a draw with the row's own generator.
+logprob / top_logprobs are the natural logs of that final distribution (greedy: log-softmax of the penalised,
+masked logits). Every row's result depends only on its own logits, counts, mask and generator.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kimiserve.limits import MAX_TEMPERATURE
+from kimiserve.limits import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
+from shard_svc.engine.grammar import ResponseFormat, apply_allowed
+from shard_svc.engine.penalties import TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
 
 
@@ -20,20 +32,47 @@ class SamplingParams:
     seed: int | None = None  # same seed, same prompt, same model -> same tokens, whatever the batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: bool = False  # report log p(token) under the sampling distribution
+    logprobs: bool = False  # report log p(token) under the distribution it was drawn from
+    presence_penalty: float = 0.0  # subtracted once from tokens present in the output
+    frequency_penalty: float = 0.0  # times the token's count in the output, subtracted
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + output tokens
+    top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
+    response_format: ResponseFormat | None = None
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, vocab_size: int) -> None:
+        problems = []
         if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
+            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
+            problems.append(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+            problems.append(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                problems.append(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            problems.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                            f"{self.repetition_penalty}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        elif self.top_logprobs and not self.logprobs:
+            problems.append(f"top_logprobs={self.top_logprobs} needs logprobs")
+        if self.response_format is not None and self.ignore_eos:
+            problems.append("ignore_eos cannot be combined with response_format: the format decides where the "
+                            "output ends")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
-            raise InvalidRequest(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+            problems.append(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
+        if problems:
+            raise InvalidRequest("; ".join(problems))
+        if self.response_format is not None:
+            self.response_format.validate()
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -44,57 +83,117 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return gen
 
 
-# The token reported for a row whose logits hold NaN or +inf: nothing is drawn from it, and the engine ends that
-# sequence with an error instead of emitting a token (a bad row must never kill the pass or reach multinomial,
-# which raises on the CPU and asserts on the GPU, taking the whole device context down).
+# The token reported for a row that cannot be sampled: its logits hold NaN or +inf, or its response_format mask
+# allows no token. Nothing is drawn from it, and the engine ends that sequence with an error instead of emitting a
+# token (a bad row must never kill the pass or reach multinomial, which raises on the CPU and asserts on the GPU,
+# taking the whole device context down).
 NONFINITE_ROW = -1
 
 
-def sample_all(rows: list[tuple[torch.Tensor, SamplingParams, torch.Generator | None]]) -> list[tuple[int, float]]:
-    """(token, its natural-log probability under the sampling distribution) for every (fp32 logits row [vocab],
-    params, generator) of a pass, with one device-to-host copy in all. A row with NaN or +inf logits gives
-    (NONFINITE_ROW, nan).
+@dataclass(frozen=True)
+class SampleRow:
+    """One sequence's input to a pass's sampler."""
 
-    A pass emits a token per sequence; reading each back on its own would stop the host once per sequence. Greedy
-    rows share one argmax over the stacked rows (ties to the lowest id, as per row); sampled rows keep their own
-    generator, and their tokens stay on the device until the single copy. Each row's result still depends only on
-    that row and its generator.
+    logits: torch.Tensor  # fp32 [vocab], on the device
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    slot: int | None = None  # the sequence's state slot: its row of TokenCounts (needed when it has penalties)
+    allowed: torch.Tensor | None = None  # response_format bitmask, int32 [ceil(vocab / 32)] on the host; None: all
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One row's result."""
+
+    token: int  # NONFINITE_ROW when the row could not be sampled
+    logprob: float  # 0.0 without params.logprobs; nan for NONFINITE_ROW
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; params.top_logprobs of them
+
+
+def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list[Drawn]:
+    """Samples every row of a pass with one device-to-host copy in all, and counts each penalised row's token in
+    `counts` on the device (required when a row has penalties).
+
+    A pass emits a token per sequence; reading each back on its own would stop the host once per sequence. The
+    penalties and masks run on the stacked rows at once; greedy rows share one argmax (ties to the lowest id, as
+    per row); sampled rows keep their own generator, and their tokens stay on the device until the single copy.
     """
     if not rows:
         return []
-    stacked = torch.stack([logits for logits, _, _ in rows]).float()
-    finite = torch.isfinite(stacked.max(-1).values) & ~torch.isnan(stacked).any(-1)
-    tokens: list[torch.Tensor | None] = [None] * len(rows)
-    logps: list[torch.Tensor | None] = [None] * len(rows)
-    greedy = [i for i, (_, p, _) in enumerate(rows) if p.temperature == 0]
+    n = len(rows)
+    device = rows[0].logits.device
+    stacked = torch.stack([r.logits for r in rows]).float()
+    # A fault of the model (NaN or +inf anywhere), judged before penalties and masks add -inf entries of their own.
+    finite = ~(torch.isnan(stacked).any(-1) | torch.isposinf(stacked).any(-1))
+    penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    pen_index = None
+    if penalised:
+        if counts is None:
+            raise ValueError(f"{len(penalised)} rows have penalties but no TokenCounts was given")
+        pen_index = torch.tensor(penalised, device=device)
+        slots = torch.tensor([rows[i].slot for i in penalised], device=device)
+        stacked[pen_index] = apply_penalties(stacked[pen_index], counts, slots, [rows[i].params for i in penalised])
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if masked:
+        index = torch.tensor(masked, device=device)
+        bits = torch.stack([rows[i].allowed for i in masked]).to(device, non_blocking=True)
+        stacked[index] = apply_allowed(stacked[index], bits)
+    finite &= stacked.max(-1).values > float("-inf")  # a mask that allows nothing cannot be sampled either
+
+    tokens: list[torch.Tensor | None] = [None] * n
+    logp_rows: list[torch.Tensor | None] = [None] * n  # log-distribution of rows that report logprobs
+    greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0]
     if greedy:
         chosen = stacked[greedy]
         best = torch.argmax(chosen, -1)
-        want = any(rows[i][1].logprobs for i in greedy)
-        best_lp = torch.log_softmax(chosen, -1).gather(-1, best[:, None])[:, 0] if want else None
+        wants = [j for j, i in enumerate(greedy) if rows[i].params.logprobs]
+        logp = torch.log_softmax(chosen[wants], -1) if wants else None
         for j, i in enumerate(greedy):
             tokens[i] = best[j:j + 1]
-            if rows[i][1].logprobs:
-                logps[i] = best_lp[j:j + 1]
-    for i, (_, params, generator) in enumerate(rows):
-        if params.temperature == 0:
+        for k, j in enumerate(wants):
+            logp_rows[greedy[j]] = logp[k]
+    for i, r in enumerate(rows):
+        if r.params.temperature == 0:
             continue
-        probs = _sampling_probs(stacked[i], params)
-        # A non-finite row draws from a harmless stand-in (its result is replaced below): no host sync to skip it.
-        probs = torch.where(finite[i], probs, torch.ones_like(probs))
-        tokens[i] = torch.multinomial(probs, 1, generator=generator)
-        if params.logprobs:
-            logps[i] = torch.log(probs.gather(0, tokens[i]))
-    lp_rows = [i for i in range(len(rows)) if logps[i] is not None]
-    host = torch.cat([torch.cat(tokens).double(), finite.double(), *[logps[i].double() for i in lp_rows]]).tolist()
-    n = len(rows)
-    ids, ok, lp_values = host[:n], host[n:2 * n], dict(zip(lp_rows, host[2 * n:]))
-    return [(int(t), lp_values.get(i, 0.0)) if ok[i] else (NONFINITE_ROW, float("nan"))
+        filtered = _sampling_logits(stacked[i], r.params)
+        # A row that cannot be sampled draws from a harmless stand-in (its result is replaced below): no host sync.
+        probs = torch.where(finite[i], torch.softmax(filtered, -1), torch.ones_like(filtered))
+        tokens[i] = torch.multinomial(probs, 1, generator=r.generator)
+        if r.params.logprobs:
+            logp_rows[i] = torch.log_softmax(filtered, -1)
+    token_t = torch.cat(tokens)
+    if penalised:
+        counts.add(slots, token_t[pen_index])  # on the device: the next pass sees these tokens counted
+
+    lp_rows = [i for i in range(n) if logp_rows[i] is not None]
+    parts = [token_t.double(), finite.double()]
+    if lp_rows:
+        lp = torch.stack([logp_rows[i] for i in lp_rows])
+        parts.append(lp.gather(-1, token_t[lp_rows][:, None])[:, 0].double())
+    top_rows = [i for i in lp_rows if rows[i].params.top_logprobs]
+    k = max((rows[i].params.top_logprobs for i in top_rows), default=0)
+    if top_rows:
+        top = torch.topk(lp[[lp_rows.index(i) for i in top_rows]], min(k, lp.shape[-1]), -1)
+        parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    host = torch.cat(parts).tolist()  # the one device-to-host copy of the pass
+
+    ids, ok = host[:n], host[n:2 * n]
+    at = 2 * n
+    chosen_lp = dict(zip(lp_rows, host[at:at + len(lp_rows)]))
+    at += len(lp_rows)
+    k = min(k, stacked.shape[-1])
+    values, indices = host[at:at + k * len(top_rows)], host[at + k * len(top_rows):]
+    tops = {}
+    for j, i in enumerate(top_rows):
+        row = zip(indices[j * k:(j + 1) * k], values[j * k:(j + 1) * k])
+        # Only tokens the distribution can draw (top-k / top-p / a mask may leave fewer than asked for).
+        tops[i] = tuple((int(t), v) for t, v in list(row)[:rows[i].params.top_logprobs] if v > float("-inf"))
+    return [Drawn(int(t), chosen_lp.get(i, 0.0), tops.get(i, ())) if ok[i] else Drawn(NONFINITE_ROW, float("nan"))
             for i, t in enumerate(ids)]
 
 
-def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled row draws from: temperature, then the top-k and top-p cuts.
+def _sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The log-weights a sampled row draws from: temperature, then the top-k and top-p cuts (-inf outside).
 
     The row is shifted by its maximum before the division, so a tiny temperature gives -inf (never inf - inf = NaN)
     and the distribution tends to the argmax, as the limit of the definition does."""
@@ -104,8 +203,8 @@ def _sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
-        cum = torch.softmax(sorted_logits, -1).cumsum(-1)
+        probs = torch.softmax(sorted_logits, -1)
         # Drop a token when the mass before it already reaches top_p; the first token always stays.
-        drop = (cum - torch.softmax(sorted_logits, -1)) >= params.top_p
+        drop = (probs.cumsum(-1) - probs) >= params.top_p
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.softmax(scaled, -1)
+    return scaled

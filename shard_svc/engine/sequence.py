@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ class Sequence:
     generator: torch.Generator | None = None
     keep_prompt_logits: bool = False  # for --dump-logits: keep logits at every prompt position
     stop_ids: frozenset[int] = frozenset()  # sampled ids that end the sequence (stop ids, EOS unless ignored)
+    matcher: Any = None  # response_format: an llguidance.LLMatcher advanced with every token (engine/grammar.py)
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.grammar import Grammars
 from shard_svc.ops import select_ops
 from shard_svc.parallel.errors import GroupError
 from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
@@ -72,8 +73,10 @@ def build_rank(group: ShardGroup, spec: GroupSpec) -> Engine:
     try:
         load = GROUP_LOAD_FORMATS[spec.load_format]
         cfg, model = load(spec.model_dir, group.device, resolve_dtype(spec, group.device), comm)
+        # Every rank advances each sequence's response_format matcher, so all agree on where a sequence ends.
+        grammars = Grammars.for_checkpoint(Path(spec.model_dir), cfg.vocab_size, cfg.eos_token_ids)
         engine = Engine(cfg, model, select_ops(group.device, spec.op_backend), group.device, spec.engine,
-                        sync=StepSync(group, layout, cfg))
+                        sync=StepSync(group, layout, cfg), grammars=grammars)
     except Exception as e:  # noqa: BLE001 - reported below, with the other ranks' results
         log.exception("loading this rank's model slice failed", extra={"rank": group.rank})
         error = e

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from shard_svc.config import ModelConfig
-from shard_svc.engine.sampling import sample_all
+from shard_svc.engine.sampling import Drawn
 from shard_svc.parallel.errors import GroupDiverged
 from shard_svc.parallel.group import ShardGroup, digest
 from shard_svc.parallel.layout import ParallelLayout
@@ -106,18 +107,19 @@ class StepSync:
                                 f"{[(s.request_id, n) for s, n in plan.prefill]} decode "
                                 f"{[s.request_id for s in plan.decode]}")
 
-    def draw(self, emitting: list[tuple]) -> list[tuple[int, float]]:
-        """(token, logprob) for each (sequence, logits row): sampled on the leader, broadcast to every rank."""
-        if not emitting:
+    def draw(self, n: int, sample: Callable[[], list[Drawn]]) -> list[Drawn]:
+        """The n draws of a pass: `sample()` runs on the leader and its tokens and logprobs are broadcast to every
+        rank (only the leader's events are served, so top alternatives stay with it)."""
+        if not n:
             return []
-        buf = torch.zeros(2, len(emitting), dtype=torch.float64)  # [token ids; logprobs], ids exact below 2^53
+        buf = torch.zeros(2, n, dtype=torch.float64)  # [token ids; logprobs], ids exact below 2^53
         drawn = None
         if self.leader:
-            drawn = sample_all([(row, seq.params, seq.generator) for seq, row in emitting])
-            buf[0] = torch.tensor([t for t, _ in drawn], dtype=torch.float64)
-            buf[1] = torch.tensor([lp for _, lp in drawn], dtype=torch.float64)
+            drawn = sample()
+            buf[0] = torch.tensor([d.token for d in drawn], dtype=torch.float64)
+            buf[1] = torch.tensor([d.logprob for d in drawn], dtype=torch.float64)
         self.group.broadcast_tensor(buf, "broadcasting sampled tokens")
-        return drawn or [(int(t), lp) for t, lp in zip(buf[0].tolist(), buf[1].tolist())]
+        return drawn or [Drawn(int(t), lp) for t, lp in zip(buf[0].tolist(), buf[1].tolist())]
 
     def end_step(self, engine, result) -> None:
         row = [digest(_state(engine))]

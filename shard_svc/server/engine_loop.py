@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
 from shard_svc.engine.sampling import SamplingParams
@@ -48,6 +48,7 @@ class _Submitted:
     request_id: str
     prompt: list[int]
     params: SamplingParams
+    matcher: Any  # the compiled response_format, or None
 
 
 class EngineLoop:
@@ -74,7 +75,7 @@ class EngineLoop:
 
         Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
         ShuttingDown."""
-        self.engine.check_request(request_id, prompt, params)
+        matcher = self.engine.check_request(request_id, prompt, params)
         with self._lock:
             if self.failure is not None:
                 raise ShuttingDown(f"request {request_id!r} refused: {self.failure}")
@@ -83,7 +84,7 @@ class EngineLoop:
             if request_id in self._sinks:
                 raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
             self._sinks[request_id] = sink
-            self._intake.append(_Submitted(request_id, list(prompt), params))
+            self._intake.append(_Submitted(request_id, list(prompt), params, matcher))
             self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
                                                  queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
@@ -147,7 +148,7 @@ class EngineLoop:
         events = []
         for sub in intake:
             try:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params)
+                self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher)
             except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now
                 log.error("request refused by the engine after its checks passed",
                           extra={"request_id": sub.request_id, "error": str(e)})

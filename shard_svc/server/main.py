@@ -23,6 +23,7 @@ from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.warmup import warm_up
 from shard_svc.ops import select_ops
 from shard_svc.server.engine_loop import EngineLoop
@@ -135,8 +136,9 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
         model_cfg, model, streamer = load_for_serving(cfg.model_dir, cfg.load_format, device, dtype, cfg.weights,
                                                       stream_metrics)
         eager = cfg.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
+        grammars = Grammars.for_checkpoint(cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
         engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device,
-                        graph_engine_config(cfg.engine, device, eager), kv_metrics=stream_metrics)
+                        graph_engine_config(cfg.engine, device, eager), kv_metrics=stream_metrics, grammars=grammars)
         if not eager:
             enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
         if streamer is not None:

@@ -13,6 +13,7 @@ import torch
 
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
+from shard_svc.engine.grammar import ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
 from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
@@ -34,6 +35,15 @@ def error_code(e: Exception) -> int:
     return shard_pb2.SHARD_ERROR_CODE_INTERNAL
 
 
+def response_format_from_pb(f: common_pb2.ResponseFormat) -> ResponseFormat | None:
+    kind = f.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return ResponseFormat("json_schema", f.json_schema.schema, f.json_schema.name)
+    return ResponseFormat(kind, f.regex if kind == "regex" else "")
+
+
 def sampling_from_pb(submit: shard_pb2.ShardRequest.Submit) -> SamplingParams:
     s = submit.sampling
     return SamplingParams(
@@ -45,6 +55,11 @@ def sampling_from_pb(submit: shard_pb2.ShardRequest.Submit) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        top_logprobs=s.top_logprobs,
+        response_format=response_format_from_pb(s.response_format),
     )
 
 
@@ -56,6 +71,7 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
                                            cached_prompt_tokens=event.cached_tokens if event.index == 0 else 0)
         if event.logprob is not None:
             token.logprob = event.logprob
+        token.top_logprobs.extend(common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs)
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, token=token))
     if event.finish_reason is not None:
         usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from shard_svc.engine.sampling import NONFINITE_ROW, SamplingParams, sample_all
+from shard_svc.engine.sampling import NONFINITE_ROW, SampleRow, SamplingParams, sample_all
 
 
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def _pair(d) -> tuple[int, float]:
+    return d.token, d.logprob
 
 
 def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -34,7 +38,7 @@ def test_greedy_rows_are_argmax_with_lowest_id_ties_and_logprobs():
     rows = torch.randn(5, 50, generator=g)
     rows[2, 7] = rows[2, 31] = rows[2].max() + 1.0  # a tie: the lower id wins
     params = [SamplingParams(logprobs=i % 2 == 0) for i in range(5)]
-    got = sample_all([(rows[i], params[i], None) for i in range(5)])
+    got = [(d.token, d.logprob) for d in sample_all([SampleRow(rows[i], params[i]) for i in range(5)])]
     for i, (token, lp) in enumerate(got):
         expect = max(range(50), key=lambda t: (float(rows[i, t]), -t))
         assert token == expect
@@ -53,7 +57,7 @@ def test_sampled_rows_draw_from_their_distribution_and_ignore_neighbours():
                                                                                  seed=4, logprobs=True)]
     for p in modes:
         support = set(torch.nonzero(_reference_probs(logits, p)).flatten().tolist())
-        alone = [sample_all([(logits, p, _gen(p.seed + k))])[0] for k in range(200)]
+        alone = [_pair(sample_all([SampleRow(logits, p, _gen(p.seed + k))])[0]) for k in range(200)]
         assert {t for t, _ in alone} <= support, f"{p}: a token outside the top-k / top-p set was drawn"
         # empirical frequencies follow the reference distribution
         ref = _reference_probs(logits, p)
@@ -63,9 +67,10 @@ def test_sampled_rows_draw_from_their_distribution_and_ignore_neighbours():
         if p.logprobs:
             assert all(abs(lp - float(torch.log(ref[t]))) < 1e-4 for t, lp in alone)
         # the same generator state gives the same token whatever else the pass holds
-        mixed = sample_all([(torch.randn(40, generator=g), SamplingParams(), None), (logits, p, _gen(p.seed)),
-                            (torch.randn(40, generator=g), SamplingParams(temperature=1.0, seed=9), _gen(9))])
-        assert mixed[1] == alone[0]
+        mixed = sample_all([SampleRow(torch.randn(40, generator=g), SamplingParams()),
+                            SampleRow(logits, p, _gen(p.seed)),
+                            SampleRow(torch.randn(40, generator=g), SamplingParams(temperature=1.0, seed=9), _gen(9))])
+        assert _pair(mixed[1]) == alone[0]
 
 
 def test_empty_pass():
@@ -78,7 +83,7 @@ def test_tiny_temperature_tends_to_the_argmax_instead_of_nan():
     logits = torch.randn(64, generator=g) * 4
     p = SamplingParams(temperature=1e-45, seed=5, logprobs=True)
     for k in range(20):
-        token, lp = sample_all([(logits, p, _gen(k))])[0]
+        token, lp = _pair(sample_all([SampleRow(logits, p, _gen(k))])[0])
         assert token == int(torch.argmax(logits))
         assert lp == 0.0
 
@@ -92,9 +97,10 @@ def test_non_finite_rows_are_reported_without_touching_neighbours():
     masked = good.clone()
     masked[:10] = float("-inf")  # -inf entries are a mask, not a fault
     sampled = SamplingParams(temperature=0.8, seed=1)
-    rows = [(good, SamplingParams(), None), (nan_row, sampled, _gen(1)), (inf_row, SamplingParams(), None),
-            (masked, sampled, _gen(1)), (nan_row, SamplingParams(logprobs=True), None)]
-    got = sample_all(rows)
-    assert got[0] == sample_all([rows[0]])[0]
+    rows = [SampleRow(good, SamplingParams()), SampleRow(nan_row, sampled, _gen(1)),
+            SampleRow(inf_row, SamplingParams()), SampleRow(masked, sampled, _gen(1)),
+            SampleRow(nan_row, SamplingParams(logprobs=True))]
+    got = [_pair(d) for d in sample_all(rows)]
+    assert got[0] == _pair(sample_all([rows[0]])[0])
     assert got[1][0] == NONFINITE_ROW and got[2][0] == NONFINITE_ROW and got[4][0] == NONFINITE_ROW
-    assert got[3] == sample_all([(masked, sampled, _gen(1))])[0] and got[3][0] >= 10
+    assert got[3] == _pair(sample_all([SampleRow(masked, sampled, _gen(1))])[0]) and got[3][0] >= 10

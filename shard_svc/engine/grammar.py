@@ -1,0 +1,127 @@
+"""Structured output by constrained decoding: a request's response_format compiled into a matcher over the
+checkpoint's vocabulary, each step's allowed-token bitmask, and that mask applied to logits on the device.
+
+The grammar engine is llguidance (MIT; a 3 MB wheel with no dependencies; runs on the CPU next to any device; a
+mask for a 160k vocabulary takes tens of microseconds; JSON Schema, regex and Lark grammars). Its vocabulary is the
+checkpoint's own tokenizer as tokenizer_svc loads it: `tokenizer.json`, or Kimi's `tiktoken.model`, which the loader
+turns into the equivalent HF byte-level BPE, so both formats reach llguidance the same way. Masks are computed on
+the host (that is where the matcher lives) for all constrained rows of a pass at once, copied to the device in
+one transfer, and unpacked there; the matcher then advances with the sampled token on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import torch
+
+from kimiserve.limits import MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, JsonTooDeep, loads_json
+from shard_svc.errors import ConfigError, InvalidRequest
+
+log = logging.getLogger(__name__)
+
+RESPONSE_FORMAT_KINDS = ("json_object", "json_schema", "regex")
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a constrained sequence must produce (the proto's ResponseFormat)."""
+
+    kind: str  # one of RESPONSE_FORMAT_KINDS
+    text: str = ""  # json_schema: the schema as JSON text; regex: the expression; json_object: unused
+    name: str = ""  # json_schema: the schema's name (logged only)
+
+    def validate(self) -> None:
+        """The checks that need no tokenizer; Grammars.compile checks the grammar itself."""
+        if self.kind not in RESPONSE_FORMAT_KINDS:
+            raise InvalidRequest(f"response_format kind must be one of {RESPONSE_FORMAT_KINDS}, got {self.kind!r}")
+        if (size := len(self.text.encode("utf-8"))) > MAX_RESPONSE_FORMAT_BYTES:
+            raise InvalidRequest(f"response_format {self.kind}: {size:,} bytes is over the limit of "
+                                 f"{MAX_RESPONSE_FORMAT_BYTES:,}")
+        if len(self.name) > MAX_SCHEMA_NAME_CHARS:
+            raise InvalidRequest(f"response_format json_schema name is {len(self.name)} characters; at most "
+                                 f"{MAX_SCHEMA_NAME_CHARS}")
+        if self.kind == "json_schema":
+            try:
+                schema = loads_json(self.text)
+            except (json.JSONDecodeError, JsonTooDeep) as e:
+                raise InvalidRequest(f"response_format json_schema.schema is not JSON of at most {MAX_JSON_DEPTH} "
+                                     f"levels: {e}") from e
+            if not isinstance(schema, dict):
+                raise InvalidRequest(f"response_format json_schema.schema must be a JSON object, got "
+                                     f"{type(schema).__name__}")
+        if self.kind == "regex" and not self.text:
+            raise InvalidRequest("response_format regex is empty")
+
+
+class Grammars:
+    """Compiles response formats against one checkpoint's vocabulary and computes the masks of a pass."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._executor = llguidance.LLExecutor()
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> Grammars | None:
+        """From the tokenizer in `model_dir`; None when the checkpoint has no tokenizer (structured output is then
+        refused per request, naming the missing files). The model's EOS ids are what a complete text may end
+        with."""
+        # Imported here: the shard needs the loader only for this, and tokenizer_svc is a sibling service.
+        from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, load_tokenizer
+
+        if not any((Path(model_dir) / f).is_file() for f in (TOKENIZER_JSON, TIKTOKEN_MODEL)):
+            log.info("no tokenizer in the checkpoint; response_format will be refused",
+                     extra={"model_dir": str(model_dir)})
+            return None
+        start = time.perf_counter()
+        loaded = load_tokenizer(Path(model_dir))
+        if loaded.vocab_size > vocab_size:
+            raise ConfigError(f"{model_dir}: the tokenizer has {loaded.vocab_size} ids but the model only "
+                                 f"{vocab_size}")
+        tokenizer = llguidance.LLTokenizer(loaded.hf.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+        log.info("structured output ready", extra={"model_dir": str(model_dir), "source": loaded.source,
+                                                   "vocab_size": vocab_size,
+                                                   "load_s": round(time.perf_counter() - start, 3)})
+        return cls(tokenizer, vocab_size)
+
+    def compile(self, fmt: ResponseFormat, request_id: str) -> llguidance.LLMatcher:
+        """A fresh matcher for one sequence. Raises InvalidRequest naming what the grammar engine refused."""
+        fmt.validate()
+        if fmt.kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(fmt.text)
+        else:
+            schema = json.loads(fmt.text) if fmt.kind == "json_schema" else {"type": "object"}
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
+        if is_error or messages:  # a warning is a keyword it would not enforce: refused, never ignored
+            raise InvalidRequest(f"request {request_id!r}: response_format {fmt.kind} cannot be enforced: "
+                                 + "; ".join(messages))
+        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"request {request_id!r}: response_format {fmt.kind}: {matcher.get_error()}")
+        return matcher
+
+    def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """The allowed-token bitmasks of the matchers' next step, int32 [len(matchers), words] on the host (bit
+        t % 32 of word t // 32 set: token t allowed), computed in parallel threads."""
+        words = (self.vocab_size + 32) // 32  # llguidance's mask size: one bit per id, rounded up, with room
+        out = torch.zeros(len(matchers), words, dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
+                                               words * 4, len(matchers))
+        return out
+
+
+def apply_allowed(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab] with -inf wherever the row's bitmask (int32 [rows, words], on logits' device) has the
+    token's bit clear."""
+    vocab = logits.shape[-1]
+    if bits.shape[-1] * 32 < vocab:
+        raise ValueError(f"bitmask of {bits.shape[-1]} words covers {bits.shape[-1] * 32} ids, vocab is {vocab}")
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
