@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from shard_svc.engine.grammar import ResponseFormat
+from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, SampleRow, SamplingParams, sample_all
+from shard_svc.errors import InvalidRequest
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -104,3 +108,159 @@ def test_non_finite_rows_are_reported_without_touching_neighbours():
     assert got[0] == _pair(sample_all([rows[0]])[0])
     assert got[1][0] == NONFINITE_ROW and got[2][0] == NONFINITE_ROW and got[4][0] == NONFINITE_ROW
     assert got[3] == _pair(sample_all([SampleRow(masked, sampled, _gen(1))])[0]) and got[3][0] >= 10
+
+
+# ---- penalties, masks and top_logprobs ------------------------------------------------------------------------
+
+def _penalised_reference(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The penalties by their definitions, with plain loops over the token history: repetition over prompt + output
+    (positive logits divided, negative multiplied), then presence once and frequency per occurrence in the output."""
+    ref = logits.double().clone()
+    for t in set(prompt) | set(output):
+        ref[t] = ref[t] / p.repetition_penalty if ref[t] > 0 else ref[t] * p.repetition_penalty
+    for t in set(output):
+        ref[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
+    return ref
+
+
+def _bitmask(allowed: set[int], words: int) -> torch.Tensor:
+    """llguidance's layout: bit t % 32 of int32 word t // 32 set when token t is allowed."""
+    values = [sum(1 << (t % 32) for t in allowed if t // 32 == w) for w in range(words)]
+    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+
+
+def _counts_with(history: dict[int, tuple[list[int], list[int]]], vocab: int, slots: int = 8) -> TokenCounts:
+    """TokenCounts whose slots hold the given (prompt, output) histories, filled as the engine fills them: start()
+    at the first draw, then one add() per generated token."""
+    counts = TokenCounts(slots, vocab, torch.device("cpu"))
+    counts.start([(slot, prompt) for slot, (prompt, _) in history.items()])
+    for slot, (_, output) in history.items():
+        for t in output:
+            counts.add(torch.tensor([slot]), torch.tensor([t]))
+    return counts
+
+
+PENALTIES = [SamplingParams(presence_penalty=1.5, logprobs=True, top_logprobs=5),
+             SamplingParams(frequency_penalty=0.7, logprobs=True, top_logprobs=3),
+             SamplingParams(repetition_penalty=1.8, logprobs=True, top_logprobs=4),
+             SamplingParams(repetition_penalty=0.6, presence_penalty=-1.0, frequency_penalty=2.0, logprobs=True,
+                            top_logprobs=20),
+             SamplingParams(presence_penalty=-2.0, frequency_penalty=-0.5, logprobs=True, top_logprobs=1)]
+
+
+def test_greedy_penalties_logprobs_and_top_logprobs_follow_the_definitions():
+    g = _gen(10)
+    vocab = 30
+    prompt, output = [1, 2, 2, 5, 7], [3, 3, 3, 5, 9, 2]
+    for p in PENALTIES:
+        logits = torch.randn(vocab, generator=g) * 2
+        logits[[2, 3, 5]] = logits[[2, 3, 5]].abs() + 2.5  # repeated tokens near the top, so penalties decide
+        counts = _counts_with({4: (prompt, output)}, vocab)
+        d = sample_all([SampleRow(logits, p, slot=4)], counts)[0]
+        ref = _penalised_reference(logits, p, prompt, output)
+        ref_lp = torch.log_softmax(ref, 0)
+        assert d.token == int(torch.argmax(ref)), p
+        assert abs(d.logprob - float(ref_lp[d.token])) < 1e-5
+        want = sorted(range(vocab), key=lambda t: -float(ref_lp[t]))[:p.top_logprobs]
+        assert [t for t, _ in d.top] == want
+        assert all(abs(lp - float(ref_lp[t])) < 1e-5 for t, lp in d.top)
+        assert int(counts.output[4, d.token]) == output.count(d.token) + 1, "the drawn token was counted"
+
+
+def test_sampled_penalties_draw_from_the_penalised_distribution_and_report_its_logprobs():
+    g = _gen(11)
+    vocab = 40
+    prompt, output = [0, 1, 2, 3], [4, 4, 5, 6, 4]
+    logits = torch.randn(vocab, generator=g) * 2
+    logits[[4, 5, 1]] += 3
+    p = SamplingParams(temperature=0.8, top_k=6, top_p=0.9, seed=3, repetition_penalty=1.5, presence_penalty=0.5,
+                       frequency_penalty=0.8, logprobs=True, top_logprobs=10)
+    ref = _reference_probs(_penalised_reference(logits, p, prompt, output), p)
+    support = set(torch.nonzero(ref).flatten().tolist())
+    drawn = [sample_all([SampleRow(logits, p, _gen(k), slot=0)], _counts_with({0: (prompt, output)}, vocab))[0]
+             for k in range(200)]
+    assert {d.token for d in drawn} <= support
+    top = int(torch.argmax(ref))
+    assert abs(sum(d.token == top for d in drawn) / len(drawn) - float(ref[top])) < 0.12
+    ref_lp = torch.log(ref)
+    for d in drawn[:20]:
+        assert abs(d.logprob - float(ref_lp[d.token])) < 1e-4
+        # the alternatives are the sampled distribution's top entries: only tokens it can draw, most likely first
+        assert [t for t, _ in d.top] == sorted(support, key=lambda t: -float(ref[t]))[:10]
+        assert all(abs(lp - float(ref_lp[t])) < 1e-4 for t, lp in d.top)
+
+
+def test_greedy_penalty_steps_count_their_own_tokens_on_the_device():
+    """Repeated passes over the same logits: each pass's token is counted by the sampler itself, so a strong
+    frequency penalty walks down the ranking exactly as the loop reference does."""
+    g = _gen(12)
+    logits = torch.randn(16, generator=g)
+    p = SamplingParams(frequency_penalty=0.9, presence_penalty=0.2, repetition_penalty=1.3)
+    prompt = [0, 1]
+    counts = _counts_with({2: (prompt, [])}, 16)
+    got, output = [], []
+    for _ in range(12):
+        got.append(sample_all([SampleRow(logits, p, slot=2)], counts)[0].token)
+        output.append(int(torch.argmax(_penalised_reference(logits, p, prompt, output))))
+    assert got == output
+    assert len(set(got)) > 3, "the penalty moved the argmax around"
+
+
+def test_rows_with_penalties_masks_and_top_logprobs_ignore_their_neighbours():
+    g = _gen(13)
+    vocab = 50
+    hist = {1: ([3, 4, 4], [7, 7, 8]), 5: ([9], [9, 9, 9, 1]), 6: ([2, 2], [])}
+    allowed = {3, 6, 7, 28, 29, 31, 35}  # 31: the sign bit of the first int32 word
+    mask = _bitmask(allowed, 2)
+    rows = [SampleRow(torch.randn(vocab, generator=g), SamplingParams(), None),
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(frequency_penalty=1.1, logprobs=True,
+                                                                      top_logprobs=4), slot=1),
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.7,
+                                                                      logprobs=True, top_logprobs=6), _gen(4), 5),
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=1.1, seed=5, logprobs=True,
+                                                                      top_logprobs=20), _gen(5), allowed=mask),
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(presence_penalty=1.0), slot=6, allowed=mask)]
+    together = sample_all(rows, _counts_with(hist, vocab))
+    for i, row in enumerate(rows):
+        # rebuilt from scratch: a fresh generator and counts holding only this row's history
+        alone_row = SampleRow(row.logits, row.params, _gen(row.params.seed) if row.generator else None, row.slot,
+                              row.allowed)
+        counts = _counts_with({row.slot: hist[row.slot]} if row.slot is not None else {}, vocab)
+        assert sample_all([alone_row], counts)[0] == together[i], i
+    assert together[3].token in allowed and together[4].token in allowed
+    assert {t for t, _ in together[3].top} == allowed, "alternatives are only the tokens the mask allows"
+
+
+def test_a_mask_that_allows_nothing_is_not_sampled():
+    logits = torch.randn(40, generator=_gen(14))
+    none = torch.zeros(2, dtype=torch.int32)
+    got = sample_all([SampleRow(logits, SamplingParams(temperature=1.0), _gen(1), allowed=none),
+                      SampleRow(logits, SamplingParams(), allowed=none), SampleRow(logits, SamplingParams())])
+    assert got[0].token == NONFINITE_ROW and got[1].token == NONFINITE_ROW
+    assert got[2].token == int(torch.argmax(logits))
+
+
+def test_penalties_need_counts():
+    with pytest.raises(ValueError, match="no TokenCounts"):
+        sample_all([SampleRow(torch.zeros(8), SamplingParams(presence_penalty=1.0), slot=0)])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("presence_penalty", 2.5, "presence_penalty must be in"), ("presence_penalty", float("nan"), "presence_penalty"),
+    ("frequency_penalty", -2.01, "frequency_penalty must be in"), ("repetition_penalty", 0.0, "repetition_penalty"),
+    ("repetition_penalty", 2.5, "repetition_penalty"), ("top_logprobs", 21, "top_logprobs must be in"),
+])
+def test_out_of_range_fields_are_refused(field, value, message):
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(logprobs=True, **{field: value}).validate(100)
+
+
+def test_top_logprobs_needs_logprobs_and_a_format_refuses_ignore_eos():
+    with pytest.raises(InvalidRequest, match="top_logprobs=3 needs logprobs"):
+        SamplingParams(top_logprobs=3).validate(100)
+    with pytest.raises(InvalidRequest, match="ignore_eos cannot be combined with response_format"):
+        SamplingParams(ignore_eos=True, response_format=ResponseFormat("json_object")).validate(100)
+    with pytest.raises(InvalidRequest, match="not JSON"):
+        SamplingParams(response_format=ResponseFormat("json_schema", "{nope")).validate(100)
+    with pytest.raises(InvalidRequest, match="must be a JSON object"):
+        SamplingParams(response_format=ResponseFormat("json_schema", "[1]")).validate(100)
