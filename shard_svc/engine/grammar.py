@@ -109,7 +109,7 @@ class Grammars:
     def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The allowed-token bitmasks of the matchers' next step, int32 [len(matchers), words] on the host (bit
         t % 32 of word t // 32 set: token t allowed), computed in parallel threads."""
-        words = (self.vocab_size + 32) // 32  # llguidance's mask size: one bit per id, rounded up, with room
+        words = (self.vocab_size + 31) // 32  # one bit per id, rounded up to whole words
         out = torch.zeros(len(matchers), words, dtype=torch.int32)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], out.data_ptr(),
                                                words * 4, len(matchers))

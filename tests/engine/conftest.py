@@ -59,10 +59,10 @@ def random_model(raw: dict, seed: int = 0, dtype=torch.float32) -> tuple[ModelCo
     return cfg, model.eval()
 
 
-def make_engine(raw: dict, seed: int = 0, dtype=torch.float32, **engine_kw) -> Engine:
+def make_engine(raw: dict, seed: int = 0, dtype=torch.float32, grammars=None, **engine_kw) -> Engine:
     cfg, model = random_model(raw, seed, dtype)
     return Engine(cfg, model, select_ops(torch.device("cpu"), "eager"), torch.device("cpu"),
-                  EngineConfig(**engine_kw))
+                  EngineConfig(**engine_kw), grammars=grammars)
 
 
 @pytest.fixture

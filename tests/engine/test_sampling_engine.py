@@ -1,0 +1,185 @@
+"""The sampling surface through the engine: penalties over a sequence's real history, top_logprobs in its events,
+batch independence, and structured output with the tiny tokenizer's vocabulary on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from shard_svc.engine.grammar import Grammars, ResponseFormat
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.errors import InvalidRequest
+from tests.engine.conftest import linear_config, make_engine
+from tokenizer_svc.loading import load_tokenizer
+from tokenizer_svc.tiny import write_tiny_tokenizer
+
+VOCAB, EOS = 1024, 514  # the tiny checkpoint's padded vocabulary and <|im_end|>
+CONFIG = linear_config(vocab_size=VOCAB, eos_token_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    write_tiny_tokenizer(out, 0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer_dir) -> Grammars:
+    return Grammars.for_checkpoint(tokenizer_dir, VOCAB, (EOS,))
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]], keep_logits: bool = False):
+    """Adds every request, steps to the end; returns {request id: (sequence, its token events)}."""
+    seqs = {rid: engine.add_request(rid, prompt, params, keep_logits) for rid, (prompt, params) in requests.items()}
+    events = {rid: [] for rid in requests}
+    while engine.has_work():
+        for e in engine.step().events:
+            events[e.request_id].append(e)
+    return {rid: (seqs[rid], events[rid]) for rid in requests}
+
+
+def penalised(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The three penalties by definition, looping over the token history."""
+    ref = logits.double().clone()
+    for t in set(prompt) | set(output):
+        ref[t] = ref[t] / p.repetition_penalty if ref[t] > 0 else ref[t] * p.repetition_penalty
+    for t in set(output):
+        ref[t] -= p.presence_penalty + p.frequency_penalty * output.count(t)
+    return ref
+
+
+PROMPT = [5, 9, 9, 17, 33, 5, 70, 71]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5, logprobs=True,
+                   top_logprobs=5),
+    SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.9, logprobs=True, top_logprobs=3),
+])
+def test_greedy_penalties_over_the_sequence_history(params):
+    seq, events = run(make_engine(CONFIG), {"a": (PROMPT, params)}, keep_logits=True)["a"]
+    steps = torch.cat(seq.step_logits)  # the raw logits each token was drawn from
+    assert len(seq.output) == len(events) == params.max_tokens
+    for i, (token, event) in enumerate(zip(seq.output, events)):
+        ref = penalised(steps[i], params, PROMPT, seq.output[:i])
+        ref_lp = torch.log_softmax(ref, 0)
+        assert token == int(torch.argmax(ref)), f"step {i}"
+        assert event.logprob == pytest.approx(float(ref_lp[token]), abs=1e-5)
+        want = torch.topk(ref_lp, params.top_logprobs)
+        assert [t for t, _ in event.top_logprobs] == want.indices.tolist()
+        assert [lp for _, lp in event.top_logprobs] == pytest.approx(want.values.tolist(), abs=1e-5)
+    plain = run(make_engine(CONFIG), {"a": (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))})["a"][0]
+    assert plain.output != seq.output, "the penalties changed the greedy output"
+
+
+def test_penalised_sequences_do_not_depend_on_batch_neighbours():
+    sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.9, seed=7, frequency_penalty=1.0,
+                             repetition_penalty=1.4, logprobs=True, top_logprobs=4)
+    alone = run(make_engine(CONFIG), {"a": (PROMPT, sampled)})["a"]
+    crowd = run(make_engine(CONFIG), {
+        "x": ([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=2.0)),
+        "a": (PROMPT, sampled),
+        "y": ([7] * 20, SamplingParams(max_tokens=14, ignore_eos=True, temperature=1.0, seed=1,
+                                       repetition_penalty=0.5)),
+        "z": ([40, 41], SamplingParams(max_tokens=3, ignore_eos=True))})["a"]
+    assert crowd[0].output == alone[0].output
+    # The model's fp32 logits move in the last bits with the batch (the sampler itself is exact per row:
+    # test_sampling.py); the reported values agree to that precision.
+    for c, a in zip(crowd[1], alone[1]):
+        assert c.logprob == pytest.approx(a.logprob, abs=1e-5)
+        assert [t for t, _ in c.top_logprobs] == [t for t, _ in a.top_logprobs]
+        assert [lp for _, lp in c.top_logprobs] == pytest.approx([lp for _, lp in a.top_logprobs], abs=1e-5)
+
+
+def test_a_reused_slot_starts_with_fresh_counts():
+    """The second sequence takes the first one's state slot: its penalties must see only its own history."""
+    p = SamplingParams(max_tokens=8, ignore_eos=True, frequency_penalty=2.0)
+    fresh = run(make_engine(CONFIG), {"b": (PROMPT, p)})["b"][0].output
+    engine = make_engine(CONFIG, num_state_slots=1)
+    run(engine, {"a": ([3, 4], p)})
+    assert run(engine, {"b": (PROMPT, p)})["b"][0].output == fresh
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                      "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                               "maxItems": 3}},
+     "required": ["color", "tags"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number", "minimum": -1,
+                                                                            "maximum": 1}},
+     "required": ["ok"], "additionalProperties": False},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["person", "enum-and-array", "bool-array", "optional-number"])
+def test_json_schema_output_parses_and_validates(schema, grammars, tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    engine = make_engine(CONFIG, grammars=grammars)
+    fmt = ResponseFormat("json_schema", json.dumps(schema), "test")
+    prompt = tok.encode("Reply in JSON:")
+    for rid, params in [("greedy", SamplingParams(max_tokens=150, response_format=fmt)),
+                        ("sampled", SamplingParams(max_tokens=150, temperature=1.0, seed=3, response_format=fmt,
+                                                   presence_penalty=0.5, logprobs=True, top_logprobs=5))]:
+        seq, events = run(engine, {rid: (prompt, params)})[rid]
+        assert seq.finish_reason == "stop", (rid, seq.finish_reason, tok.decode(seq.output))
+        text = tok.decode(seq.output)
+        jsonschema.validate(json.loads(text), schema)
+        for e in events if params.top_logprobs else ():
+            # Alternatives come from the masked distribution: fewer than asked only where the format allows fewer
+            # tokens, and then the drawn token is among them; a forced token has probability 1.
+            tops = dict(e.top_logprobs)
+            assert 1 <= len(tops) <= 5 and sum(torch.tensor(list(tops.values())).exp()) <= 1 + 1e-5
+            if len(tops) < 5:
+                assert e.token_id in tops
+            if len(tops) == 1:
+                assert tops[e.token_id] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_json_object_and_regex_formats(grammars, tokenizer_dir):
+    tok = load_tokenizer(tokenizer_dir)
+    engine = make_engine(CONFIG, grammars=grammars)
+    obj = ResponseFormat("json_object")
+    # A random model writes free-form keys until max_tokens as often as not, so the test takes runs that end and
+    # checks that every run that ended holds an object (fixed model, prompts and seeds: the same runs each time).
+    runs = run(engine, {"greedy": (tok.encode("Reply in JSON:"), SamplingParams(max_tokens=60, response_format=obj)),
+                        **{f"s{seed}": (tok.encode("Hello there"), SamplingParams(
+                            max_tokens=60, temperature=0.5, seed=seed, response_format=obj)) for seed in (1, 2)}})
+    ended = [seq for seq, _ in runs.values() if seq.finish_reason == "stop"]
+    assert runs["greedy"][0].finish_reason == "stop" and len(ended) >= 2
+    assert all(isinstance(json.loads(tok.decode(seq.output)), dict) for seq in ended)
+    assert max(len(seq.output) for seq in ended) > 5, "at least one object is not empty"
+    prompt = tok.encode("Hello")
+    fmt = ResponseFormat("regex", r"(yes|no), [0-9]{2,4}")
+    for rid, temperature in (("g", 0.0), ("s", 1.0)):
+        seq = run(engine, {rid: (prompt, SamplingParams(max_tokens=40, temperature=temperature, seed=2,
+                                                        response_format=fmt))})[rid][0]
+        assert seq.finish_reason == "stop"
+        text = tok.decode(seq.output)
+        assert text.split(", ")[0] in ("yes", "no") and 2 <= len(text.split(", ")[1]) <= 4, text
+
+
+@pytest.mark.parametrize("fmt,message", [
+    (ResponseFormat("json_schema", json.dumps({"type": "objectx"})), "Invalid type"),
+    (ResponseFormat("json_schema", json.dumps({"type": "array", "uniqueItems": True})), "uniqueItems"),
+    (ResponseFormat("json_schema", json.dumps({"$ref": "http://example.com/s.json"})), "http://example.com"),
+    (ResponseFormat("regex", "[a-"), "unclosed character class"),
+])
+def test_a_format_the_grammar_engine_cannot_enforce_is_refused_at_submit(fmt, message, grammars):
+    engine = make_engine(CONFIG, grammars=grammars)
+    with pytest.raises(InvalidRequest, match=message):
+        engine.check_request("bad", [1, 2], SamplingParams(response_format=fmt))
+    assert not engine.has_work()
+
+
+def test_an_engine_without_a_tokenizer_refuses_formats():
+    with pytest.raises(InvalidRequest, match="needs the checkpoint's tokenizer"):
+        make_engine(CONFIG).check_request("r", [1], SamplingParams(response_format=ResponseFormat("json_object")))
