@@ -24,6 +24,10 @@ def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
                                   stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
     if args.seed is not None:
         s.seed = args.seed
+    s.presence_penalty, s.frequency_penalty = args.presence_penalty, args.frequency_penalty
+    s.repetition_penalty = args.repetition_penalty
+    if args.json_schema is not None:
+        s.response_format.json_schema.schema = args.json_schema
     return s
 
 

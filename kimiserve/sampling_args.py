@@ -21,4 +21,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=_ids, default=[])
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2]; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 2]; 1 = off")
+    p.add_argument("--json-schema", default=None, help="constrain the output to JSON valid under this schema "
+                                                         "(JSON text)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object with tokens and usage")

@@ -3,12 +3,16 @@ strings, and report exact usage. Shared by Generate and Chat."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from kimiserve.limits import MAX_TEMPERATURE
+from kimiserve.limits import (
+    MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+    JsonTooDeep, loads_json)
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, affinity_key, pick_shard
@@ -19,6 +23,7 @@ from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
+SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]*")
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Chunk:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: common_pb2.Usage | None = None
     error_message: str = ""
+    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # one per token id, when asked for
 
 
 def validate_sampling(s: common_pb2.SamplingParams) -> None:
@@ -40,8 +46,44 @@ def validate_sampling(s: common_pb2.SamplingParams) -> None:
         problems.append(f"top_p must be in (0, 1], got {s.top_p}")
     if s.HasField("top_k") and s.top_k < 0:
         problems.append(f"top_k must be >= 0, got {s.top_k}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name) and not -MAX_PENALTY <= getattr(s, name) <= MAX_PENALTY:
+            problems.append(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(s, name)}")
+    if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        problems.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {s.repetition_penalty}")
+    if s.top_logprobs > MAX_TOP_LOGPROBS:
+        problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+    elif s.top_logprobs and not s.logprobs:
+        problems.append(f"top_logprobs={s.top_logprobs} needs logprobs")
+    if s.HasField("response_format"):
+        problems += _response_format_problems(s.response_format, s.ignore_eos)
     if problems:
         raise InvalidArgument("; ".join(problems))
+
+
+def _response_format_problems(f: common_pb2.ResponseFormat, ignore_eos: bool) -> list[str]:
+    """What the router can check without the model's vocabulary; the shard compiles the grammar and refuses what
+    its grammar engine cannot enforce."""
+    kind = f.WhichOneof("kind")
+    if kind is None:
+        return ["response_format must set json_object, json_schema or regex"]
+    problems = ["ignore_eos cannot be combined with response_format: the format decides where the output ends"
+                ] if ignore_eos else []
+    if kind == "json_schema":  # its size was checked with the request's other sizes (kimiserve/limits.py)
+        if len(f.json_schema.name) > MAX_SCHEMA_NAME_CHARS or not SCHEMA_NAME.fullmatch(f.json_schema.name):
+            problems.append(f"response_format json_schema.name must match [A-Za-z0-9_-]{{0,{MAX_SCHEMA_NAME_CHARS}}}"
+                            f", got {f.json_schema.name[:80]!r}")
+        try:
+            schema = loads_json(f.json_schema.schema)
+        except (json.JSONDecodeError, JsonTooDeep) as e:
+            problems.append(f"response_format json_schema.schema is not JSON of at most {MAX_JSON_DEPTH} levels: {e}")
+        else:
+            if not isinstance(schema, dict):
+                problems.append(f"response_format json_schema.schema must be a JSON object, got "
+                                f"{type(schema).__name__}")
+    elif kind == "regex" and not f.regex:
+        problems.append("response_format regex is empty")
+    return problems
 
 
 class Generation:
@@ -142,14 +184,16 @@ class Generation:
                     first_at = first_at or time.monotonic()
                     delta = "" if token in hidden_ids else await detok.add([token])
                     text = stops.feed(delta)
+                    top = ([common_pb2.TopLogprobs(candidates=event.token.top_logprobs)] if s.top_logprobs
+                           else [])
                     if stops.stopped:
                         finished = True
                         await shard.cancel(request_id)
                         usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(generated),
                                                  cached_prompt_tokens=cached)
-                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage)
+                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage, top_logprobs=top)
                         break
-                    yield Chunk([token], text)
+                    yield Chunk([token], text, top_logprobs=top)
                 elif kind == "finished":
                     finished = True
                     tail = stops.feed(await detok.finish()) + stops.flush()

@@ -63,7 +63,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             async for chunk in self.gen.run("Generate", request_id, prompt, request.sampling):
                 yield router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
                                                   text=chunk.text, finish_reason=chunk.finish_reason,
-                                                  usage=chunk.usage, error_message=chunk.error_message)
+                                                  usage=chunk.usage, error_message=chunk.error_message,
+                                                  top_logprobs=chunk.top_logprobs)
         except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
             await self._fail(context, "Generate", request_id, e)
             return
@@ -86,7 +87,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 delta, shown = content[shown:], max(shown, len(content))
                 reply = router_pb2.ChatResponse(request_id=request_id, token_ids=chunk.token_ids, text=delta,
                                                 finish_reason=chunk.finish_reason, usage=chunk.usage,
-                                                error_message=chunk.error_message)
+                                                error_message=chunk.error_message, top_logprobs=chunk.top_logprobs)
                 reply.tool_calls.extend(common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                                         for c in calls)
                 yield reply

@@ -14,6 +14,7 @@ from kimiserve.sampling_args import add_sampling_args
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.grammar import Grammars, ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
@@ -23,9 +24,12 @@ log = logging.getLogger(__name__)
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    fmt = ResponseFormat("json_schema", args.json_schema) if args.json_schema is not None else None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
-                          ignore_eos=args.ignore_eos)
+                          ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          response_format=fmt)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -56,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
     # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers in host memory --
     cfg, model, streamer = load_for_serving(args.model, args.load_format, device, dtype, weights_args(args))
     eager = args.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
+    grammars = Grammars.for_checkpoint(args.model, cfg.vocab_size, cfg.eos_token_ids) if args.json_schema else None
     engine = Engine(cfg, model, select_ops(device), device,
-                    graph_engine_config(EngineConfig(num_state_slots=1), device, eager))
+                    graph_engine_config(EngineConfig(num_state_slots=1), device, eager), grammars=grammars)
     if not eager:
         enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
     if streamer is not None:
