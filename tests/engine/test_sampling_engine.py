@@ -183,3 +183,22 @@ def test_a_format_the_grammar_engine_cannot_enforce_is_refused_at_submit(fmt, me
 def test_an_engine_without_a_tokenizer_refuses_formats():
     with pytest.raises(InvalidRequest, match="needs the checkpoint's tokenizer"):
         make_engine(CONFIG).check_request("r", [1], SamplingParams(response_format=ResponseFormat("json_object")))
+
+
+def test_a_prompt_restored_from_the_prefix_cache_samples_as_a_fresh_one(grammars, tokenizer_dir):
+    """A whole cached prompt's first token is drawn from the cached logits row (no pass): penalties, the format mask
+    and top_logprobs apply to it exactly as after a prefill, and its penalty counts start from its own history."""
+    tok = load_tokenizer(tokenizer_dir)
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[2]))
+    prompt = tok.encode("Reply in JSON:")
+    params = SamplingParams(max_tokens=20, repetition_penalty=1.7, frequency_penalty=1.0, logprobs=True,
+                            top_logprobs=3, response_format=fmt)
+    fresh_seq, fresh_events = run(make_engine(CONFIG, grammars=grammars), {"a": (prompt, params)})["a"]
+    engine = make_engine(CONFIG, grammars=grammars, prefix_cache_entries=2)
+    run(engine, {"warm": (prompt, SamplingParams(max_tokens=3, ignore_eos=True, presence_penalty=2.0))})
+    seq, events = run(engine, {"a": (prompt, params)})["a"]
+    assert seq.cached_tokens == len(prompt), "the second run restored the whole prompt"
+    assert seq.output == fresh_seq.output and seq.finish_reason == fresh_seq.finish_reason == "stop"
+    for e, f in zip(events, fresh_events):
+        assert e.logprob == pytest.approx(f.logprob, abs=1e-5)
+        assert [t for t, _ in e.top_logprobs] == [t for t, _ in f.top_logprobs]
