@@ -120,38 +120,44 @@ def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list
     """
     if not rows:
         return []
-    n = len(rows)
-    device = rows[0].logits.device
     stacked = torch.stack([r.logits for r in rows]).float()
     # A fault of the model (NaN or +inf anywhere), judged before penalties and masks add -inf entries of their own.
     finite = ~(torch.isnan(stacked).any(-1) | torch.isposinf(stacked).any(-1))
     penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
-    pen_index = None
+    if penalised and (counts is None or any(rows[i].slot is None for i in penalised)):
+        raise ValueError(f"rows {penalised} have penalties: they need TokenCounts and each its state slot")
+    device = stacked.device
     if penalised:
-        if counts is None:
-            raise ValueError(f"{len(penalised)} rows have penalties but no TokenCounts was given")
         pen_index = torch.tensor(penalised, device=device)
         slots = torch.tensor([rows[i].slot for i in penalised], device=device)
         stacked[pen_index] = apply_penalties(stacked[pen_index], counts, slots, [rows[i].params for i in penalised])
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if masked:
-        index = torch.tensor(masked, device=device)
         bits = torch.stack([rows[i].allowed for i in masked]).to(device, non_blocking=True)
+        index = torch.tensor(masked, device=device)
         stacked[index] = apply_allowed(stacked[index], bits)
     finite &= stacked.max(-1).values > float("-inf")  # a mask that allows nothing cannot be sampled either
+    tokens, logps = _draw(stacked, rows, finite)
+    if penalised:
+        counts.add(slots, tokens[pen_index])  # on the device: the next pass sees these tokens counted
+    return _read_back(rows, tokens, finite, logps)
 
-    tokens: list[torch.Tensor | None] = [None] * n
-    logp_rows: list[torch.Tensor | None] = [None] * n  # log-distribution of rows that report logprobs
+
+def _draw(stacked: torch.Tensor, rows: list[SampleRow], finite: torch.Tensor
+          ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """(the token of every row [n] on the device, {row: its log-distribution} for rows that report logprobs)."""
+    tokens: list[torch.Tensor | None] = [None] * len(rows)
+    logps: dict[int, torch.Tensor] = {}
     greedy = [i for i, r in enumerate(rows) if r.params.temperature == 0]
     if greedy:
         chosen = stacked[greedy]
         best = torch.argmax(chosen, -1)
-        wants = [j for j, i in enumerate(greedy) if rows[i].params.logprobs]
-        logp = torch.log_softmax(chosen[wants], -1) if wants else None
         for j, i in enumerate(greedy):
             tokens[i] = best[j:j + 1]
-        for k, j in enumerate(wants):
-            logp_rows[greedy[j]] = logp[k]
+        wants = [j for j, i in enumerate(greedy) if rows[i].params.logprobs]
+        if wants:
+            logp = torch.log_softmax(chosen[wants], -1)
+            logps.update((greedy[j], logp[m]) for m, j in enumerate(wants))
     for i, r in enumerate(rows):
         if r.params.temperature == 0:
             continue
@@ -160,35 +166,37 @@ def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list
         probs = torch.where(finite[i], torch.softmax(filtered, -1), torch.ones_like(filtered))
         tokens[i] = torch.multinomial(probs, 1, generator=r.generator)
         if r.params.logprobs:
-            logp_rows[i] = torch.log_softmax(filtered, -1)
-    token_t = torch.cat(tokens)
-    if penalised:
-        counts.add(slots, token_t[pen_index])  # on the device: the next pass sees these tokens counted
+            logps[i] = torch.log_softmax(filtered, -1)
+    return torch.cat(tokens), logps
 
-    lp_rows = [i for i in range(n) if logp_rows[i] is not None]
-    parts = [token_t.double(), finite.double()]
+
+def _read_back(rows: list[SampleRow], tokens: torch.Tensor, finite: torch.Tensor,
+               logps: dict[int, torch.Tensor]) -> list[Drawn]:
+    """Tokens, flags, chosen logprobs and top alternatives of every row, in the pass's one device-to-host copy."""
+    n = len(rows)
+    lp_rows = sorted(logps)
+    parts = [tokens.double(), finite.double()]
+    top_rows = [j for j, i in enumerate(lp_rows) if rows[i].params.top_logprobs]  # positions in lp_rows
+    k = 0
     if lp_rows:
-        lp = torch.stack([logp_rows[i] for i in lp_rows])
-        parts.append(lp.gather(-1, token_t[lp_rows][:, None])[:, 0].double())
-    top_rows = [i for i in lp_rows if rows[i].params.top_logprobs]
-    k = max((rows[i].params.top_logprobs for i in top_rows), default=0)
-    if top_rows:
-        top = torch.topk(lp[[lp_rows.index(i) for i in top_rows]], min(k, lp.shape[-1]), -1)
-        parts += [top.values.double().flatten(), top.indices.double().flatten()]
-    host = torch.cat(parts).tolist()  # the one device-to-host copy of the pass
-
+        lp = torch.stack([logps[i] for i in lp_rows])
+        parts.append(lp.gather(-1, tokens[lp_rows][:, None])[:, 0].double())
+        if top_rows:
+            k = min(max(rows[lp_rows[j]].params.top_logprobs for j in top_rows), lp.shape[-1])
+            top = torch.topk(lp[top_rows], k, -1)
+            parts += [top.values.double().flatten(), top.indices.double().flatten()]
+    host = torch.cat(parts).tolist()
     ids, ok = host[:n], host[n:2 * n]
-    at = 2 * n
-    chosen_lp = dict(zip(lp_rows, host[at:at + len(lp_rows)]))
-    at += len(lp_rows)
-    k = min(k, stacked.shape[-1])
-    values, indices = host[at:at + k * len(top_rows)], host[at + k * len(top_rows):]
+    chosen = dict(zip(lp_rows, host[2 * n:2 * n + len(lp_rows)]))
+    values = host[2 * n + len(lp_rows):2 * n + len(lp_rows) + k * len(top_rows)]
+    indices = host[2 * n + len(lp_rows) + k * len(top_rows):]
     tops = {}
-    for j, i in enumerate(top_rows):
-        row = zip(indices[j * k:(j + 1) * k], values[j * k:(j + 1) * k])
+    for m, j in enumerate(top_rows):
+        i = lp_rows[j]
+        row = list(zip(indices[m * k:(m + 1) * k], values[m * k:(m + 1) * k]))[:rows[i].params.top_logprobs]
         # Only tokens the distribution can draw (top-k / top-p / a mask may leave fewer than asked for).
-        tops[i] = tuple((int(t), v) for t, v in list(row)[:rows[i].params.top_logprobs] if v > float("-inf"))
-    return [Drawn(int(t), chosen_lp.get(i, 0.0), tops.get(i, ())) if ok[i] else Drawn(NONFINITE_ROW, float("nan"))
+        tops[i] = tuple((int(t), v) for t, v in row if v > float("-inf"))
+    return [Drawn(int(t), chosen.get(i, 0.0), tops.get(i, ())) if ok[i] else Drawn(NONFINITE_ROW, float("nan"))
             for i, t in enumerate(ids)]
 
 

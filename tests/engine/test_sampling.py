@@ -241,7 +241,7 @@ def test_a_mask_that_allows_nothing_is_not_sampled():
 
 
 def test_penalties_need_counts():
-    with pytest.raises(ValueError, match="no TokenCounts"):
+    with pytest.raises(ValueError, match="need TokenCounts and each its state slot"):
         sample_all([SampleRow(torch.zeros(8), SamplingParams(presence_penalty=1.0), slot=0)])
 
 

@@ -47,8 +47,9 @@ def prompt(n: int, seed: int, vocab: int = 255) -> tuple[int, ...]:
 
 
 def concurrent_requests(vocab: int = 255) -> tuple[Request, ...]:
-    """Chunked prefill, max_tokens 1 (finishes at prefill), a stop-token finish, seeded sampling with logprobs, a late
-    arrival, and a request cancelled mid-decode."""
+    """Chunked prefill, max_tokens 1 (finishes at prefill), a stop-token finish, seeded sampling with penalties and
+    logprobs (drawn on rank 0 only, its penalty counts held there), a late arrival, and a request cancelled
+    mid-decode."""
     greedy = SamplingParams(max_tokens=7, ignore_eos=True)
     return (
         Request("long-prefill", prompt(90, 1, vocab), greedy),
@@ -56,7 +57,8 @@ def concurrent_requests(vocab: int = 255) -> tuple[Request, ...]:
         Request("stops-early", prompt(20, 3, vocab),
                 SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=tuple(range(0, vocab, 3)))),
         Request("sampled", prompt(17, 4, vocab),
-                SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, logprobs=True, ignore_eos=True)),
+                SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, logprobs=True, ignore_eos=True,
+                               frequency_penalty=0.8, repetition_penalty=1.3, top_logprobs=2)),
         Request("late", prompt(25, 5, vocab), greedy, at_step=2),
         Request("cancelled", prompt(8, 6, vocab), SamplingParams(max_tokens=40, ignore_eos=True)),
     )
