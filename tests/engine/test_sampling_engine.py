@@ -202,3 +202,17 @@ def test_a_prompt_restored_from_the_prefix_cache_samples_as_a_fresh_one(grammars
     for e, f in zip(events, fresh_events):
         assert e.logprob == pytest.approx(f.logprob, abs=1e-5)
         assert [t for t, _ in e.top_logprobs] == [t for t, _ in f.top_logprobs]
+
+
+def test_kimi_tiktoken_vocabulary_gives_the_same_masks(tokenizer_dir, grammars, tmp_path):
+    """A checkpoint with only Kimi's tiktoken.model (+ tokenizer_config.json) reaches the grammar engine through
+    tokenizer_svc's loader: every step's mask equals the one built from tokenizer.json."""
+    for name in ("tiktoken.model", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tokenizer_dir / name).read_bytes())
+    tiktoken_only = Grammars.for_checkpoint(tmp_path, VOCAB, (EOS,))
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[0]))
+    a, b = grammars.compile(fmt, "a"), tiktoken_only.compile(fmt, "b")
+    for token in load_tokenizer(tokenizer_dir).encode('{"name": "river", "age": 42}'):
+        assert torch.equal(grammars.masks([a]), tiktoken_only.masks([b]))
+        assert a.consume_token(token) and b.consume_token(token)
+    assert a.is_accepting() and b.is_accepting()
