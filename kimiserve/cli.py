@@ -44,18 +44,23 @@ USER_ERRORS: dict[str, tuple[str, ...]] = {
 OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
+def _shows_default(action: argparse.Action) -> bool:
+    """An option with a default worth printing (0 and 0.0 are; None, a switch's False and SUPPRESS are not)."""
+    return bool(action.option_strings) and not (action.default is None or action.default is False
+                                                or action.default == argparse.SUPPRESS)
+
+
 class DefaultsFormatter(argparse.HelpFormatter):
     """Every flag's help ends with its default (flags without help text get one that says only that)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, argparse.SUPPRESS, False) or not action.option_strings:
+        if "%(default)" in text or not _shows_default(action):
             return text
         return f"{text} (default: %(default)s)".strip()
 
     def _format_action(self, action: argparse.Action) -> str:
-        if action.help is None and action.option_strings and action.default not in (None, argparse.SUPPRESS,
-                                                                                      False):
+        if action.help is None and _shows_default(action):
             action.help = "(default: %(default)s)"  # a flag without help text still shows its default
         return super()._format_action(action)
 

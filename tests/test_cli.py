@@ -25,8 +25,8 @@ def test_every_flag_with_a_default_shows_it_in_help(command):
     p = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
     text = p.format_help()
     for action in p._actions:
-        if action.option_strings and action.default not in (None, False, "==SUPPRESS==") and \
-                action.dest != "help":
+        if action.option_strings and not (action.default is None or action.default is False
+                                          or action.default == argparse.SUPPRESS):
             assert f"default: {action.default}" in " ".join(text.split()), (command, action.option_strings)
 
 
