@@ -138,7 +138,7 @@ class Scheduler:
         step = sum(self._step_blocks(s) for s in self.running if s.request_id not in self.offloaded)
         for seq in waiting:
             need = self._step_blocks(seq)
-            if step + need > self.blocks.num_free:
+            if not self._evict_cached_until(step + need):
                 return
             pages = self.offload.restore(seq.request_id)
             del self.offloaded[seq.request_id]
@@ -174,7 +174,7 @@ class Scheduler:
                 for s, n in plan.prefill}
         need.update((s.request_id, self.blocks.extra_blocks_needed(s.request_id, s.num_computed + 1))
                     for s in plan.decode)
-        if sum(need.values()) <= self.blocks.num_free:
+        if self._evict_cached_until(sum(need.values())):
             return
         resident = [s for s in reversed(self.running) if s.request_id not in self.offloaded]  # newest first
         for seq in sorted(resident, key=lambda s: s.request_id in need):  # those off this step first
@@ -187,6 +187,14 @@ class Scheduler:
             need.pop(seq.request_id, None)  # offloaded, or no KV yet: it sits this step out either way
         plan.prefill = [(s, n) for s, n in plan.prefill if s.request_id in need]
         plan.decode = [s for s in plan.decode if s.request_id in need]
+
+    def _evict_cached_until(self, blocks: int) -> bool:
+        """Whether `blocks` are free, after evicting cached prefixes (least recent first) as far as that helps:
+        the cache's blocks are spare capacity, never a reason to offload or hold back a running sequence."""
+        while blocks > self.blocks.num_free:
+            if self.prefix_cache is None or not self.prefix_cache.evict_one():
+                return False
+        return True
 
     def finish(self, seq: Sequence, last_logits: torch.Tensor | None = None) -> None:
         """Return the sequence's slot and blocks (or host pages) at once; it is never scheduled again.

@@ -164,3 +164,24 @@ def test_a_cache_too_small_for_the_batch_gives_the_big_cache_tokens(name):
     assert engine.runner.kv_cache.blocks.num_free == 12 and engine.scheduler.slots.num_free == 4
     _, alone, _ = run(CONFIGS[name], num_kv_blocks=12)
     assert alone == 1  # without the host pool the same cache runs one sequence at a time
+
+
+def test_cached_prefixes_give_their_blocks_back_before_a_sequence_is_offloaded_or_held():
+    """With the prefix cache holding device blocks, the step must evict cached prefixes rather than offload
+    running sequences (or keep offloaded ones waiting) for blocks nothing else will ever free."""
+    big, _, _ = run(CONFIGS["linear"], num_kv_blocks=64)
+    cfg, model = random_model(CONFIGS["linear"], seed=1, dtype=torch.float64)
+    page = HostKVProfile.from_config(cfg).page_bytes(BS, torch.float64)
+    engine = Engine(cfg, model, select_ops(torch.device("cpu"), "eager"), torch.device("cpu"),
+                    EngineConfig(num_state_slots=4, num_kv_blocks=12, kv_block_size=BS, host_kv_bytes=23 * page,
+                                 prefix_cache_entries=4))
+    for i in range(2):
+        engine.generate(list(range(30 + i, 47 + i)), SamplingParams(max_tokens=3, ignore_eos=True), f"fill-{i}")
+    assert engine.prefix_cache.blocks_held >= 8
+    seqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+    steps = 0
+    while engine.has_work():
+        steps += 1
+        assert steps < 200, "sequences stopped progressing behind blocks the prefix cache held"
+        engine.step()
+    assert [s.output for s in seqs] == [s.output for s in big]
