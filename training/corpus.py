@@ -101,10 +101,14 @@ def derive_corpus(deb_path: Path) -> str:
 
 @dataclass(frozen=True)
 class Corpus:
-    """Paragraphs per novel, split into training and held-out parts (the last `held_out` fraction of each)."""
+    """Paragraphs, split into training and held-out parts (the last `held_out` fraction of each novel)."""
 
-    train: list[str]
+    train_by_novel: dict[str, list[str]]  # title -> its training paragraphs
     held_out: list[str]
+
+    @property
+    def train(self) -> list[str]:
+        return [p for paragraphs in self.train_by_novel.values() for p in paragraphs]
 
 
 def load_corpus(path: Path = CORPUS_FILE, held_out: float = 0.05) -> Corpus:
@@ -113,11 +117,11 @@ def load_corpus(path: Path = CORPUS_FILE, held_out: float = 0.05) -> Corpus:
     novels = path.read_text(encoding="utf-8").split(NOVEL_SEPARATOR)
     if len(novels) != len(NOVELS):
         raise CorpusError(f"{path}: {len(novels)} novels, expected {len(NOVELS)}")
-    train, test = [], []
-    for novel in novels:
+    train, test = {}, []
+    for title, novel in zip(NOVELS.values(), novels):
         paragraphs = novel.strip("\n").split("\n\n")
         cut = len(paragraphs) - max(1, round(held_out * len(paragraphs)))
-        train += paragraphs[:cut]
+        train[title] = paragraphs[:cut]
         test += paragraphs[cut:]
     return Corpus(train, test)
 

@@ -17,6 +17,7 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.make_tiny import mla_layers
 from shard_svc.model import KimiForCausalLM
+from training.mxfp4 import mxfp4_round
 
 BASE_VOCAB = 2048
 VOCAB = BASE_VOCAB + 256  # [BOS] 2048, [EOS] 2049, <|im_end|> 2050, ..., [PAD] 2303
@@ -116,3 +117,13 @@ def init_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, seed:
                 value /= math.sqrt(2 * depth)
         p.copy_(value.to(p.dtype))
     return model.to(device)
+
+
+@torch.no_grad()
+def round_experts_to_mxfp4(model: KimiForCausalLM) -> int:
+    """Replace every routed expert weight by its MXFP4-rounded value, the value the written checkpoint holds, so
+    that evaluating the model in memory evaluates the served model. Returns how many tensors were rounded."""
+    experts = [p for n, p in model.named_parameters() if n.endswith((".experts.w1", ".experts.w2", ".experts.w3"))]
+    for p in experts:
+        p.copy_(mxfp4_round(p).to(p.dtype))
+    return len(experts)
