@@ -102,8 +102,10 @@ def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool 
 
     def moe_route(x, gate_weight, correction_bias, top_k, renormalize, scaling):
         weights, ids = EAGER["moe_route"](x, gate_weight, correction_bias, top_k, renormalize, scaling)
-        if loads is not None:
-            loads.per_layer.append(torch.bincount(ids.flatten(), minlength=gate_weight.shape[0]))
+        if loads is not None:  # scatter_add, not bincount: bincount reads the largest id back to the host on a GPU
+            flat = ids.flatten()
+            counts = torch.zeros(gate_weight.shape[0], dtype=flat.dtype, device=flat.device)
+            loads.per_layer.append(counts.scatter_add_(0, flat, torch.ones_like(flat)))
         return weights, ids
 
     def moe_experts(x, weights, ids, w1, w3, w2, activation, situ_betas):

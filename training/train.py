@@ -76,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--k3-layers", type=int, default=93, help="fewer only for smoke runs")
     p.add_argument("--sample-tokens", type=int, default=48)
+    p.add_argument("--held-out-tokens", type=int, default=None,
+                   help="evaluate perplexity on the first N held-out tokens only (default: all; for smoke runs)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok_dir = args.out / "tokenizer"
     tokenizer = train_tokenizer(corpus.train, BASE_VOCAB, tok_dir)
     train_stream = token_stream(corpus.train, tokenizer)
-    held_stream = token_stream(corpus.held_out, tokenizer)
+    held_stream = token_stream(corpus.held_out, tokenizer)[:args.held_out_tokens]
     dialogues = make_dialogues(NUM_DIALOGUES, corpus.train_by_novel, tokenizer, args.seed)
     packed = pack_dialogues(dialogues, args.seq_len, PAD)
     summary: dict[str, Any] = {
