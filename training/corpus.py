@@ -3,7 +3,7 @@
 The novels (1811-1818) are in the public domain; the package is MIT-licensed (Julia Silge) and ships them as R data.
 `python3 -m training.corpus --deb r-cran-janeaustenr_1.0.0-1_all.deb` (from `apt-get download r-cran-janeaustenr`)
 derives `training/data/austen.txt` from the .deb alone, byte for byte the same every time: each novel from its first
-chapter heading to its end, headings dropped, each paragraph's lines joined by spaces, `_emphasis_` marks removed.
+chapter heading to its end, headings, end marks and scene breaks dropped, each paragraph's lines joined by spaces, `_emphasis_` marks removed.
 Novels are separated by a form feed line; paragraphs by one blank line. Training reads only the derived file, so
 nothing is downloaded at run time.
 """
@@ -34,7 +34,8 @@ NOVELS = {
     "persuasion": "Persuasion",
 }
 NOVEL_SEPARATOR = "\n\f\n"
-_HEADING = re.compile(r"^(CHAPTER|Chapter|VOLUME) [0-9IVXLC]+\.?$|^(THE END|FINIS)$")
+# Chapter and volume headings, end marks, and scene breaks of asterisks: not prose.
+_HEADING = re.compile(r"^(CHAPTER|Chapter|VOLUME) [0-9IVXLC]+\.?$|^(THE END|FINIS|Finis)$|^[* ]+$")
 
 
 class CorpusError(RuntimeError):

@@ -52,6 +52,7 @@ class Recipe:
     lr: float
     pretrain_s: float  # time budget of the pretraining phase on a GPU
     sft_fraction: float  # supervised steps, as a fraction of the pretraining steps taken
+    max_epochs: float = 6.0  # pretraining stops here even within the budget: ~1M tokens, a 4M-parameter model
     warmup: int = 50
 
 
@@ -128,7 +129,8 @@ def train_one(name: str, args: argparse.Namespace, device: torch.device, dtype: 
     trainer = Trainer(model, batch, args.seq_len, KDA_CHUNK, mxfp4_experts=False)
     prose = ProseSampler(train_stream, args.seq_len, device, args.seed)
     fixed = args.steps is not None
-    schedule = Schedule(recipe.lr, min(recipe.warmup, max(1, (args.steps or 10**9) // 10)), args.steps or 10**9)
+    total = args.steps or max(1, int(recipe.max_epochs * len(train_stream) / (batch * args.seq_len)))
+    schedule = Schedule(recipe.lr, min(recipe.warmup, max(1, total // 10)), total)
     budget = None if fixed else (args.pretrain_s or recipe.pretrain_s)
     pre = trainer.run(prose.sample, schedule, PhaseReport(), log_every=10 if fixed else 50, name=name,
                       budget_s=budget)
