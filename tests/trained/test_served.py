@@ -1,10 +1,13 @@
 """The served stack (router + tokenizer + shard as processes, gRPC on localhost) gives offline `kimiserve generate`'s
-tokens, text and usage for a chat prompt on the trained default model, and the shard's logprobs equal the offline
-logits' log-probabilities of the same tokens."""
+tokens, text, usage and log-probabilities on the trained default model, greedy and sampled, and a chat turn rendered
+by the tokenizer service replies with offline's tokens for the same rendering."""
 
 from __future__ import annotations
 
-import threading
+import argparse
+import io
+import json
+from contextlib import redirect_stdout
 
 import grpc
 import pytest
@@ -13,14 +16,13 @@ from safetensors.torch import load_file
 
 from kimiserve.ports import free_port
 from kimiserve.up import start_stack, stop_stack
-from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
-from tests.services.helpers import cli_json
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from shard_svc import generate as generate_cli
 from tests.trained.conftest import CHATS, LINEAR, chat_ids, model_dir
 
 MAX_TOKENS = 32
-TEMPERATURE = 0.8
-FLAGS = {"greedy": ["--max-tokens", str(MAX_TOKENS)],
-         "sampled": ["--max-tokens", str(MAX_TOKENS), "--temperature", str(TEMPERATURE), "--seed", "5"]}
+TOP = 5
+MODES = {"greedy": (0.0, []), "sampled": (0.8, ["--temperature", "0.8", "--seed", "5"])}
 
 
 @pytest.fixture(scope="module")
@@ -28,51 +30,60 @@ def served():
     path = model_dir(LINEAR)
     children = start_stack(path, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
                            shard_args=("--num-state-slots", "4", "--num-kv-blocks", "64"))
-    yield path, {c.name: c.address for c in children}
+    router = next(c for c in children if c.name == "router").address
+    channel = grpc.insecure_channel(router)
+    yield path, router_pb2_grpc.RouterStub(channel)
+    channel.close()
     stop_stack(children, grace_s=20)
 
 
-def shard_tokens(address: str, prompt: list[int], sampling: common_pb2.SamplingParams) -> list[tuple[int, float]]:
-    """(token, logprob) of one sequence submitted straight to the served shard's Stream."""
-    done = threading.Event()
-
-    def requests():
-        yield shard_pb2.ShardRequest(submit=shard_pb2.ShardRequest.Submit(
-            request_id="trained-parity-1", prompt_token_ids=prompt, sampling=sampling, max_tokens=MAX_TOKENS))
-        done.wait(120)  # keep the stream open until the sequence finished
-
-    out = []
-    with grpc.insecure_channel(address) as channel:
-        try:
-            for event in shard_pb2_grpc.ShardStub(channel).Stream(requests(), timeout=120):
-                kind = event.WhichOneof("kind")
-                assert kind != "error", event.error.message
-                if kind == "token":
-                    out.append((event.token.token_id, event.token.logprob))
-                if kind == "finished":
-                    break
-        finally:
-            done.set()
-    return out
+def offline_generate(path, prompt: list[int], flags: list[str], dump) -> tuple[dict, torch.Tensor]:
+    """`kimiserve generate --json --dump-logits` run in this process: (its JSON, the logits of each generated token)."""
+    parser = argparse.ArgumentParser()
+    generate_cli.add_args(parser)
+    args = parser.parse_args(["--model", str(path), "--prompt-ids", ",".join(map(str, prompt)), "--json",
+                              "--max-tokens", str(MAX_TOKENS), "--dump-logits", str(dump), *flags])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert generate_cli.run(args) == 0
+    return json.loads(out.getvalue().strip().splitlines()[-1]), load_file(str(dump))["step_logits"]
 
 
-@pytest.mark.parametrize("mode", FLAGS)
-def test_served_chat_reply_equals_offline_generate(served, mode, tmp_path):
-    path, addresses = served
-    prompt = ",".join(map(str, chat_ids(path)[0]))  # CHATS[0], rendered in the Kimi format with the default system
-    dump = tmp_path / "logits.safetensors"
-    offline = cli_json("generate", "--model", str(path), "--prompt-ids", prompt, "--json", "--dump-logits", str(dump),
-                       *FLAGS[mode])
-    online = cli_json("complete", "--router", addresses["router"], "--prompt-ids", prompt, "--json", *FLAGS[mode])
-    assert online == offline, f"{CHATS[0]!r}: served {online} != offline {offline}"
-    assert offline["text"].strip(), "the trained model's reply is empty"
+@pytest.mark.parametrize("mode", MODES)
+def test_served_tokens_and_logprobs_equal_offline_generate(served, mode, tmp_path):
+    path, stub = served
+    temperature, flags = MODES[mode]
+    prompt = chat_ids(path)[0]  # CHATS[0] in the Kimi format, the default system turn first
+    ref, logits = offline_generate(path, prompt, flags, tmp_path / "logits.safetensors")
+    assert ref["text"].strip(), "the trained model's reply is empty"
+    sampling = common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=5, logprobs=True,
+                                         top_logprobs=TOP)
+    ids, text, tops, last = [], "", [], None
+    for chunk in stub.Generate(router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt),
+                                                          sampling=sampling), timeout=120):
+        ids += chunk.token_ids
+        text += chunk.text
+        tops += chunk.top_logprobs
+        last = chunk
+    assert (ids, text) == (ref["token_ids"], ref["text"]), f"{CHATS[0]!r}: served {text!r} != offline {ref['text']!r}"
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(ids))
+    # Each position's candidates: the top of the distribution the token was drawn from, as the offline logits say.
+    dist = torch.log_softmax(logits.double() / (temperature or 1.0), -1)
+    want = dist.topk(TOP, -1)
+    assert len(tops) == len(ids)
+    for i, top in enumerate(tops):
+        assert [c.token_id for c in top.candidates] == want.indices[i].tolist(), f"position {i}: other candidates"
+        got = torch.tensor([c.logprob for c in top.candidates], dtype=torch.float64)
+        assert torch.allclose(got, want.values[i], atol=1e-5), f"position {i}: logprobs {got} != {want.values[i]}"
 
-    temperature = TEMPERATURE if mode == "sampled" else 0.0
-    sampling = common_pb2.SamplingParams(temperature=temperature, seed=5, logprobs=True)
-    events = shard_tokens(addresses["shard-0"], [int(t) for t in prompt.split(",")], sampling)
-    assert [t for t, _ in events] == offline["token_ids"]
-    logits = load_file(str(dump))["step_logits"]  # [C, vocab]: the logits each generated token was drawn from
-    scaled = logits / temperature if temperature else logits
-    expected = torch.log_softmax(scaled.double(), -1).gather(-1, torch.tensor(offline["token_ids"])[:, None])[:, 0]
-    got = torch.tensor([lp for _, lp in events], dtype=torch.float64)
-    assert torch.allclose(got, expected, atol=1e-5), f"logprobs differ by {float((got - expected).abs().max()):.2e}"
+
+def test_served_chat_renders_the_kimi_format_and_replies_as_offline(served, tmp_path):
+    path, stub = served
+    ref, _ = offline_generate(path, chat_ids(path)[0], [], tmp_path / "logits.safetensors")
+    req = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content=CHATS[0])],
+                                 sampling=common_pb2.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    ids, text = [], ""
+    for chunk in stub.Chat(req, timeout=120):
+        ids += chunk.token_ids
+        text += chunk.text
+    assert (ids, text) == (ref["token_ids"], ref["text"])
