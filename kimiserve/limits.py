@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from google.protobuf.message import Message
+if TYPE_CHECKING:  # annotations only: chat_types imports this module, and training/ runs where protobuf is absent
+    from google.protobuf.message import Message
 
 # The router's gRPC receive limit (the gRPC default, kept explicit): a larger request is RESOURCE_EXHAUSTED from
 # gRPC itself. Every limit below is smaller, so a request is refused by name before the transport limit is reached.

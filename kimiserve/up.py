@@ -27,7 +27,8 @@ from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exi
 from router.main import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
-DEFAULT_MODEL_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kimiserve" / "tiny-k3"
+# The trained Kimi-Linear model committed under models/ (training/train.py), next to this package in a checkout.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kimi-linear-austen"
 # How long a stopping child may take before it is killed. The router: its drain, then closing its shard streams,
 # discovery and batch store. A shard: its engine loop's stop (60 s, shard_svc/server/main.py) and server grace (5 s);
 # it is idle by then, as the router stopped first. The tokenizer: its --grace-s (5 s).
@@ -43,6 +44,10 @@ class StartupInterrupted(Exception):
 
 class ChildFailed(RuntimeError):
     """A child exited before it was SERVING."""
+
+
+class DefaultModelMissing(FileNotFoundError):
+    """`up` without --model, where the committed default model is not next to the package (e.g. a wheel install)."""
 
 
 @dataclass
@@ -78,7 +83,8 @@ def _at_least_one(text: str) -> int:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="checkpoint dir (default: the built-in tiny K3)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="checkpoint dir (default: the trained models/kimi-linear-austen of the checkout)")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--device", default="cpu", help="cpu | cuda (shard i gets cuda:i; with groups, cuda:i*N..)")
     p.add_argument("--tp", type=int, default=1, help="each shard is a group: attention heads split tp ways")
@@ -124,14 +130,11 @@ def state_dir(args: argparse.Namespace) -> Path:
 
 
 def ensure_default_model() -> Path:
-    """Builds the default tiny K3 checkpoint once and reuses it afterwards."""
-    if not (DEFAULT_MODEL_DIR / "config.json").exists():
-        from shard_svc.make_tiny import make_tiny
-
-        log.info("building the default tiny K3 checkpoint", extra={"path": str(DEFAULT_MODEL_DIR)})
-        tmp = DEFAULT_MODEL_DIR.with_name(DEFAULT_MODEL_DIR.name + ".tmp")
-        make_tiny("kimi_k3", tmp, seed=0)
-        tmp.rename(DEFAULT_MODEL_DIR)
+    """The trained default model of the source checkout; a named error where it is not there."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise DefaultModelMissing(
+            f"the default model {DEFAULT_MODEL_DIR} is not there (it comes with a source checkout of kimiserve); "
+            "pass --model DIR, or write a random tiny one with `kimiserve make-tiny --family kimi_k3 --out DIR`")
     return DEFAULT_MODEL_DIR
 
 

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import save_file
 
-from shard_svc.checkpoint.files import INDEX, SINGLE
 from shard_svc.checkpoint.mxfp4 import quantize_mxfp4
 from shard_svc.checkpoint.names import TensorSpec, expected_tensors
+from shard_svc.checkpoint.writer import write_shards
 from shard_svc.config import ModelConfig
 from shard_svc.errors import ConfigError
 
@@ -98,7 +97,7 @@ def write_tiny_checkpoint(family: str, out: Path, seed: int = 0, layers: int | N
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     cfg = ModelConfig.from_dict(raw, source=str(out / "config.json"))
     gen = torch.Generator().manual_seed(seed)
-    _write_shards(random_tensors(expected_tensors(cfg), cfg, gen), out, shards)
+    write_shards(random_tensors(expected_tensors(cfg), cfg, gen), out, shards)
     log.info("wrote tiny %s checkpoint (%d layers, seed %d) to %s", family, layers, seed, out)
     return out
 
@@ -146,27 +145,6 @@ def _random_value(name: str, spec: TensorSpec, cfg: ModelConfig, gen: torch.Gene
         return torch.randn(shape, generator=gen)
     fan_in = int(torch.tensor(shape[1:]).prod())
     return torch.randn(shape, generator=gen) * fan_in**-0.5
-
-
-def _write_shards(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
-    """One `model.safetensors`, or `shards` files of about equal size behind an index (in tensor order)."""
-    if shards == 1:
-        save_file(tensors, str(out / SINGLE), metadata={"format": "pt"})
-        return
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(shards)]
-    written = 0
-    for name, t in tensors.items():
-        parts[min(shards - 1, written * shards // total)][name] = t
-        written += t.numel() * t.element_size()
-    parts = [part for part in parts if part]  # fewer tensors than shards: fewer files
-    weight_map = {}
-    for i, part in enumerate(parts):
-        file = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
-        save_file(part, str(out / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def add_make_tiny_args(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -17,22 +17,13 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kimiserve.limits import clip
-from tokenizer_svc.chat_types import ChatMessage, ToolCall, validate_messages
+from tokenizer_svc.chat_types import ToolCall, validate_messages
 from tokenizer_svc.errors import RenderError, TokenizerLoadError
+from tokenizer_svc.kimi_chat import (  # noqa: F401 - the Kimi format's names are this module's too
+    ARG_BEGIN, BUILTIN_SOURCE, CALL_BEGIN, CALL_END, GENERATION_PROMPT, IM_END, IM_MIDDLE, KIMI_DEFAULT_SYSTEM_PROMPT,
+    ROLE_TOKENS, SECTION_BEGIN, SECTION_END, BuiltinKimiTemplate, Messages, Tools)
 
-KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
-IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
-ROLE_TOKENS = {
-    "system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>",
-}
-SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
-GENERATION_PROMPT = f"{ROLE_TOKENS['assistant']}assistant{IM_MIDDLE}"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-BUILTIN_SOURCE = "builtin:kimi"
-
-Messages = Sequence[ChatMessage]
-Tools = Sequence[Mapping[str, Any]]  # OpenAI-style tools[] entries
 
 
 class ChatTemplate(Protocol):
@@ -41,43 +32,6 @@ class ChatTemplate(Protocol):
 
     def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
         ...
-
-
-def _turn(role_token: str, name: str, body: str) -> str:
-    return f"{role_token}{name}{IM_MIDDLE}{body}{IM_END}"
-
-
-class BuiltinKimiTemplate:
-    """The Kimi chat format, written out in Python so it needs no template file."""
-
-    source = BUILTIN_SOURCE
-    sha256 = hashlib.sha256(BUILTIN_SOURCE.encode()).hexdigest()
-
-    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
-        parts: list[str] = []
-        if tools:
-            declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-            parts.append(_turn(ROLE_TOKENS["system"], "tool_declare", declared))
-        if messages[0].role != "system":
-            parts.append(_turn(ROLE_TOKENS["system"], "system", KIMI_DEFAULT_SYSTEM_PROMPT))
-        call_names: dict[str, str] = {}  # tool_call_id -> function name, so a tool result without a name gets one
-        for msg in messages:
-            if msg.role == "tool":
-                name = msg.name or call_names.get(msg.tool_call_id, "tool")
-                parts.append(_turn(ROLE_TOKENS["tool"], name, f"## Return of {msg.tool_call_id}\n{msg.content}"))
-                continue
-            body = msg.content
-            if msg.tool_calls:
-                calls = []
-                for j, call in enumerate(msg.tool_calls):
-                    call_id = call.id or f"functions.{call.name}:{j}"  # Kimi's id form, index within the turn
-                    call_names[call_id] = call.name
-                    calls.append(f"{CALL_BEGIN}{call_id}{ARG_BEGIN}{call.arguments}{CALL_END}")
-                body += SECTION_BEGIN + "".join(calls) + SECTION_END
-            parts.append(_turn(ROLE_TOKENS[msg.role], msg.name or msg.role, body))
-        if add_generation_prompt:
-            parts.append(GENERATION_PROMPT)
-        return "".join(parts)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,

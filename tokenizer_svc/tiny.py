@@ -11,16 +11,14 @@ bytes in order; the same seed always writes the same bytes.
 
 from __future__ import annotations
 
-import base64
-import json
 import random
 from collections import Counter
 from pathlib import Path
 
 from tokenizers import Regex, pre_tokenizers
 
-from tokenizer_svc.bpe import build_bpe_tokenizer
-from tokenizer_svc.kimi_format import KIMI_PAT_STR, NUM_RESERVED_SPECIAL_TOKENS, kimi_special_tokens
+from tokenizer_svc.kimi_format import KIMI_PAT_STR
+from tokenizer_svc.write import write_kimi_tokenizer
 
 NUM_MERGES = 256
 NUM_BASE_TOKENS = 256 + NUM_MERGES
@@ -95,25 +93,5 @@ def train(seed: int = 0) -> tuple[dict[bytes, int], list[tuple[bytes, bytes]]]:
 
 def write_tiny_tokenizer(out_dir: Path, seed: int = 0) -> int:
     """Write tokenizer.json, tiktoken.model and tokenizer_config.json into out_dir; returns the vocab size (768)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     ranks, merges = train(seed)
-    specials = kimi_special_tokens(NUM_BASE_TOKENS)
-    tokenizer = build_bpe_tokenizer(ranks, merges, specials)
-    tokenizer.save(str(out_dir / "tokenizer.json"))
-    by_rank = sorted(ranks.items(), key=lambda item: item[1])
-    lines = [f"{base64.b64encode(token).decode('ascii')} {rank}" for token, rank in by_rank]
-    (out_dir / "tiktoken.model").write_text("\n".join(lines) + "\n", encoding="ascii")
-    config = {
-        "added_tokens_decoder": {
-            str(i): {"content": c, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-                     "special": True}
-            for i, c in specials.items()
-        },
-        "bos_token": "[BOS]",
-        "eos_token": "[EOS]",
-        "pad_token": "[PAD]",
-        "unk_token": "[UNK]",
-        "model_max_length": 1048576,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return NUM_BASE_TOKENS + NUM_RESERVED_SPECIAL_TOKENS
+    return write_kimi_tokenizer(out_dir, ranks, merges, tiktoken_model=True)

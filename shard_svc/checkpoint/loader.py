@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from shard_svc.checkpoint.files import CheckpointFiles
 from shard_svc.checkpoint.mxfp4 import dequantize_mxfp4
@@ -64,6 +63,8 @@ def _materialise(model: KimiForCausalLM, fills: list[Fill], files: CheckpointFil
     meta = dict(model.named_parameters())
     out = {name: torch.empty(p.shape, dtype=p.dtype, device=device) for name, p in meta.items()}
     filled: dict[str, set[int | None]] = {name: set() for name in meta}
+    from tqdm import tqdm  # here, not at the top: the training script imports this package where tqdm is absent
+
     bar = tqdm(fills, desc=f"loading {files.dir.name}", unit="tensor", file=sys.stderr, delay=PROGRESS_DELAY_S,
                disable=not sys.stderr.isatty())
     for fill in bar:

@@ -42,5 +42,8 @@ class BlockCarry:
         return layer % self.block_size == 0
 
     def append(self, summary: torch.Tensor) -> None:
+        if summary.requires_grad:
+            # Training (training/): earlier mixes saved views of the buffer for their backward; write a copy.
+            self.buf = self.buf.clone()
         self.buf[self.count] = summary
         self.count += 1

@@ -1,0 +1,84 @@
+"""Every fast or distributed path gives the eager reference's greedy tokens, 128 of them for each of three chat
+prompts, on the trained models: the Triton kernels (in Triton's CPU interpreter), weight streaming through the native
+ring, host KV offload under a KV cache too small for the batch, and a TP=2 shard group."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from shard_svc.config import ModelConfig
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.ops import select_ops
+from shard_svc.streaming import HostKVProfile, StreamingMetrics, StreamOptions, WeightStreamer
+from shard_svc.streaming.host_loader import load_streamed
+from tests.trained.conftest import (BLOCK, CHATS, CPU, K3, LINEAR, TOKENS, assert_same_tokens, chat_ids, engine_for,
+                                    generate, model_dir)
+
+MODELS = [LINEAR, K3]
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_weight_streaming_gives_the_reference_tokens(name, reference):
+    path = model_dir(name)
+    cfg, model, host = load_streamed(path, CPU, torch.float32)
+    streamer = WeightStreamer(cfg, model, host, CPU, StreamOptions(prefetch_depth=2))
+    engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU,
+                    EngineConfig(num_state_slots=len(CHATS), num_kv_blocks=64, kv_block_size=BLOCK,
+                                 prefill_token_budget=512))
+    streamer.attach(engine.runner)
+    assert_same_tokens(reference(name), generate(engine, chat_ids(path)), "weight streaming", logits_tol=0.0)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_host_kv_offload_gives_the_reference_tokens(name, reference):
+    """A device cache that holds one sequence's promise at a time; with host pages all three run together, so the
+    scheduler moves whole sequences to the host and back while they decode."""
+    path = model_dir(name)
+    prompts = chat_ids(path)
+    promise = max(-(-(len(p) + TOKENS) // BLOCK) for p in prompts)
+    registry = CollectorRegistry()
+    page = HostKVProfile.from_config(ModelConfig.from_dir(path)).page_bytes(BLOCK, torch.float32)
+    engine = engine_for(path, kv_metrics=StreamingMetrics(registry, "kv"), num_kv_blocks=promise + 1,
+                        host_kv_bytes=3 * promise * page)
+    assert_same_tokens(reference(name), generate(engine, prompts), "host KV offload", logits_tol=0.0)
+    moved = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
+    assert moved and moved > 0, "the small cache never offloaded a sequence: the test did not test offload"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
+    """`kimiserve generate --tp 2`: two gloo ranks, attention heads and experts split in two."""
+    path = model_dir(name)
+    prompt = chat_ids(path)[0]
+    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(path), "--prompt-ids",
+                          ",".join(map(str, prompt)), "--max-tokens", str(TOKENS), "--ignore-eos", "--tp", "2",
+                          "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])["token_ids"]
+    ref = reference(name).tokens[0]
+    first = next((j for j, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+    assert got == ref, f"TP=2 differs from the reference at token {first}"
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(name, reference, monkeypatch):
+    from tests.kernels.conftest import SKIP_REASON
+
+    if SKIP_REASON:
+        pytest.skip(SKIP_REASON)
+    from tests.kernels.test_linear import linear_module
+    from tests.kernels.test_mla_decode import mla_module
+    from tests.kernels.test_moe_experts import moe_module
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    moe_module(), mla_module(), linear_module()  # decorated in interpreter mode (tests/kernels/conftest.py)
+    path = model_dir(name)
+    ops = select_ops(CPU, "triton")
+    assert dict(ops.backends)["kda_prefill"] == "triton"
+    assert_same_tokens(reference(name), generate(engine_for(path, ops), chat_ids(path)), "Triton (interpreter)")

@@ -1,0 +1,64 @@
+"""The built-in Kimi chat format (docs/models.md#chat-format), written out in Python: no template file, no Jinja.
+
+Its own module so that code without the tokenizer service's dependencies (the training script, training/) renders
+dialogues exactly as the service does; chat_template.py re-exports every name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenizer_svc.chat_types import ChatMessage
+
+KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
+ROLE_TOKENS = {
+    "system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>",
+}
+SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+GENERATION_PROMPT = f"{ROLE_TOKENS['assistant']}assistant{IM_MIDDLE}"
+BUILTIN_SOURCE = "builtin:kimi"
+
+Messages = Sequence[ChatMessage]
+Tools = Sequence[Mapping[str, Any]]  # OpenAI-style tools[] entries
+
+
+def _turn(role_token: str, name: str, body: str) -> str:
+    return f"{role_token}{name}{IM_MIDDLE}{body}{IM_END}"
+
+
+class BuiltinKimiTemplate:
+    """The Kimi chat format, written out in Python so it needs no template file."""
+
+    source = BUILTIN_SOURCE
+    sha256 = hashlib.sha256(BUILTIN_SOURCE.encode()).hexdigest()
+
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
+        parts: list[str] = []
+        if tools:
+            declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            parts.append(_turn(ROLE_TOKENS["system"], "tool_declare", declared))
+        if messages[0].role != "system":
+            parts.append(_turn(ROLE_TOKENS["system"], "system", KIMI_DEFAULT_SYSTEM_PROMPT))
+        call_names: dict[str, str] = {}  # tool_call_id -> function name, so a tool result without a name gets one
+        for msg in messages:
+            if msg.role == "tool":
+                name = msg.name or call_names.get(msg.tool_call_id, "tool")
+                parts.append(_turn(ROLE_TOKENS["tool"], name, f"## Return of {msg.tool_call_id}\n{msg.content}"))
+                continue
+            body = msg.content
+            if msg.tool_calls:
+                calls = []
+                for j, call in enumerate(msg.tool_calls):
+                    call_id = call.id or f"functions.{call.name}:{j}"  # Kimi's id form, index within the turn
+                    call_names[call_id] = call.name
+                    calls.append(f"{CALL_BEGIN}{call_id}{ARG_BEGIN}{call.arguments}{CALL_END}")
+                body += SECTION_BEGIN + "".join(calls) + SECTION_END
+            parts.append(_turn(ROLE_TOKENS[msg.role], msg.name or msg.role, body))
+        if add_generation_prompt:
+            parts.append(GENERATION_PROMPT)
+        return "".join(parts)

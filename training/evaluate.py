@@ -1,0 +1,90 @@
+"""Held-out perplexity next to a unigram baseline with the same tokenizer, and greedy samples.
+
+Both run the trained model through the training op backend, which tests/training/test_ops.py checks against the
+served engine; the CPU parity tests then check the committed checkpoint through the services.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from shard_svc.model import KimiForCausalLM
+from tokenizer_svc.chat_types import ChatMessage
+from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
+from tokenizer_svc.loading import LoadedTokenizer
+from training.ops import training_context, training_ops
+
+COMPLETION_PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich,",
+                      "The next morning"]
+CHAT_PROMPTS = ["Hello", "Who are you?", "Who wrote Pride and Prejudice?", "Tell me a story.", "Who is Mr. Darcy?"]
+
+
+def _logits(model: KimiForCausalLM, inputs: torch.Tensor, chunk: int) -> torch.Tensor:
+    ops = training_ops(*inputs.shape, chunk=chunk)
+    hidden = model(inputs.flatten(), training_context(ops, inputs.device))
+    return model.compute_logits(hidden, ops).view(*inputs.shape, -1)
+
+
+@torch.no_grad()
+def held_out_perplexity(model: KimiForCausalLM, stream: torch.Tensor, seq_len: int, rows: int,
+                        chunk: int) -> dict[str, float | int]:
+    """exp(mean next-token NLL) over the non-overlapping `seq_len` windows of the held-out stream."""
+    device = next(model.parameters()).device
+    n = (len(stream) - 1) // seq_len
+    windows = stream[: n * seq_len + 1].to(device)
+    inputs, targets = windows[:-1].view(n, seq_len), windows[1:].view(n, seq_len)
+    total, count = 0.0, 0
+    for r in range(0, n, rows):
+        logits = _logits(model, inputs[r:r + rows], chunk)
+        total += float(F.cross_entropy(logits.flatten(0, 1), targets[r:r + rows].flatten(), reduction="sum"))
+        count += targets[r:r + rows].numel()
+    return {"tokens": count, "perplexity": round(math.exp(total / count), 3)}
+
+
+def unigram_perplexity(train: torch.Tensor, held_out: torch.Tensor, vocab: int) -> float:
+    """Perplexity on `held_out` of token frequencies counted on `train`, add-one smoothed over the vocab."""
+    counts = torch.bincount(train, minlength=vocab).double() + 1
+    logp = (counts / counts.sum()).log()
+    return round(math.exp(-float(logp[held_out].mean())), 3)
+
+
+def chat_prompt(text: str) -> str:
+    return BuiltinKimiTemplate().render([ChatMessage("user", text)], (), add_generation_prompt=True)
+
+
+@torch.no_grad()
+def greedy(model: KimiForCausalLM, prompts: list[list[int]], max_tokens: int, stop: set[int], pad: int,
+           chunk: int) -> list[list[int]]:
+    """Greedy continuations, recomputing the whole (right-padded) batch each step: causal, so padding after a
+    sequence never changes its logits."""
+    device = next(model.parameters()).device
+    seqs = [list(p) for p in prompts]
+    done = [False] * len(seqs)
+    for _ in range(max_tokens):
+        width = -(-max(map(len, seqs)) // chunk) * chunk
+        inputs = torch.full((len(seqs), width), pad, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            inputs[i, :len(s)] = torch.tensor(s)
+        logits = _logits(model, inputs.to(device), chunk)
+        last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+        nxt = logits[torch.arange(len(seqs), device=device), last].argmax(-1).tolist()
+        for i, t in enumerate(nxt):
+            if not done[i]:
+                seqs[i].append(t)
+                done[i] = t in stop
+        if all(done):
+            break
+    return [s[len(p):] for s, p in zip(seqs, prompts)]
+
+
+def samples(model: KimiForCausalLM, tokenizer: LoadedTokenizer, max_tokens: int, pad: int,
+            chunk: int) -> list[dict[str, str]]:
+    """Greedy completions of COMPLETION_PROMPTS and chat replies to CHAT_PROMPTS (Kimi format, default system)."""
+    texts = COMPLETION_PROMPTS + [chat_prompt(t) for t in CHAT_PROMPTS]
+    outs = greedy(model, [tokenizer.encode(t) for t in texts], max_tokens, set(tokenizer.eos_token_ids), pad, chunk)
+    kinds = ["completion"] * len(COMPLETION_PROMPTS) + ["chat"] * len(CHAT_PROMPTS)
+    shown = COMPLETION_PROMPTS + CHAT_PROMPTS
+    return [{"kind": k, "prompt": p, "output": tokenizer.decode(o)} for k, p, o in zip(kinds, shown, outs)]

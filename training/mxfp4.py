@@ -1,0 +1,28 @@
+"""MXFP4 rounding for training: the values a checkpoint's MXFP4 experts dequantise to, with a straight-through
+gradient, so experts are trained as they will be served. Same rule as shard_svc/checkpoint/mxfp4.py's
+`quantize_mxfp4` (power-of-two scale per group of 32 bringing the max within 6, nearest E2M1 magnitude, ties to the
+smaller), computed on the weight's device with no host sync; tests check the two agree bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+from shard_svc.checkpoint.mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP
+
+
+def mxfp4_round(weight: torch.Tensor) -> torch.Tensor:
+    """[..., in] (in a multiple of 32) -> the dequantised MXFP4 values, fp32, same shape."""
+    groups = weight.detach().float().reshape(*weight.shape[:-1], weight.shape[-1] // GROUP, GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    exponent = torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / 6.0))
+    exponent = exponent + (amax > 6.0 * torch.exp2(exponent)).float()
+    scale = torch.exp2(exponent.clamp(-E8M0_BIAS, E8M0_BIAS))
+    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=weight.device)
+    scaled = groups / scale
+    magnitude = grid[(scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)]
+    return (torch.where(scaled < 0, -magnitude, magnitude) * scale).reshape(weight.shape)
+
+
+def fake_quantize_mxfp4(weight: torch.Tensor) -> torch.Tensor:
+    """MXFP4-rounded values in the forward pass, identity in the backward pass (straight-through)."""
+    return weight + (mxfp4_round(weight).to(weight.dtype) - weight).detach()
