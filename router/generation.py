@@ -1,5 +1,10 @@
 """One request's life in the router: validate, admit, choose a shard, stream tokens with text deltas, apply stop
-strings, and report exact usage. Shared by Generate and Chat."""
+strings, and report exact usage. Shared by Generate and Chat.
+
+Each request is measured (router/metrics.py) and logged once when it ends ("request finished": where its time
+went, the shard's share included), and traced when tracing is on: `admission`, `route` and `stream` spans under the
+request's span (kimiserve/tracing.py); the shard's spans hang under `stream` through the Submit's trace_context.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from kimiserve import tracing
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
     JsonTooDeep, loads_json)
@@ -24,6 +30,31 @@ from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]*")
+
+
+@dataclass
+class _Outcome:
+    """What one request's stream measured, for its metrics, log line and span."""
+
+    arrival: float  # time.monotonic() when the router had the prompt
+    admitted: float | None = None
+    shard: str = ""
+    first_at: float | None = None
+    last_at: float | None = None
+    generated: int = 0
+    finish_reason: str = "none"  # "stop" | "length" | "cancelled" | "error" | "none" (the stream failed)
+    timing: shard_pb2.ShardEvent.Timing | None = None  # the shard's, from its Finished event
+
+    def token(self, now: float) -> float | None:
+        """Counts a token received at `now`; returns the gap since the previous one (None for the first)."""
+        gap = None if self.last_at is None else now - self.last_at
+        self.first_at, self.last_at = self.first_at or now, now
+        self.generated += 1
+        return gap
+
+
+def finish_reason_name(reason: int) -> str:
+    return common_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
 
 
 @dataclass
@@ -148,28 +179,47 @@ class Generation:
             self._live.discard(request_id)
 
     async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
-        async with self.admission.slot(request_id):
-            self.metrics.queue_time.labels(method).observe(time.monotonic() - arrival)
+        span = tracing.current()
+        out = _Outcome(arrival)
+        admission = span.child("admission", start_s=arrival)
+        try:
+            async with self.admission.slot(request_id):
+                out.admitted = time.monotonic()
+                admission.end(out.admitted)
+                self.metrics.queue_time.labels(method).observe(out.admitted - arrival)
+                async for chunk in self._routed(method, request_id, prompt, s, max_tokens, keep_special_tokens,
+                                                hidden_ids, out, span):
+                    yield chunk
+        finally:
+            if out.admitted is None:  # refused (queue full) or cancelled while waiting
+                admission.fail("not admitted")
+                admission.end()
+
+    async def _routed(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
+                      out: _Outcome, span):
+        with span.child("route") as route:
             try:
                 shard = pick_shard([c.view for c in self.shards], affinity_key(prompt))
             except NoHealthyShard as e:
                 raise ShardUnavailable(str(e)) from e
-            shard_client = next(c for c in self.shards if c.view is shard)
+            route.set("shard", shard.name)
+        out.shard = shard.name
+        shard_client = next(c for c in self.shards if c.view is shard)
+        with span.child("stream", shard=shard.name) as stream:
             submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
-                                                   max_tokens=max_tokens)
+                                                   max_tokens=max_tokens, trace_context=stream.carrier())
             log.info("request routed", extra={"request_id": request_id, "shard": shard.name,
                                               "prompt_tokens": len(prompt), "max_tokens": max_tokens})
             events = await shard_client.submit(submit)
             async for chunk in self._stream(method, request_id, shard_client, events, prompt, s,
-                                            keep_special_tokens, hidden_ids, arrival):
+                                            keep_special_tokens, hidden_ids, out, stream):
                 yield chunk
 
-    async def _stream(self, method, request_id, shard, events, prompt, s, keep_special, hidden_ids, arrival):
-        detok = self.tokenizer.detokenizer(keep_special)
+    async def _stream(self, method, request_id, shard, events, prompt, s, keep_special, hidden_ids,
+                      out: _Outcome, span):
+        detok = self.tokenizer.detokenizer(keep_special, span.metadata())
         stops = StopStringFilter(list(s.stop))
-        generated: list[int] = []
         cached = 0
-        first_at = None
         finished = False
         try:
             while True:
@@ -179,17 +229,19 @@ class Generation:
                 kind = event.WhichOneof("kind")
                 if kind == "token":
                     token = event.token.token_id
-                    generated.append(token)
                     cached = cached or event.token.cached_prompt_tokens
-                    first_at = first_at or time.monotonic()
+                    gap = out.token(time.monotonic())
+                    if gap is not None:
+                        self.metrics.itl.labels(method).observe(gap)
                     delta = "" if token in hidden_ids else await detok.add([token])
                     text = stops.feed(delta)
                     top = ([common_pb2.TopLogprobs(candidates=event.token.top_logprobs)] if s.top_logprobs
                            else [])
                     if stops.stopped:
                         finished = True
+                        out.finish_reason = "stop"
                         await shard.cancel(request_id)
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=len(generated),
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
                                                  cached_prompt_tokens=cached)
                         yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage, top_logprobs=top)
                         break
@@ -198,20 +250,48 @@ class Generation:
                     finished = True
                     tail = stops.feed(await detok.finish()) + stops.flush()
                     f = event.finished
+                    out.finish_reason = finish_reason_name(f.finish_reason)
+                    out.timing = f.timing if f.HasField("timing") else None
                     yield Chunk([], tail, f.finish_reason, f.usage, f.error_message)
                     break
         finally:
             detok.cancel()  # a no-op once the stream has ended
             if not finished:
                 await shard.cancel(request_id)  # client cancelled, deadline passed, or the stream failed
-            self._observe(method, arrival, first_at, len(prompt), len(generated))
+            self._observe(method, request_id, len(prompt), out)
 
-    def _observe(self, method, arrival, first_at, prompt_tokens, completion_tokens) -> None:
+    def _observe(self, method: str, request_id: str, prompt_tokens: int, out: _Outcome) -> None:
+        """Metrics, one log line and the request span's attributes, once per request sent to a shard."""
         now = time.monotonic()
-        self.metrics.e2e.labels(method).observe(now - arrival)
-        if first_at is not None:
-            self.metrics.ttft.labels(method).observe(first_at - arrival)
-            if completion_tokens > 1:
-                self.metrics.tpot.labels(method).observe((now - first_at) / (completion_tokens - 1))
-        self.metrics.prompt_tokens.labels(method).inc(prompt_tokens)
-        self.metrics.generation_tokens.labels(method).inc(completion_tokens)
+        m = self.metrics
+        m.e2e.labels(method).observe(now - out.arrival)
+        if out.first_at is not None:
+            m.ttft.labels(method).observe(out.first_at - out.arrival)
+            if out.generated > 1:
+                m.tpot.labels(method).observe((now - out.first_at) / (out.generated - 1))
+        shard_prefill = out.timing.prefill_seconds if out.timing and out.timing.HasField("prefill_seconds") else None
+        if shard_prefill is not None:
+            m.prefill_time.labels(method).observe(shard_prefill)
+        m.prompt_tokens.labels(method).inc(prompt_tokens)
+        m.generation_tokens.labels(method).inc(out.generated)
+        m.prompt_length.labels(method).observe(prompt_tokens)
+        m.generation_length.labels(method).observe(out.generated)
+        m.finished.labels(method, out.finish_reason).inc()
+        facts = {"request_id": request_id, "method": method, "shard": out.shard, "finish_reason": out.finish_reason,
+                 "prompt_tokens": prompt_tokens, "completion_tokens": out.generated,
+                 "queue_s": _round(out.admitted, out.arrival),
+                 "ttft_s": _round(out.first_at, out.arrival), "duration_s": _round(now, out.arrival)}
+        if out.timing is not None:
+            t = out.timing
+            facts.update(shard_queue_s=_round(t.queue_seconds), shard_prefill_s=_round(shard_prefill),
+                         shard_prefill_passes=t.prefill_passes,
+                         shard_decode_s=_round(t.decode_seconds if t.HasField("decode_seconds") else None))
+        log.info("request finished", extra=facts)
+        span = tracing.current()
+        for key in ("finish_reason", "prompt_tokens", "completion_tokens", "shard"):
+            span.set(key, facts[key])
+
+
+def _round(t: float | None, since: float = 0.0) -> float | None:
+    """Seconds since `since`, to the microsecond, for a log line (None stays None: the phase never happened)."""
+    return None if t is None else round(t - since, 6)

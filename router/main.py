@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kimiserve import security
+from kimiserve import security, tracing
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
 from kimiserve.ports import SERVER_OPTIONS
@@ -176,6 +176,10 @@ def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(config_from_args(args), batch=batch_config_from_args(args))
+    try:
+        tracing.setup("router")  # on only when the OTEL_* environment asks for traces
+    except tracing.TracingConfigError as e:
+        raise SystemExit(f"router: {e}") from e
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -1,9 +1,12 @@
-"""Prometheus metrics of the router (request-level). Shard-side timings live on the shards."""
+"""Prometheus metrics of the router (request-level). Shard-side timings live on the shards; the prefill time the
+router reports per request is the shard's own measure, carried back in the sequence's Finished event."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+from kimiserve import buckets
+
+LATENCY_BUCKETS = buckets.REQUEST_SECONDS
+TPOT_BUCKETS = buckets.TOKEN_GAP_SECONDS
 
 
 class RouterMetrics:
@@ -21,6 +24,21 @@ class RouterMetrics:
                              buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kimiserve_router_queue_seconds", "Wait for router admission", ["method"],
                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram("kimiserve_router_prefill_seconds",
+                                      "Shard-measured prefill of a request: its first prefill pass to its first token",
+                                      ["method"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kimiserve_router_inter_token_latency_seconds",
+                             "Gap between two consecutive output tokens of a request, as the router receives them",
+                             ["method"], buckets=TPOT_BUCKETS, registry=r)
+        self.prompt_length = Histogram("kimiserve_router_request_prompt_tokens", "Prompt length of a finished request",
+                                       ["method"], buckets=buckets.TOKENS, registry=r)
+        self.generation_length = Histogram("kimiserve_router_request_generation_tokens",
+                                           "Tokens a finished request generated", ["method"], buckets=buckets.TOKENS,
+                                           registry=r)
+        self.finished = Counter("kimiserve_router_finished_requests",
+                                "Requests whose generation ended, by finish reason (stop, length, cancelled, error; "
+                                "'none' when the stream failed before a finish)", ["method", "finish_reason"],
+                                registry=r)
         self.prompt_tokens = Counter("kimiserve_router_prompt_tokens", "Prompt tokens of finished requests",
                                      ["method"], registry=r)
         self.generation_tokens = Counter("kimiserve_router_generation_tokens",

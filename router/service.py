@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import uuid
 
 import grpc
 
+from kimiserve import tracing
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.errors import RouterError
 from router.generation import Generation
@@ -29,6 +31,24 @@ def request_id_of(request, context) -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
+def traced(method):
+    """A streaming RPC as one span (the request's, a child of the client's `traceparent` if it sent one), made the
+    task's current span so everything the request does nests under it (kimiserve/tracing.py)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        span = tracing.start_from_grpc(f"router.{method.__name__}", context, request_id_from_metadata=False,
+                                       method=method.__name__)
+        tracing.set_current(span)
+        try:
+            async for reply in method(self, request, context):
+                yield reply
+        finally:
+            span.end()
+
+    return wrapper
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, generation: Generation):
         self.gen = generation
@@ -42,6 +62,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             code, message = grpc.StatusCode.INTERNAL, "internal error; the router's log has the details"
             log.exception("request failed", extra={"request_id": request_id, "method": method})
         self.gen.metrics.requests.labels(method, code.name).inc()
+        tracing.current().fail(f"{code.name}: {message}")
         await context.abort(code, f"{message} (request_id={request_id})")
 
     async def _start(self, context, method: str, request) -> str | None:
@@ -52,8 +73,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             await self._fail(context, method, "(invalid)", e)
             return None
         context.set_trailing_metadata(((REQUEST_ID_HEADER, request_id),))
+        tracing.current().set("request_id", request_id)
         return request_id
 
+    @traced
     async def Generate(self, request, context):
         request_id = await self._start(context, "Generate", request)
         if request_id is None:
@@ -70,6 +93,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         self.gen.metrics.requests.labels("Generate", "OK").inc()
 
+    @traced
     async def Chat(self, request, context):
         request_id = await self._start(context, "Chat", request)
         if request_id is None:

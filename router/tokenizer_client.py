@@ -1,4 +1,8 @@
-"""The router's view of the tokenizer service: tokenize, render chat, and per-request incremental detokenizing."""
+"""The router's view of the tokenizer service: tokenize, render chat, and per-request incremental detokenizing.
+
+Calls made for a request are spans under its span (`tokenize`, `render_chat`) and carry its trace context and id
+in their metadata, so the tokenizer's spans join the request's trace (kimiserve/tracing.py; nothing when off).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import asyncio
 
 import grpc
 
+from kimiserve import tracing
 from kimiserve.limits import clip
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailable
@@ -31,22 +36,29 @@ class TokenizerClient:
         return self.info
 
     async def tokenize(self, text: str) -> list[int]:
-        try:
-            reply = await self.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=self.timeout)
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
+        with tracing.current().child("tokenize", kind="client", chars=len(text)) as span:
+            try:
+                reply = await self.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=self.timeout,
+                                                 metadata=span.metadata())
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
 
     async def render_chat(self, messages, tools) -> list[int]:
-        try:
-            reply = await self.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools),
-                                               timeout=self.timeout)
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from e
+        with tracing.current().child("render_chat", kind="client", messages=len(messages)) as span:
+            try:
+                reply = await self.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools),
+                                                   timeout=self.timeout, metadata=span.metadata())
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
 
-    def detokenizer(self, keep_special_tokens: bool) -> "StreamingDetokenizer":
-        return StreamingDetokenizer(self.stub, keep_special_tokens)
+    def detokenizer(self, keep_special_tokens: bool,
+                    metadata: tuple[tuple[str, str], ...] = ()) -> "StreamingDetokenizer":
+        """metadata: the trace context (and request id) of the span the stream belongs to."""
+        return StreamingDetokenizer(self.stub, keep_special_tokens, metadata)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -55,8 +67,9 @@ class TokenizerClient:
 class StreamingDetokenizer:
     """One DetokenizeStream call per request: ids in, text deltas out, in order."""
 
-    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, keep_special_tokens: bool):
-        self._call = stub.DetokenizeStream()
+    def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub, keep_special_tokens: bool,
+                 metadata: tuple[tuple[str, str], ...] = ()):
+        self._call = stub.DetokenizeStream(metadata=metadata or None)
         self._first = True
         self._keep = keep_special_tokens
 

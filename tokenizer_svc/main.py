@@ -10,7 +10,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from kimiserve import security
+from kimiserve import security, tracing
 from kimiserve.logs import setup_logging
 from tokenizer_svc.config import TokenizerServerConfig
 from tokenizer_svc.errors import TokenizerServiceError
@@ -58,8 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tokenizer_svc.server import serve
 
     try:
+        tracing.setup("tokenizer")  # on only when the OTEL_* environment asks for traces
         serve(config_from_args(args))
-    except (TokenizerServiceError, security.SecurityConfigError, OSError) as exc:
+    except (TokenizerServiceError, security.SecurityConfigError, tracing.TracingConfigError, OSError) as exc:
         log.error("tokenizer service failed to start: %s", exc, extra={"error_type": type(exc).__name__})
         return 1
     return 0

@@ -2,6 +2,9 @@
 
 Named errors map to gRPC status codes: invalid request -> INVALID_ARGUMENT, unknown model -> NOT_FOUND; anything else
 is a bug, logged with its traceback and answered INTERNAL (never a silent success).
+
+Each call is a span `tokenizer.<rpc>` when tracing is on, a child of the caller's trace context (the router sends
+it, with the request id, in the call's metadata; kimiserve/tracing.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from kimiserve import tracing
 from kimiserve.limits import clip
 from tokenizer_svc import metrics
 from tokenizer_svc.errors import InvalidRequest, ModelNotFound
@@ -42,9 +46,12 @@ def _status_for(rpc: str, exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error in {rpc}: {type(exc).__name__}: {clip(str(exc))}"
 
 
-def _observe(rpc: str, code: grpc.StatusCode, start: float) -> None:
+def _observe(rpc: str, code: grpc.StatusCode, start: float, span: tracing.Span | tracing.NoSpan) -> None:
     metrics.REQUESTS.labels(rpc=rpc, code=code.name).inc()
     metrics.LATENCY.labels(rpc=rpc).observe(time.perf_counter() - start)
+    if code != grpc.StatusCode.OK:
+        span.fail(code.name)
+    span.end()
 
 
 def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]]:
@@ -54,6 +61,7 @@ def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]
         @functools.wraps(method)
         async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
             start, code = time.perf_counter(), grpc.StatusCode.OK
+            span = tracing.start_from_grpc(f"tokenizer.{rpc}", context)
             try:
                 return await method(self, request, context)
             except asyncio.CancelledError:  # the client went away or its deadline passed
@@ -63,7 +71,7 @@ def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]
                 code, message = _status_for(rpc, exc)
                 await context.abort(code, message)  # raises (NoReturn), ending the RPC with this status
             finally:
-                _observe(rpc, code, start)
+                _observe(rpc, code, start, span)
 
         return wrapper
 
@@ -77,6 +85,7 @@ def streaming(rpc: str) -> Callable[[StreamMethod[Req, Resp]], StreamMethod[Req,
         @functools.wraps(method)
         async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> AsyncIterator[Resp]:
             start, code = time.perf_counter(), grpc.StatusCode.OK
+            span = tracing.start_from_grpc(f"tokenizer.{rpc}", context)
             try:
                 async for response in method(self, request, context):
                     yield response
@@ -87,7 +96,7 @@ def streaming(rpc: str) -> Callable[[StreamMethod[Req, Resp]], StreamMethod[Req,
                 code, message = _status_for(rpc, exc)
                 await context.abort(code, message)
             finally:
-                _observe(rpc, code, start)
+                _observe(rpc, code, start, span)
 
         return wrapper
 

@@ -24,16 +24,25 @@ SHARD_ERROR_CODE_INTERNAL: ShardErrorCode
 class ShardRequest(_message.Message):
     __slots__ = ("submit", "cancel")
     class Submit(_message.Message):
-        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens")
+        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "trace_context")
+        class TraceContextEntry(_message.Message):
+            __slots__ = ("key", "value")
+            KEY_FIELD_NUMBER: _ClassVar[int]
+            VALUE_FIELD_NUMBER: _ClassVar[int]
+            key: str
+            value: str
+            def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
         SAMPLING_FIELD_NUMBER: _ClassVar[int]
         MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: _common_pb2.SamplingParams
         max_tokens: int
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+        trace_context: _containers.ScalarMap[str, str]
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
     class Cancel(_message.Message):
         __slots__ = ("request_id",)
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -60,15 +69,32 @@ class ShardEvent(_message.Message):
         cached_prompt_tokens: int
         top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
         def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
+    class Timing(_message.Message):
+        __slots__ = ("queue_seconds", "prefill_seconds", "time_to_first_token_seconds", "decode_seconds", "duration_seconds", "prefill_passes")
+        QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        DECODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        PREFILL_PASSES_FIELD_NUMBER: _ClassVar[int]
+        queue_seconds: float
+        prefill_seconds: float
+        time_to_first_token_seconds: float
+        decode_seconds: float
+        duration_seconds: float
+        prefill_passes: int
+        def __init__(self, queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., decode_seconds: _Optional[float] = ..., duration_seconds: _Optional[float] = ..., prefill_passes: _Optional[int] = ...) -> None: ...
     class Finished(_message.Message):
-        __slots__ = ("finish_reason", "usage", "error_message")
+        __slots__ = ("finish_reason", "usage", "error_message", "timing")
         FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
         USAGE_FIELD_NUMBER: _ClassVar[int]
         ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        TIMING_FIELD_NUMBER: _ClassVar[int]
         finish_reason: _common_pb2.FinishReason
         usage: _common_pb2.Usage
         error_message: str
-        def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ...) -> None: ...
+        timing: ShardEvent.Timing
+        def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[ShardEvent.Timing, _Mapping]] = ...) -> None: ...
     class Error(_message.Message):
         __slots__ = ("code", "message")
         CODE_FIELD_NUMBER: _ClassVar[int]

@@ -15,7 +15,7 @@ from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
-from shard_svc.engine.sequence import Sequence
+from shard_svc.engine.sequence import Sequence, SequenceTiming
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
@@ -53,6 +53,7 @@ class TokenEvent:
     logprob: float | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    timing: SequenceTiming | None = None  # on a finish: where the sequence's time went (the engine loop sets it)
 
 
 @dataclass
@@ -62,6 +63,9 @@ class PassStats:
     sequences: int
     tokens: int
     request_ids: list[str]
+    started: float = 0.0  # time.monotonic() at the pass's start
+    seq_tokens: list[int] = field(default_factory=list)  # tokens of each sequence in the pass (as request_ids)
+    chunk_tokens: list[int] = field(default_factory=list)  # tokens of each forward the runner ran (micro-batches)
 
 
 @dataclass
@@ -192,7 +196,11 @@ class Engine:
     def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult,
                   next_tokens: int | None = None) -> None:
         """next_tokens: the size of the pass that follows this one, where the plan says (None: unknown)."""
-        start = time.perf_counter()
+        start, started = time.perf_counter(), time.monotonic()
+        if kind == "prefill":
+            for seq, _ in work:
+                seq.first_prefill_at = seq.first_prefill_at or started
+                seq.prefill_passes += 1
         if self.runner.weights is not None:
             self.runner.weights.expect_next_pass(next_tokens)
         try:
@@ -216,7 +224,8 @@ class Engine:
             self._snapshot_prefixes(work, logits)
         tokens = sum(n for _, n in work)
         result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
-                                       [s.request_id for s, _ in work]))
+                                       [s.request_id for s, _ in work], started, [n for _, n in work],
+                                       list(self.runner.chunk_tokens)))
 
     def _snapshot_prefixes(self, work: list[tuple[Sequence, int]], logits: list[torch.Tensor]) -> None:
         """Cache entries at the end of each prompt this pass completed, and every `interval` tokens of a chunked
@@ -272,6 +281,8 @@ class Engine:
         extra = {"logprob": drawn.logprob, "top_logprobs": drawn.top} if seq.params.logprobs else {}
         if seq.keep_prompt_logits and not seq.output and seq.prompt_logits:
             seq.step_logits.append(logits.cpu().unsqueeze(0))
+        if not seq.output:
+            seq.first_token_at = time.monotonic()
         seq.output.append(token)
         if token in seq.stop_ids:
             return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
@@ -290,7 +301,7 @@ class Engine:
                 top_logprobs: tuple[tuple[int, float], ...] = ()) -> TokenEvent:
         """last_logits: the row the last token was drawn from, on a normal finish (the prefix cache keeps it)."""
         self.scheduler.finish(seq, last_logits)
-        seq.finish_reason, seq.error = reason, error
+        seq.finish_reason, seq.error, seq.finished_at = reason, error, time.monotonic()
         self.sequences.pop(seq.request_id, None)
         index = len(seq.output) - 1 if token is not None else len(seq.output)
         return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob,

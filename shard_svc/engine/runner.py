@@ -32,6 +32,9 @@ class ModelRunner:
         self.weights = None
         # -- decode graph hook (engine/cuda_graphs.py): a CudaGraphRunner attaches itself here. None: eager. --
         self.graphs = None
+        # Tokens of each model forward the last pass ran (its micro-batches, for the prefill pass record). A pass is
+        # one packed forward today, so this holds one entry; a runner that splits passes appends one per forward.
+        self.chunk_tokens: list[int] = []
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
         bs = self.kv_cache.block_size
@@ -70,9 +73,11 @@ class ModelRunner:
         keep prompt logits, else only the last one. Advances each sequence's num_computed."""
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
+            self.chunk_tokens = [len(work)]
         else:
             input_ids, batch = self._batch(work, is_decode)
             ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
+            self.chunk_tokens = [int(input_ids.shape[0])]
             if self.weights is None:
                 hidden = self.model(input_ids, ctx)
             else:  # -- weight streaming hook: layers fetched into device slots during the pass --

@@ -20,6 +20,7 @@ host pages are then free, and no sequence holds more than M.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -92,6 +93,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.slot = self.slots.allocate(seq.request_id)
             seq.status = SeqStatus.RUNNING
+            seq.admitted_at = seq.admitted_at or time.monotonic()
             if self.prefix_cache is not None:
                 self._restore_prefix(seq, hit)
             promised += need

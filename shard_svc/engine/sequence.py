@@ -3,12 +3,38 @@
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from shard_svc.engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SequenceTiming:
+    """Where one finished sequence's time went on the shard, in seconds. None: the phase never happened (a request
+    cancelled in the queue was never admitted; a prompt restored whole from the prefix cache had no prefill)."""
+
+    queue_s: float  # arrival to admission, or to the finish when never admitted
+    prefill_s: float | None  # start of its first prefill pass to its first token
+    time_to_first_token_s: float | None  # arrival to first token
+    decode_s: float | None  # first token to the finish
+    duration_s: float  # arrival to the finish
+    prefill_passes: int
+
+    @classmethod
+    def of(cls, seq: Sequence) -> SequenceTiming:
+        """The timing of a finished sequence."""
+        end = seq.finished_at if seq.finished_at is not None else time.monotonic()
+        first = seq.first_token_at
+
+        def since(t: float | None, until: float | None) -> float | None:
+            return None if t is None or until is None else until - t
+
+        return cls((seq.admitted_at or end) - seq.arrived_at, since(seq.first_prefill_at, first),
+                   since(seq.arrived_at, first), since(first, end), end - seq.arrived_at, seq.prefill_passes)
 
 
 class SeqStatus(enum.Enum):
@@ -36,6 +62,14 @@ class Sequence:
     cached_logits: torch.Tensor | None = None  # the whole prompt was cached: its first token is drawn from this row
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    # Where the request's time went (time.monotonic() seconds; None until reached), for per-request metrics and
+    # traces. The shard's engine loop sets arrived_at to the moment its gRPC handler took the request.
+    arrived_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # took a state slot (the scheduler)
+    first_prefill_at: float | None = None  # its first prefill pass started (None: the whole prompt was cached)
+    first_token_at: float | None = None  # its first token was sampled
+    finished_at: float | None = None
+    prefill_passes: int = 0  # prefill passes its prompt took part in (chunked prefill: several)
 
     @property
     def tokens(self) -> list[int]:

@@ -6,9 +6,11 @@ times under that follower's rank label; a GroupError (or any failure inside a st
 finishes with the error and its exact usage so far, new submits are refused, and the fatal hooks run (the server
 reports NOT_SERVING and exits non-zero, so the router takes the shard out of rotation).
 
-Metrics: pass-time histograms come from every rank (rank label = the rank that timed its own pass). Token counts,
-finishes and occupancy are group facts owned by rank 0 (the only rank that owns sequences) and carry rank="0"; a
-follower does not repeat them, so `sum by (shard)` stays a count of the group's tokens.
+Metrics: pass histograms (seconds; for prefill also sequences, tokens, chunks, max chunk tokens) come from every
+rank (rank label = the rank that ran and timed its own pass; a group's wall time is the max over ranks). Token
+counts, finishes, per-request timings and occupancy are group facts owned by rank 0 (the only rank that owns
+sequences) and carry rank="0"; a follower does not repeat them, so `sum by (shard)` stays a count of the group's
+tokens. Each follower logs its own prefill pass lines (shard_svc/parallel/worker.py).
 """
 
 from __future__ import annotations
@@ -58,8 +60,6 @@ class GroupEngineLoop(EngineLoop):
 
     def _record(self, result) -> None:
         super()._record(result)
-        shard = self.metrics.labels["shard"]
         for p in self.engine.sync.peer_passes:
-            hist = self.metrics.prefill_seconds if p.kind == "prefill" else self.metrics.decode_seconds
-            hist.labels(shard=shard, rank=str(p.rank)).observe(p.seconds)
+            self.metrics.observe_pass(p, count_tokens=False)
         self.engine.sync.peer_passes = []  # an iteration that only takes requests in runs no step to record

@@ -10,8 +10,9 @@ sequences and computes the same schedule. One step, on every rank:
  3. the forward passes run the model's collectives;
  4. after each pass the leader samples and broadcasts the tokens (and logprobs), and every rank appends the same
     tokens, so stop tokens and lengths finish the same sequences everywhere;
- 5. the sequence-state digests and each rank's pass timings are all-gathered and compared. Only then does the step
-    return its events: completion and usage are reported after every rank agrees on every sequence's metadata.
+ 5. the sequence-state digests and each rank's pass records (PassRecord: its own wall time, tokens, chunks...)
+    are all-gathered and compared. Only then does the step return its events: completion and usage are reported
+    after every rank agrees on every sequence's metadata. Rank 0 exports every rank's pass records.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from shard_svc.engine.sampling import Drawn
 from shard_svc.parallel.errors import GroupDiverged
 from shard_svc.parallel.group import ShardGroup, digest
 from shard_svc.parallel.layout import ParallelLayout
+from shard_svc.server.pass_record import NO_PASS, PassRecord
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +41,13 @@ class StepMessage:
     journal: tuple[tuple, ...]  # ("add", request_id, prompt, SamplingParams, keep_prompt_logits) | ("cancel", id)
 
 
-@dataclass(frozen=True)
-class PeerPass:
-    rank: int
-    kind: str
-    seconds: float
-    tokens: int
-
-
 class StepSync:
     def __init__(self, group: ShardGroup, layout: ParallelLayout, cfg: ModelConfig):
         self.group, self.layout = group, layout
         self.leader = group.rank == 0
         self.kda_heads = layout.local_kda_heads(cfg)  # the runner sizes the KDA pool by this
         self.steps = 0
-        self.peer_passes: list[PeerPass] = []  # the followers' passes of the last step (leader only), for metrics
+        self.peer_passes: list[PassRecord] = []  # the followers' passes of the last step (leader only), for metrics
         self._journal: list[tuple] = []
 
     # -- leader: requests and messages ---------------------------------------------------------------------------
@@ -123,18 +117,20 @@ class StepSync:
 
     def end_step(self, engine, result) -> None:
         row = [digest(_state(engine))]
+        mine = {p.kind: p for p in result.passes}
         for kind in PASS_KINDS:
-            done = [p for p in result.passes if p.kind == kind]
-            row += [round(done[0].seconds * 1e9), done[0].tokens] if done else [-1, 0]
+            row += (PassRecord.of(mine[kind], self.group.rank, self.group.world).to_ints() if kind in mine
+                    else NO_PASS)
         rows = self.group.all_gather_ints(row, "comparing sequence state")
         differ = [r for r, other in enumerate(rows) if other[0] != rows[0][0]]
         if differ:
             raise GroupDiverged(f"step {self.steps}: ranks {differ} hold different sequence state from rank 0 "
                                 f"(rank {self.group.rank} holds {_state(engine)})")
         if self.leader:
-            self.peer_passes = [PeerPass(r, kind, rows[r][1 + 2 * k] / 1e9, rows[r][2 + 2 * k])
-                                for r in range(1, len(rows)) for k, kind in enumerate(PASS_KINDS)
-                                if rows[r][1 + 2 * k] >= 0]
+            width = len(NO_PASS)
+            records = (PassRecord.from_ints(kind, rows[r][1 + k * width:1 + (k + 1) * width], r, len(rows))
+                       for r in range(1, len(rows)) for k, kind in enumerate(PASS_KINDS))
+            self.peer_passes = [p for p in records if p is not None]
         self.steps += 1
 
 

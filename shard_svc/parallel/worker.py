@@ -17,12 +17,14 @@ import torch
 
 from shard_svc.engine.engine import Engine
 from shard_svc.parallel.errors import GroupError
+from shard_svc.server.pass_record import PassRecord
 
 log = logging.getLogger(__name__)
 
 
 def follow(engine: Engine) -> None:
-    """Applies each of rank 0's messages and steps when told to, until the stop message."""
+    """Applies each of rank 0's messages and steps when told to, until the stop message. Logs each prefill pass
+    this rank ran (rank 0 exports every rank's pass metrics; each rank's log line is its own)."""
     sync = engine.sync
     while True:
         msg = sync.receive()
@@ -30,7 +32,9 @@ def follow(engine: Engine) -> None:
         if msg.kind == "stop":
             return
         if msg.kind == "step":
-            engine.step()
+            for p in engine.step().passes:
+                if p.kind == "prefill":
+                    PassRecord.of(p, sync.group.rank, sync.group.world).log()
 
 
 def _exit_with_parent() -> None:

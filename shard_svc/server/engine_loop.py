@@ -8,6 +8,9 @@ of prompts is prefilled together in the passes the prefill token budget allows, 
 A failure inside a pass fails only that pass's sequences (the engine catches it). Anything that escapes a step
 leaves the engine in an unknown state: every live request finishes with an error naming the failure, new submits
 are refused, and the fatal hooks run (the server reports NOT_SERVING and exits non-zero).
+
+After each step the loop records: every pass (metrics, and one JSON log line per prefill pass), and every request
+that finished (per-request metrics, the timing its Finished event carries, and its spans when it is traced).
 """
 
 from __future__ import annotations
@@ -15,13 +18,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from kimiserve import tracing
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sequence import Sequence, SequenceTiming
 from shard_svc.errors import DuplicateRequest, KimiServeError
+from shard_svc.server import request_trace
 from shard_svc.server.metrics import ShardMetrics
+from shard_svc.server.pass_record import PassRecord
+from shard_svc.server.request_trace import PrefillPart, TracedRequest
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +59,16 @@ class _Submitted:
     prompt: list[int]
     params: SamplingParams
     matcher: Any  # the compiled response_format, or None
+    arrived_at: float  # time.monotonic() when the gRPC handler took it
+    traced: TracedRequest | None = None
+
+
+@dataclass
+class _Live:
+    """A request the engine holds: its sequence (for its timing) and, when traced, what its spans need."""
+
+    seq: Sequence
+    traced: TracedRequest | None
 
 
 class EngineLoop:
@@ -58,6 +78,8 @@ class EngineLoop:
         self._sinks: dict[str, Callable[[TokenEvent], None]] = {}  # every live request: queued or in the engine
         self._intake: list[_Submitted] = []
         self._cancels: list[str] = []
+        self._live: dict[str, _Live] = {}  # engine thread only: every request taken into the engine
+        self._finished: list[tuple[_Live, TokenEvent]] = []  # engine thread only: finished since the last record
         self._stopping = False
         self.failure: str | None = None
         self.fatal_hooks: list[Callable[[str], None]] = []
@@ -70,11 +92,14 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-               sink: Callable[[TokenEvent], None]) -> None:
+               sink: Callable[[TokenEvent], None], trace_context: Mapping[str, str] | None = None) -> None:
         """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
+        trace_context: the W3C trace headers of the caller's span (the Submit's), or None.
 
         Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
         ShuttingDown."""
+        arrived_at = time.monotonic()
+        traced = TracedRequest(dict(trace_context)) if trace_context and tracing.enabled() else None
         matcher = self.engine.check_request(request_id, prompt, params)
         with self._lock:
             if self.failure is not None:
@@ -84,7 +109,7 @@ class EngineLoop:
             if request_id in self._sinks:
                 raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
             self._sinks[request_id] = sink
-            self._intake.append(_Submitted(request_id, list(prompt), params, matcher))
+            self._intake.append(_Submitted(request_id, list(prompt), params, matcher, arrived_at, traced))
             self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
                                                  queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
@@ -148,7 +173,9 @@ class EngineLoop:
         events = []
         for sub in intake:
             try:
-                self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher)
+                seq = self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher)
+                seq.arrived_at = sub.arrived_at
+                self._live[sub.request_id] = _Live(seq, sub.traced)
             except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now
                 log.error("request refused by the engine after its checks passed",
                           extra={"request_id": sub.request_id, "error": str(e)})
@@ -177,17 +204,33 @@ class EngineLoop:
         if sink is None:
             log.error("event for unknown request id", extra={"request_id": event.request_id})
             return
+        live = self._live.pop(event.request_id, None) if event.finish_reason is not None else None
+        if live is not None:
+            event = dataclasses.replace(event, timing=SequenceTiming.of(live.seq))
+            self._finished.append((live, event))
         sink(event)
         if event.finish_reason is not None:
             del self._sinks[event.request_id]
             self.metrics.sequence_finished(event.finish_reason)
 
     def _record(self, result: StepResult) -> None:
+        """After the step's events went out: its passes, then the requests it finished."""
+        world = self.engine.sync.group.world if self.engine.sync else 1
+        finished = {live.seq.request_id: live for live, _ in self._finished}
         for p in result.passes:
-            self.metrics.observe_pass(p.kind, p.seconds, p.tokens)
+            record = PassRecord.of(p, 0, world)
+            self.metrics.observe_pass(record)
             if p.kind == "prefill":
-                log.info("prefill pass", extra={"seconds": round(p.seconds, 6), "sequences": p.sequences,
-                                                "tokens": p.tokens, "request_ids": p.request_ids})
+                record.log()
+                for rid, n in zip(p.request_ids, p.seq_tokens):
+                    live = self._live.get(rid) or finished.get(rid)
+                    if live is not None and live.traced is not None:
+                        live.traced.prefills.append(PrefillPart(p.started, n, record))
+        for live, event in self._finished:
+            self.metrics.observe_request(event.timing, event.prompt_tokens, event.completion_tokens)
+            if live.traced is not None:
+                request_trace.emit(self.metrics.labels["shard"], live.seq, live.traced, event)
+        self._finished.clear()
         self._publish_occupancy()
 
     def _publish_occupancy(self) -> None:

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kimiserve import security
+from kimiserve import security, tracing
 from kimiserve.decode_guard import DecodeGuard
 from kimiserve.ports import SERVER_OPTIONS
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
@@ -173,6 +173,10 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    try:
+        tracing.setup("shard")  # on only when the OTEL_* environment asks for traces
+    except tracing.TracingConfigError as e:
+        raise SystemExit(f"shard: {e}") from e
     if torch.device(cfg.device).type == "cpu":
         torch.set_num_threads(args.cpu_threads)
     server, loop, health_servicer = build_server(cfg)

@@ -15,6 +15,7 @@ from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
 from shard_svc.engine.grammar import ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sequence import SequenceTiming
 from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
 from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
 
@@ -77,8 +78,18 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
         usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                  cached_prompt_tokens=event.cached_tokens)
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, finished=shard_pb2.ShardEvent.Finished(
-            finish_reason=FINISH[event.finish_reason], usage=usage, error_message=event.error or "")))
+            finish_reason=FINISH[event.finish_reason], usage=usage, error_message=event.error or "",
+            timing=timing_to_pb(event.timing))))
     return out
+
+
+def timing_to_pb(t: SequenceTiming | None) -> shard_pb2.ShardEvent.Timing | None:
+    if t is None:  # a request that failed before the engine took it
+        return None
+    return shard_pb2.ShardEvent.Timing(queue_seconds=t.queue_s, prefill_seconds=t.prefill_s,
+                                       time_to_first_token_seconds=t.time_to_first_token_s,
+                                       decode_seconds=t.decode_s, duration_seconds=t.duration_s,
+                                       prefill_passes=t.prefill_passes)
 
 
 class ShardService(shard_pb2_grpc.ShardServicer):
@@ -132,7 +143,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     raise DuplicateRequest(f"request id {sub.request_id!r} is already live on this stream")
                 live.add(sub.request_id)
             try:
-                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink)
+                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink,
+                                 sub.trace_context)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)
