@@ -3,7 +3,7 @@
     shard.sequence            arrival at the shard -> finish   (a child of the router's `stream` span)
       queue                   arrival -> admission (a state slot)
       prefill (one per pass)  each prefill pass its prompt was in: the pass's tokens, sequences and chunks
-      decode                  first token -> finish
+      decode                  first token -> finish (absent when the first token finished it)
 
 Built after the fact on the engine thread (no span is open while the engine steps), and only for requests whose
 Submit carried a trace context while tracing is on.
@@ -47,7 +47,8 @@ def emit(shard: str, seq: Sequence, traced: TracedRequest, final: TokenEvent) ->
         root.child("prefill", start_s=part.started, tokens=part.seq_tokens, pass_tokens=r.tokens,
                    pass_sequences=r.sequences, chunks=r.chunks, max_chunk_tokens=r.max_chunk_tokens,
                    rank=r.rank, world_size=r.world_size).end(part.started + r.seconds)
-    if seq.first_token_at is not None:
+    # Decoding: past the first token, unless the sequence finished with it (max_tokens 1, a stop token at once).
+    if seq.first_token_at is not None and (final.completion_tokens > 1 or final.token_id is None):
         root.child("decode", start_s=seq.first_token_at, tokens=max(0, final.completion_tokens - 1)).end(end)
     if final.error:
         root.fail(final.error)
