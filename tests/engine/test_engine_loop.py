@@ -3,6 +3,7 @@ alone, a loop that cannot continue fails every live request and reports itself, 
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
@@ -190,3 +191,62 @@ def test_warm_up_leaves_no_trace_in_pools_or_outputs():
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     assert warmed.generate([3, 1, 4, 1, 5], params, "after").output == fresh.generate([3, 1, 4, 1, 5], params,
                                                                                         "after").output
+
+
+def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
+    """The prefill pass record (metrics and one JSON log line per pass) and each request's timing agree with what
+    the engine ran: a 16-token budget splits the 20-token prompt over passes that other prompts share."""
+    loop, passes = _loop(num_state_slots=8, prefill_token_budget=16)
+    handler, logger = _Capture(), logging.getLogger("shard_svc.server.pass_record")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        prompts = {"short": list(range(1, 11)), "mid": list(range(20, 27)), "long": list(range(40, 60))}
+        sinks = {rid: Events() for rid in prompts}
+        for rid, ids in prompts.items():
+            loop.submit(rid, ids, GREEDY, sinks[rid].sink)
+        finals = {rid: ev.finish() for rid, ev in sinks.items()}
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        loop.stop(timeout=30)
+    prefills = [p for p in passes if p.kind == "prefill"]
+    lines = [r for r in handler.records if r.getMessage() == "prefill pass"]
+    assert [line.request_ids for line in lines] == [p.request_ids for p in prefills]
+    for line, p in zip(lines, prefills):
+        assert (line.seconds, line.sequences, line.tokens) == (round(p.seconds, 6), len(p.request_ids), p.tokens)
+        assert (line.min_seq_tokens, line.max_seq_tokens) == (min(p.seq_tokens), max(p.seq_tokens))
+        assert sum(p.seq_tokens) == p.tokens <= 16
+        assert (line.chunks, line.max_chunk_tokens, line.rank, line.world_size) == (1, p.tokens, 0, 1)
+    total = sum(len(ids) for ids in prompts.values())
+    assert sum(p.tokens for p in prefills) == total
+
+    def sample(name: str) -> float:
+        return loop.metrics.registry.get_sample_value(name, {"shard": "shard-test", "rank": "0"})
+
+    assert sample("kimiserve_shard_prefill_pass_tokens_sum") == total
+    assert sample("kimiserve_shard_prefill_pass_seconds_count") == len(prefills)
+    assert sample("kimiserve_shard_prefill_pass_sequences_sum") == sum(p.sequences for p in prefills)
+    assert sample("kimiserve_shard_prefill_pass_chunks_sum") == len(prefills)
+    assert sample("kimiserve_shard_prefill_pass_max_chunk_tokens_sum") == total
+    for name in ("request_queue_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
+                 "time_per_output_token_seconds", "request_duration_seconds"):
+        assert sample(f"kimiserve_shard_{name}_count") == len(prompts), name
+    assert sample("kimiserve_shard_request_prompt_tokens_sum") == total
+    assert sample("kimiserve_shard_request_generation_tokens_sum") == 4 * len(prompts)
+
+    for rid, final in finals.items():
+        t = final.timing
+        assert t.prefill_passes == sum(rid in p.request_ids for p in prefills) >= (2 if rid == "long" else 1)
+        assert 0 <= t.queue_s <= t.time_to_first_token_s and 0 < t.prefill_s <= t.time_to_first_token_s
+        assert t.time_to_first_token_s + t.decode_s == pytest.approx(t.duration_s, abs=1e-6)
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)

@@ -81,9 +81,17 @@ def test_metrics_come_from_every_rank_with_a_rank_label(stack):
     children, stub = stack
     list(stub.Generate(request([5, 6, 7], 3), timeout=60))
     series = scrape(children["shard-0"].metrics_url)
-    for rank in ("0", "1"):
-        for hist in ("kimiserve_shard_prefill_pass_seconds_count", "kimiserve_shard_decode_step_seconds_count"):
+    prefill = ("seconds", "sequences", "tokens", "chunks", "max_chunk_tokens")
+    for rank in ("0", "1"):  # every rank reports its own passes: the full prefill record, and decode steps
+        for hist in [f"kimiserve_shard_prefill_pass_{p}_count" for p in prefill] + [
+                "kimiserve_shard_decode_step_seconds_count"]:
             assert series.get(f'{hist}{{rank="{rank}",shard="shard-0"}}', 0) > 0, (hist, rank)
+    for p in prefill[1:]:  # the same plan on every rank: the same pass shapes
+        sums = {r: series[f'kimiserve_shard_prefill_pass_{p}_sum{{rank="{r}",shard="shard-0"}}'] for r in "01"}
+        assert sums["0"] == sums["1"] > 0, (p, sums)
+    # Per-request timings are the group's, reported once by rank 0 (the only rank that owns sequences).
+    assert series['kimiserve_shard_time_to_first_token_seconds_count{rank="0",shard="shard-0"}'] > 0
+    assert not any('rank="1"' in k for k in series if k.startswith("kimiserve_shard_time_to_first_token"))
     # Token counts are the group's, reported once by the rank that owns the sequences.
     assert series['kimiserve_shard_decode_tokens_total{rank="0",shard="shard-0"}'] > 0
     assert not any('rank="1"' in k for k in series if k.startswith("kimiserve_shard_decode_tokens"))

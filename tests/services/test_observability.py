@@ -1,6 +1,10 @@
-"""Metrics, health and reflection as operators meet them: a real scrape of each service after traffic."""
+"""Metrics, health and reflection as operators meet them: a real scrape of each service after traffic, and the
+per-request and prefill series moving by exactly what a known set of requests did."""
 
 from __future__ import annotations
+
+import secrets
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -20,11 +24,19 @@ def after_traffic(stack):
 ROUTER_SERIES = ["kimiserve_router_requests_total", "kimiserve_router_time_to_first_token_seconds_count",
                  "kimiserve_router_time_per_output_token_seconds_count", "kimiserve_router_request_duration_seconds_count",
                  "kimiserve_router_queue_seconds_count", "kimiserve_router_prompt_tokens_total",
-                 "kimiserve_router_generation_tokens_total", "kimiserve_router_shard_healthy"]
+                 "kimiserve_router_generation_tokens_total", "kimiserve_router_shard_healthy",
+                 "kimiserve_router_prefill_seconds_count", "kimiserve_router_inter_token_latency_seconds_count",
+                 "kimiserve_router_request_prompt_tokens_count", "kimiserve_router_request_generation_tokens_count",
+                 "kimiserve_router_finished_requests_total"]
 SHARD_SERIES = ["kimiserve_shard_prefill_pass_seconds_count", "kimiserve_shard_decode_step_seconds_count",
                 "kimiserve_shard_prefill_tokens_total", "kimiserve_shard_decode_tokens_total",
                 "kimiserve_shard_state_slots_total", "kimiserve_shard_kv_blocks_total",
-                "kimiserve_shard_sequences_finished_total"]
+                "kimiserve_shard_sequences_finished_total", "kimiserve_shard_prefill_pass_sequences_count",
+                "kimiserve_shard_prefill_pass_tokens_count", "kimiserve_shard_prefill_pass_chunks_count",
+                "kimiserve_shard_prefill_pass_max_chunk_tokens_count", "kimiserve_shard_request_queue_seconds_count",
+                "kimiserve_shard_request_prefill_seconds_count", "kimiserve_shard_time_to_first_token_seconds_count",
+                "kimiserve_shard_time_per_output_token_seconds_count", "kimiserve_shard_request_duration_seconds_count",
+                "kimiserve_shard_request_prompt_tokens_count", "kimiserve_shard_request_generation_tokens_count"]
 
 
 def test_router_metrics_after_traffic(after_traffic):
@@ -44,6 +56,46 @@ def test_shard_metrics_after_traffic_are_labelled(after_traffic):
         labelled = [k for k in series if k.startswith("kimiserve_shard_prefill_pass_seconds_count")]
         assert labelled == [f'kimiserve_shard_prefill_pass_seconds_count{{rank="0",shard="shard-{i}"}}']
         assert series[f'kimiserve_shard_state_slots_total{{rank="0",shard="shard-{i}"}}'] == 8
+
+
+def test_per_request_and_prefill_series_move_by_what_the_requests_did(stack):
+    """Four requests of known prompt and output lengths (prompts new to the prefix cache, so every prompt token is
+    prefilled): every per-request histogram counts each request once, the length histograms sum to their lengths,
+    the prefill pass series add up to the prompt tokens, and the finish-reason counter moves by four."""
+    urls = [stack.children["router"].metrics_url] + [stack.shard(i).metrics_url for i in (0, 1)]
+    before = [scrape(u) for u in urls]
+    salt = 50 + secrets.randbelow(150)
+    work = [([salt + 7 * i + k for k in range(5 + 4 * i)], 3 + i) for i in range(4)]  # (prompt ids, max_tokens)
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda w: generate(stack.stub, ids=w[0], max_tokens=w[1], temperature=0.0,
+                                                ignore_eos=True), work))
+    assert [len(ids) for ids, _, _ in outs] == [n for _, n in work]
+    after = [scrape(u) for u in urls]
+
+    def moved(metric: str, which=(0,)) -> float:
+        return sum(total(after[i], metric) - total(before[i], metric) for i in which)
+
+    prompt, generated, n = sum(len(p) for p, _ in work), sum(m for _, m in work), len(work)
+    router, shards = (0,), (1, 2)
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "request_duration_seconds",
+                 "queue_seconds", "prefill_seconds", "request_prompt_tokens", "request_generation_tokens"):
+        assert moved(f"kimiserve_router_{name}_count", router) == n, name
+    assert moved("kimiserve_router_inter_token_latency_seconds_count", router) == generated - n
+    assert moved("kimiserve_router_request_prompt_tokens_sum", router) == prompt
+    assert moved("kimiserve_router_request_generation_tokens_sum", router) == generated
+    key = 'kimiserve_router_finished_requests_total{finish_reason="length",method="Generate"}'
+    assert after[0][key] - before[0].get(key, 0) == n
+    for name in ("request_queue_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
+                 "time_per_output_token_seconds", "request_duration_seconds", "request_prompt_tokens"):
+        assert moved(f"kimiserve_shard_{name}_count", shards) == n, name
+    assert moved("kimiserve_shard_request_prompt_tokens_sum", shards) == prompt
+    assert moved("kimiserve_shard_request_generation_tokens_sum", shards) == generated
+    assert moved("kimiserve_shard_prefill_pass_tokens_sum", shards) == prompt
+    assert moved("kimiserve_shard_prefill_tokens_total", shards) == prompt
+    passes = moved("kimiserve_shard_prefill_pass_seconds_count", shards)
+    assert 1 <= passes <= n and moved("kimiserve_shard_prefill_pass_chunks_sum", shards) == passes
+    assert moved("kimiserve_shard_prefill_pass_sequences_sum", shards) == n  # each prompt fits one pass
+    assert moved("kimiserve_shard_prefill_pass_max_chunk_tokens_sum", shards) == prompt  # one chunk per pass
 
 
 def test_tokenizer_metrics_after_traffic(after_traffic):
