@@ -28,6 +28,7 @@ NON_DEFAULT = {
     "image.pullSecrets[0]": "regcred", "router.extraArgs[0]": "--log-level=DEBUG",
     "shard.weights.mode": "stream", "shard.weights.prefetchDepth": "3", "shard.weights.slots": "5",
     "shard.weights.pinnedMemoryGb": "40", "shard.hostKvGb": "16",  # 56 GiB, within the default 64Gi limit
+    "tracing.otlpEndpoint": "http://otel-collector.obs:4317",
 }
 # The weight streaming and host KV flags; none is rendered at the defaults.
 STREAMING_FLAGS = ("--weights=", "--prefetch-depth=", "--weight-slots=", "--pinned-memory-gb=", "--host-kv-gb=")
@@ -106,8 +107,16 @@ def test_dashboard_covers_the_issue_and_is_templated():
                    "Shard health (as routers see it)", "Batch jobs by status",
                    "Streamed weight bytes per second", "Copy, compute and stall per pass (mean)",
                    "Stall share of copy time", "Weight slot occupancy", "Layers fetched ahead per second",
-                   "Host KV pages", "KV pages offloaded and restored per second"):
+                   "Host KV pages", "KV pages offloaded and restored per second",
+                   "Where a request's time went (mean)", "Time to first token per shard",
+                   "Time per output token per shard", "Shard queue wait per shard",
+                   "Prefill time per request, per shard", "End-to-end per shard", "Inter-token latency",
+                   "Prompt and generation length", "Finish reasons", "Prefill pass p99 per rank",
+                   "Tokens and sequences per prefill pass (mean)", "Chunks per pass and tokens per chunk (mean)",
+                   "Prompt length per shard"):
         assert wanted in titles
+    rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
+    assert rows[:3] == ["Requests", "Request latency", "Prefill"]
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "namespace", "model"}
     for p in dash["panels"]:
         for t in p.get("targets", []):
@@ -225,6 +234,28 @@ def test_streaming_values_render_into_flags_the_shard_parses(helm_bin):
     assert [a for a in args if a.startswith(STREAMING_FLAGS)] == ["--host-kv-gb=100"]
     assert parsed(args).engine.host_kv_bytes == 100 << 30
     assert "--pinned-memory-gb=63" in _shard_args(helm_bin, "--set", "shard.weights.pinnedMemoryGb=63")  # < 64Gi
+
+
+def test_tracing_values_set_the_otel_environment_the_services_read(helm_bin):
+    """Off by default (no OTEL_* variable at all); with tracing.otlpEndpoint every container gets the standard
+    variables, and they switch kimiserve/tracing.py on with the OTLP exporter."""
+    from kimiserve.tracing import exporters_wanted
+
+    workloads = (("Deployment", "-router"), ("Deployment", "-tokenizer"), ("StatefulSet", "-shard"))
+
+    def envs(*values):
+        docs = helm_template(helm_bin, *values)
+        return [{e["name"]: e.get("value") for e in _containers(find(docs, k, n))[0]["env"]} for k, n in workloads]
+
+    assert all(not any(name.startswith("OTEL_") for name in env) for env in envs())
+    extra = json.dumps([{"name": "OTEL_BSP_SCHEDULE_DELAY", "value": "500"}])
+    for env in envs("--set", "tracing.otlpEndpoint=http://otel-collector.obs:4317", "--set-json", "tracing.ratio=0.25",
+                    "--set-json", f"tracing.extraEnv={extra}", "--set", "model.name=tiny"):
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.obs:4317"
+        assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0.25")
+        assert env["OTEL_EXPORTER_OTLP_INSECURE"] == "true" and env["OTEL_BSP_SCHEDULE_DELAY"] == "500"
+        assert "kimiserve.model=tiny" in env["OTEL_RESOURCE_ATTRIBUTES"]
+        assert exporters_wanted({k: v for k, v in env.items() if v is not None}) == ["otlp"]
 
 
 def _containers(doc):

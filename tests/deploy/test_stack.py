@@ -409,6 +409,17 @@ def test_streaming_alert_measures_return_data(traffic):
         assert _has_data(result) and {s["metric"]["shard"] for s in result} == {STREAMING_SHARD}, (alert, result)
 
 
+def test_prefill_and_request_alert_measures_return_data_for_both_shards(traffic):
+    """The prefill and shard-queue alerts compare a measure with a threshold: over real traffic the measure alone
+    returns data for every shard (and the prefill one is the max over each shard's ranks)."""
+    rules = {r["alert"]: r["expr"] for r in yaml.safe_load(generate.RULES.read_text())["groups"][0]["rules"]}
+    for alert, measure in (("KimiservePrefillPassSlow", generate.GROUP_PREFILL_PASS_P99),
+                           ("KimiserveShardQueueWaitHigh", generate.SHARD_QUEUE_P99)):
+        assert rules[alert].startswith(f"{measure} > "), (alert, rules[alert])
+        result = api(traffic.prometheus, "/api/v1/query", query=measure)["data"]["result"]
+        assert _has_data(result) and {s["metric"]["shard"] for s in result} == {"shard-0", "shard-1"}, (alert, result)
+
+
 def test_every_alert_rule_evaluates_without_error(traffic):
     rules = yaml.safe_load(generate.RULES.read_text())["groups"][0]["rules"]
     for rule in rules:

@@ -42,12 +42,25 @@ STALL_SHARE = 0.5
 # whole device cache every minute, sustained, means the running sequences' KV does not fit the device: sequences
 # keep waiting to come back instead of decoding.
 KV_RESTORE_TURNOVER_PER_MINUTE = 1.0
+# A prefill pass holds every running decode for its whole wall time (the prefill token budget bounds it): a group's
+# p99 pass above this stalls token streams visibly. Lower shard.prefillTokenBudget, or add shards.
+PREFILL_PASS_P99_SECONDS = 5
+# Requests waiting this long at a shard for a state slot (p99): the shards are short of slots, not just busy.
+SHARD_QUEUE_P99_SECONDS = 30
+# Time per output token p99 seen by clients: above this, streaming feels stalled.
+TPOT_P99_SECONDS = 0.5
 
 # What the streaming and host KV alerts measure, per shard process (tests/deploy query these alone and need data).
 STREAM_STALL_SHARE = ("sum by (namespace, model, shard) (rate(kimiserve_stream_stall_seconds_sum[5m])) / "
                       "sum by (namespace, model, shard) (rate(kimiserve_stream_copy_seconds_sum[5m]))")
 KV_RESTORE_TURNOVER = ("sum by (namespace, model, shard) (rate(kimiserve_kv_pages_restored_total[5m])) * 60 / "
                        "sum by (namespace, model, shard) (kimiserve_shard_kv_blocks_total)")
+# What the prefill and per-request alerts measure (tests/deploy query these alone and need data from both shards).
+# A shard group's prefill wall time is the max over its ranks: each rank times its own pass.
+GROUP_PREFILL_PASS_P99 = ("max by (namespace, model, shard) (histogram_quantile(0.99, sum by (namespace, model, shard, "
+                          "rank, le) (rate(kimiserve_shard_prefill_pass_seconds_bucket[5m]))))")
+SHARD_QUEUE_P99 = ("histogram_quantile(0.99, sum by (namespace, model, shard, le) "
+                   "(rate(kimiserve_shard_request_queue_seconds_bucket[5m])))")
 
 
 def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str, str]]:
@@ -59,6 +72,17 @@ def quantiles(metric: str, by: str = "", qs=(0.5, 0.9, 0.99)) -> list[tuple[str,
 
 def usage(used: str, total: str) -> list[tuple[str, str]]:
     return [(f"sum by (shard) ({used}{{{SEL}}}) / sum by (shard) ({total}{{{SEL}}})", "{{shard}}")]
+
+
+def mean(metric: str, legend: str) -> tuple[str, str]:
+    """Mean of a histogram's observations over all series."""
+    return (f"sum(rate({metric}_sum{{{SEL}}}[{RATE}])) / sum(rate({metric}_count{{{SEL}}}[{RATE}]))", legend)
+
+
+def max_over_ranks(metric: str, q: float, by: str = "shard") -> str:
+    """A quantile per rank, then the max over ranks: a shard group's wall time is its slowest rank's."""
+    inner = f"histogram_quantile({q}, sum by ({by}, rank, le) (rate({metric}_bucket{{{SEL}}}[{RATE}])))"
+    return f"max by ({by}) ({inner})" if by else f"max({inner})"
 
 
 def per_pass_mean(metric: str, legend: str) -> tuple[str, str]:
@@ -95,14 +119,78 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
           (f"sum by (shard) (kimiserve_shard_queued_sequences{{{SEL}}})", "{{shard}} queued")],
          "Requests waiting for router admission, at the shards, and sequences queued on each shard."),
     ]),
-    ("Shards", [
+    # Per request, as the shards measure it (arrival at the shard to finish), and the router's breakdown.
+    ("Request latency", [
+        ("Where a request's time went (mean)", "s",
+         [mean("kimiserve_router_queue_seconds", "router queue"),
+          mean("kimiserve_shard_request_queue_seconds", "shard queue"),
+          mean("kimiserve_shard_request_prefill_seconds", "prefill"),
+          mean("kimiserve_shard_time_to_first_token_seconds", "TTFT at the shard"),
+          mean("kimiserve_router_time_to_first_token_seconds", "TTFT at the router"),
+          mean("kimiserve_router_request_duration_seconds", "end to end")],
+         "Mean seconds per request in each phase: waiting for router admission, waiting at the shard for a state "
+         "slot, prefill (first prefill pass to first token: every chunk of the prompt and the passes between), time "
+         "to first token at the shard and at the router (the gap is chat rendering, tokenizing and transport), and "
+         "end to end (the rest is decode). A request's own trace splits the same phases (README: Explaining a slow "
+         "request)."),
+        ("Time to first token per shard", "s",
+         quantiles("kimiserve_shard_time_to_first_token_seconds", "shard", (0.5, 0.99)),
+         "Arrival at the shard to the first token: shard queue + prefill."),
+        ("Time per output token per shard", "s",
+         quantiles("kimiserve_shard_time_per_output_token_seconds", "shard", (0.5, 0.99)),
+         "Mean gap between a request's tokens after the first, per shard: decode steps, and the prefill passes that "
+         "run between them."),
+        ("Shard queue wait per shard", "s", quantiles("kimiserve_shard_request_queue_seconds", "shard", (0.5, 0.99)),
+         "Arrival at the shard to admission (a free state slot and room for the request's KV)."),
+        ("Prefill time per request, per shard", "s",
+         quantiles("kimiserve_shard_request_prefill_seconds", "shard", (0.5, 0.99)),
+         "A request's first prefill pass to its first token (a prompt over the prefill token budget takes several "
+         "passes; prompts restored whole from the prefix cache have none)."),
+        ("End-to-end per shard", "s", quantiles("kimiserve_shard_request_duration_seconds", "shard", (0.5, 0.99)),
+         "Arrival at the shard to the request's finish."),
+        ("Inter-token latency", "s", quantiles("kimiserve_router_inter_token_latency_seconds"),
+         "Every gap between two consecutive tokens of a request, as the router receives them (TPOT is the mean of "
+         "a request's gaps; this shows the stalls)."),
+        ("Prompt and generation length", "short",
+         [(expr, f"{kind} {legend}") for kind in ("prompt", "generation")
+          for expr, legend in quantiles(f"kimiserve_router_request_{kind}_tokens", "", (0.5, 0.99))],
+         "Tokens per finished request: prompt and generated (bucket bounds x4: quantiles are coarse)."),
+        ("Finish reasons", "reqps",
+         [(f"sum by (finish_reason) (rate(kimiserve_router_finished_requests_total{{{SEL}}}[{RATE}]))",
+           "{{finish_reason}}")],
+         "Requests per second by how their generation ended: stop, length, cancelled, error, none (the stream "
+         "failed before a finish)."),
+    ]),
+    ("Prefill", [
         ("Prefill pass duration per shard", "s",
-         quantiles("kimiserve_shard_prefill_pass_seconds", "shard", (0.5, 0.99)),
-         "Wall time of one prefill pass on each shard."),
+         [(max_over_ranks("kimiserve_shard_prefill_pass_seconds", q), f"{{{{shard}}}} p{round(q * 100)}")
+          for q in (0.5, 0.99)],
+         "Wall time of one prefill pass on each shard; for a shard group the max over its ranks (each rank times "
+         "its own pass)."),
         ("Prefill pass p99, max over shards", "s",
-         [(f"max(histogram_quantile(0.99, sum by (shard, le) "
-           f"(rate(kimiserve_shard_prefill_pass_seconds_bucket{{{SEL}}}[{RATE}]))))", "max p99")],
-         "The slowest shard's p99 prefill pass."),
+         [(max_over_ranks("kimiserve_shard_prefill_pass_seconds", 0.99, ""), "max p99")],
+         f"The slowest shard's (and rank's) p99 prefill pass; alert above {PREFILL_PASS_P99_SECONDS} s."),
+        ("Prefill pass p99 per rank", "s",
+         [(f"histogram_quantile(0.99, sum by (shard, rank, le) "
+           f"(rate(kimiserve_shard_prefill_pass_seconds_bucket{{{SEL}}}[{RATE}])))", "{{shard}} rank {{rank}}")],
+         "Each rank's own p99 pass: a rank far above the others is the group's straggler."),
+        ("Prefill tokens per second of pass time", "short",
+         [(f'sum by (shard) (rate(kimiserve_shard_prefill_pass_tokens_sum{{{SEL}, rank="0"}}[{RATE}])) / '
+           f"max by (shard) (rate(kimiserve_shard_prefill_pass_seconds_sum{{{SEL}}}[{RATE}]))", "{{shard}}")],
+         "Prompt tokens per second while prefilling (tokens / pass wall time, the slowest rank's)."),
+        ("Tokens and sequences per prefill pass (mean)", "short",
+         [per_pass_mean("kimiserve_shard_prefill_pass_tokens", "tokens"),
+          per_pass_mean("kimiserve_shard_prefill_pass_sequences", "sequences")],
+         "How full passes are: prompt tokens (at most the prefill token budget) and sequences packed in one pass."),
+        ("Chunks per pass and tokens per chunk (mean)", "short",
+         [per_pass_mean("kimiserve_shard_prefill_pass_chunks", "chunks"),
+          per_pass_mean("kimiserve_shard_prefill_pass_max_chunk_tokens", "max tokens per chunk")],
+         "Model forwards (micro-batches) the runner ran per pass, and the most tokens one of them held."),
+        ("Prompt length per shard", "short",
+         quantiles("kimiserve_shard_request_prompt_tokens", "shard", (0.5, 0.99)),
+         "Prompt tokens of the requests each shard finished (bucket bounds x4)."),
+    ]),
+    ("Shards", [
         ("Decode step time per shard", "s",
          quantiles("kimiserve_shard_decode_step_seconds", "shard", (0.5, 0.99)),
          "Wall time of one batched decode step on each shard."),
@@ -213,6 +301,24 @@ ALERTS: list[dict] = [
              f"(rate(kimiserve_router_time_to_first_token_seconds_bucket[5m]))) > {TTFT_P99_SECONDS}",
      "summary": f"TTFT p99 of {{{{ $labels.model }}}} is over {TTFT_P99_SECONDS} s",
      "description": "Time to first token p99 is {{ $value | humanizeDuration }} over the last 5 minutes."},
+    {"alert": "KimiserveTPOTHigh", "for": "10m", "severity": "warning",
+     "expr": f"histogram_quantile(0.99, sum by (namespace, model, le) "
+             f"(rate(kimiserve_router_time_per_output_token_seconds_bucket[5m]))) > {TPOT_P99_SECONDS}",
+     "summary": f"TPOT p99 of {{{{ $labels.model }}}} is over {TPOT_P99_SECONDS} s",
+     "description": "Time per output token p99 is {{ $value | humanizeDuration }} over the last 5 minutes: token "
+                    "streams stall. Check the prefill pass duration (long passes hold every decode) and the running "
+                    "sequences per shard."},
+    {"alert": "KimiservePrefillPassSlow", "for": "15m", "severity": "warning",
+     "expr": f"{GROUP_PREFILL_PASS_P99} > {PREFILL_PASS_P99_SECONDS}",
+     "summary": "Prefill passes on shard {{ $labels.shard }} take over " + f"{PREFILL_PASS_P99_SECONDS} s",
+     "description": "The shard's p99 prefill pass (max over its ranks) is {{ $value | humanizeDuration }}; every "
+                    "running decode waits for each pass. Lower shard.prefillTokenBudget or add shards; a slow rank "
+                    "shows in the dashboard's Prefill pass p99 per rank."},
+    {"alert": "KimiserveShardQueueWaitHigh", "for": "10m", "severity": "warning",
+     "expr": f"{SHARD_QUEUE_P99} > {SHARD_QUEUE_P99_SECONDS}",
+     "summary": "Requests wait over " + f"{SHARD_QUEUE_P99_SECONDS} s" + " for a slot on shard {{ $labels.shard }}",
+     "description": "p99 wait at the shard for a state slot and KV room is {{ $value | humanizeDuration }}: raise "
+                    "shard.numStateSlots / shard.numKvBlocks if the GPU has room, or add shards."},
     {"alert": "KimiserveErrorRatioHigh", "for": "5m", "severity": "critical",
      "expr": f'sum by (namespace, model) (rate(kimiserve_router_requests_total{{status=~"{SERVER_ERRORS}"}}[5m])) / '
              f"sum by (namespace, model) (rate(kimiserve_router_requests_total[5m])) > {ERROR_RATIO}",

@@ -159,7 +159,8 @@ initContainers:
 - --health-port={{ .healthPort }}
 {{- end }}
 
-{{/* Environment every container has (caches to the writable /tmp; root filesystem is read-only) */}}
+{{/* Environment every container has (caches to the writable /tmp; root filesystem is read-only), and the standard
+     OTEL_* variables that switch traces on when tracing.otlpEndpoint is set (kimiserve/tracing.py) */}}
 {{- define "kimiserve.env" -}}
 - name: HOME
   value: /tmp
@@ -167,6 +168,27 @@ initContainers:
   value: /tmp/.cache
 - name: TRITON_CACHE_DIR
   value: /tmp/.triton
+{{- with .Values.tracing }}
+{{- if .otlpEndpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .otlpEndpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ .insecure | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .ratio | toString | quote }}
+- name: OTEL_K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.namespace.name={{ $.Release.Namespace }},k8s.pod.name=$(OTEL_K8S_POD_NAME),kimiserve.model={{ $.Values.model.name }}"
+{{- with .extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* Pod spec fields shared by all components: call with (dict "root" $ "c" .Values.<component>) */}}
