@@ -45,6 +45,15 @@ class TokenizerClient:
             raise _translate(e) from e
         return list(reply.token_ids)
 
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included (as the model saw them)."""
+        try:
+            reply = await self.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids, keep_special_tokens=True),
+                                               timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        return reply.text
+
     def detokenizer(self, keep_special_tokens: bool) -> "StreamingDetokenizer":
         return StreamingDetokenizer(self.stub, keep_special_tokens)
 

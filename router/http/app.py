@@ -1,0 +1,225 @@
+"""The FastAPI application: routes, and one gate in front of them (request id, API key, body size, a log line)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kimiserve import security
+from router.generation import Generation
+from router.http import chat, completions, schemas
+from router.http.batches import Batches
+from router.http.errors import HttpError, describe, error_body, error_response
+from router.http.streaming import ClientGone
+
+log = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "x-request-id"
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: logged and echoed as is
+OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key
+
+
+def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKeys | None,
+              max_body_bytes: int) -> ASGIApp:
+    app = FastAPI(title="kimiserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(e.status_code, message, code), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return JSONResponse(error_body(400, f"{param}: {first['msg']}", "invalid_argument", param), 400)
+
+    async def answer(request: Request, method: str, work) -> Response:
+        """Runs `work()`; pydantic results become JSON, every failure OpenAI's error shape, and the outcome is counted
+        in the router's request metrics under `method`."""
+        request_id = request.scope["state"]["request_id"]
+        try:
+            result = await work()
+        except ClientGone:
+            log.info("client disconnected; its sequences were cancelled", extra={"request_id": request_id})
+            gen.metrics.requests.labels(method, "CANCELLED").inc()
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - every failure is answered in one shape
+            status, body = describe(e, request_id)
+            gen.metrics.requests.labels(method, body["error"]["code"].upper()).inc()
+            return JSONResponse(body, status_code=status)
+        gen.metrics.requests.labels(method, "OK").inc()
+        return JSONResponse(result.model_dump()) if isinstance(result, BaseModel) else result
+
+    async def json_body(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HttpError(400, f"the request body is not JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return await answer(request, chat.METHOD,
+                            lambda: _run(chat.handle, gen, json_body(request), rid, request.receive))
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request) -> Response:
+        rid = request.scope["state"]["request_id"]
+        return await answer(request, completions.METHOD,
+                            lambda: _run(completions.handle, gen, json_body(request), rid, request.receive))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await answer(request, "HttpModels", lambda: _models(gen))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await answer(request, "HttpModels", lambda: _model(gen, model_id))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = [s.address for s in gen.shards if s.view.healthy]
+        return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_shards": healthy},
+                            status_code=200 if healthy else 503)
+
+    if batches is not None:
+        _batch_routes(app, answer, json_body, batches)
+    return Gate(app, api_keys, max_body_bytes)
+
+
+async def _run(handler, gen, body, request_id, receive):
+    return await handler(gen, await body, request_id, receive)
+
+
+async def _models(gen: Generation) -> schemas.ModelList:
+    info = gen.model_info()
+    return schemas.ModelList(data=[schemas.ModelCard(
+        id=info.model_name, created=0, model_type=info.model_type,
+        max_model_len=info.capacity.max_context_tokens, vocab_size=info.vocab_size)])
+
+
+async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:
+    from router.prompts import check_model
+
+    check_model(gen, model_id)
+    return (await _models(gen)).data[0]
+
+
+def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
+    async def done(value):
+        return value
+
+    @app.post("/v1/files")
+    async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> Response:
+        content = await file.read()
+        return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content)))
+
+    @app.get("/v1/files/{file_id}")
+    async def file(request: Request, file_id: str) -> Response:
+        return await answer(request, "HttpFiles", lambda: done(batches.file(file_id)))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def content(request: Request, file_id: str) -> Response:
+        async def work():
+            return Response(batches.content(file_id), media_type="application/jsonl")
+        return await answer(request, "HttpFiles", work)
+
+    @app.post("/v1/batches")
+    async def create(request: Request) -> Response:
+        async def work():
+            return batches.create(await json_body(request))
+        return await answer(request, "HttpBatches", work)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get(request: Request, batch_id: str) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.batch(batch_id)))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(request: Request, batch_id: str) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.cancel(batch_id)))
+
+    @app.get("/v1/batches")
+    async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after)))
+
+
+class Gate:
+    """Pure ASGI (it must not buffer streamed responses): gives each request its id (the client's X-Request-Id, else
+    a generated one) and returns it as a header, checks the API key, caps the body size (413), logs one line."""
+
+    def __init__(self, app: ASGIApp, api_keys: security.ApiKeys | None, max_body_bytes: int):
+        self.app, self.api_keys, self.max_body = app, api_keys, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [0]
+        headers = Headers(scope=scope)
+        request_id = headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))]}
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            self._check(scope, headers, request_id)
+            await self.app(scope, self._limited(receive), send_with_id)
+        except HttpError as e:
+            if status[0]:
+                raise
+            await error_response(e, request_id)(scope, receive, send_with_id)
+        log.info("http request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+                                        "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
+
+    def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
+        if not REQUEST_ID.fullmatch(request_id):
+            scope["state"]["request_id"] = f"req-{uuid.uuid4().hex}"
+            raise HttpError(400, "X-Request-Id must be 1-256 printable ASCII characters without spaces",
+                            "invalid_argument", "X-Request-Id")
+        if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
+            token = security.bearer_token([("authorization", headers.get("authorization"))]
+                                          if "authorization" in headers else [])
+            if not (token and self.api_keys.valid(token)):
+                reason = "missing" if token is None else ("malformed" if not token else "wrong")
+                log.warning("http request refused: %s API key", reason, extra={
+                    "request_id": request_id, "path": scope["path"],
+                    "key_sha256_prefix": security.key_fingerprint(token) if token else None})
+                raise HttpError(401, f"{reason} API key: send the header `Authorization: Bearer <key>`",
+                                "invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise HttpError(413, f"request body of {length} bytes is over the limit of {self.max_body} bytes",
+                            "request_too_large")
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = [0]
+
+        async def limited() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_body:
+                    raise HttpError(413, f"request body is over the limit of {self.max_body} bytes",
+                                    "request_too_large")
+            return message
+        return limited
