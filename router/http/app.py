@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import time
 import uuid
 
@@ -17,15 +16,16 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kimiserve import security
+from router.errors import InvalidArgument
 from router.generation import Generation
 from router.http import chat, completions, schemas
 from router.http.batches import Batches
 from router.http.errors import HttpError, describe, error_body, error_response
 from router.http.streaming import ClientGone
+from router.request_ids import check_client_request_id
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # printable ASCII, no spaces: logged and echoed as is
 OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key
 
 
@@ -192,10 +192,11 @@ class Gate:
                                         "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
 
     def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
-        if not REQUEST_ID.fullmatch(request_id):
+        try:
+            check_client_request_id(request_id)  # the gRPC API's rule: it travels back in a header and in logs
+        except InvalidArgument as e:
             scope["state"]["request_id"] = f"req-{uuid.uuid4().hex}"
-            raise HttpError(400, "X-Request-Id must be 1-256 printable ASCII characters without spaces",
-                            "invalid_argument", "X-Request-Id")
+            raise HttpError(400, f"X-Request-Id: {e}", "invalid_argument", "X-Request-Id") from None
         if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
             token = security.bearer_token([("authorization", headers.get("authorization"))]
                                           if "authorization" in headers else [])
