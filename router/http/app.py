@@ -1,32 +1,26 @@
-"""The FastAPI application: routes, and one gate in front of them (request id, API key, body size, a log line)."""
+"""The FastAPI application: the routes, behind the gate (gate.py: request id, API key, body size, a log line)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import time
-import uuid
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp
 
 from kimiserve import security
-from router.errors import InvalidArgument
 from router.generation import Generation
 from router.http import chat, completions, schemas
 from router.http.batches import Batches
-from router.http.errors import HttpError, describe, error_body, error_response
+from router.http.errors import HttpError, describe, error_body
+from router.http.gate import Gate
 from router.http.streaming import ClientGone
-from router.request_ids import check_client_request_id
 
 log = logging.getLogger(__name__)
-REQUEST_ID_HEADER = "x-request-id"
-OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key
 
 
 def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKeys | None,
@@ -157,70 +151,3 @@ def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
     @app.get("/v1/batches")
     async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
         return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after)))
-
-
-class Gate:
-    """Pure ASGI (it must not buffer streamed responses): gives each request its id (the client's X-Request-Id, else
-    a generated one) and returns it as a header, checks the API key, caps the body size (413), logs one line."""
-
-    def __init__(self, app: ASGIApp, api_keys: security.ApiKeys | None, max_body_bytes: int):
-        self.app, self.api_keys, self.max_body = app, api_keys, max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start, status = time.monotonic(), [0]
-        headers = Headers(scope=scope)
-        request_id = headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
-        scope.setdefault("state", {})["request_id"] = request_id
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", []),
-                                                  (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))]}
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            self._check(scope, headers, request_id)
-            await self.app(scope, self._limited(receive), send_with_id)
-        except HttpError as e:
-            if status[0]:
-                raise
-            await error_response(e, request_id)(scope, receive, send_with_id)
-        log.info("http request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
-                                        "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
-
-    def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
-        try:
-            check_client_request_id(request_id)  # the gRPC API's rule: it travels back in a header and in logs
-        except InvalidArgument as e:
-            scope["state"]["request_id"] = f"req-{uuid.uuid4().hex}"
-            raise HttpError(400, f"X-Request-Id: {e}", "invalid_argument", "X-Request-Id") from None
-        if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
-            token = security.bearer_token([("authorization", headers.get("authorization"))]
-                                          if "authorization" in headers else [])
-            if not (token and self.api_keys.valid(token)):
-                reason = "missing" if token is None else ("malformed" if not token else "wrong")
-                log.warning("http request refused: %s API key", reason, extra={
-                    "request_id": request_id, "path": scope["path"],
-                    "key_sha256_prefix": security.key_fingerprint(token) if token else None})
-                raise HttpError(401, f"{reason} API key: send the header `Authorization: Bearer <key>`",
-                                "invalid_api_key")
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            raise HttpError(413, f"request body of {length} bytes is over the limit of {self.max_body} bytes",
-                            "request_too_large")
-
-    def _limited(self, receive: Receive) -> Receive:
-        seen = [0]
-
-        async def limited() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                seen[0] += len(message.get("body", b""))
-                if seen[0] > self.max_body:
-                    raise HttpError(413, f"request body is over the limit of {self.max_body} bytes",
-                                    "request_too_large")
-            return message
-        return limited

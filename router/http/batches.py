@@ -120,7 +120,8 @@ class Batches:
             ok = result.WhichOneof("outcome") == "response"
             if ok != (which == OUTPUT):
                 continue
-            line = {"id": f"batch_req_{row.id}_{result.seq}", "custom_id": result.custom_id, "response": None, "error": None}
+            line = {"id": f"batch_req_{row.id}_{result.seq}", "custom_id": result.custom_id, "response": None,
+                    "error": None}
             if ok:
                 line["response"] = {"status_code": 200, "request_id": result.request_id,
                                     "body": self._body(kinds.get(result.custom_id), result, row)}

@@ -39,7 +39,8 @@ def test_files_and_batches_round_trip(http_stack):
 
     batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
                                   completion_window="24h", metadata={"run": "http-test"})
-    assert batch.status == "validating" and batch.input_file_id == uploaded.id and batch.metadata == {"run": "http-test"}
+    assert batch.status == "validating" and batch.input_file_id == uploaded.id
+    assert batch.metadata == {"run": "http-test"}
     done = wait_terminal(client, batch.id)
     assert done.status == "completed" and done.completed_at >= done.created_at
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 2, 1), \
