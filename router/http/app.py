@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from kimiserve import security
+from kimiserve.limits import JsonTooDeep, loads_json
+from kimiserve.text import encodable_json
 from router.generation import Generation
 from router.http import chat, completions, schemas
 from router.http.batches import Batches
@@ -58,9 +60,9 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
 
     async def json_body(request: Request) -> dict:
         raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        try:  # as batch lines are read: bounded nesting, lone surrogate escapes become U+FFFD
+            body = encodable_json(loads_json(raw.decode("utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, JsonTooDeep) as e:
             raise HttpError(400, f"the request body is not JSON: {e}", "invalid_json") from None
         if not isinstance(body, dict):
             raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")

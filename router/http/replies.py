@@ -34,10 +34,14 @@ def finish_reason(p: Piece, request_id: str) -> str:
 
 
 def usage(replies: list[Piece], per_prompt: int) -> schemas.Usage:
-    """Prompts are counted once each (choices i*per_prompt .. of one prompt share it), completions summed."""
-    prompt = sum(r.usage.prompt_tokens for r in replies[::per_prompt] if r.usage is not None)
+    """Prompts are counted once each (choices i*per_prompt .. of one prompt share it; its first choice's cache hits
+    are the prompt's), completions summed."""
+    firsts = [r.usage for r in replies[::per_prompt] if r.usage is not None]
+    prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(r.usage.completion_tokens for r in replies if r.usage is not None)
-    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=schemas.PromptTokensDetails(
+                             cached_tokens=sum(u.cached_prompt_tokens for u in firsts)))
 
 
 def chat_logprobs(p: Piece) -> schemas.ChoiceLogprobs:

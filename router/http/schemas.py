@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # no prefix cache yet: always 0
+    cached_tokens: int = 0  # prompt tokens restored from the shard's prefix cache instead of prefilled
 
 
 class Usage(BaseModel):

@@ -24,9 +24,18 @@ def test_plain_reply_shape_usage_and_request_id(http_stack):
     assert choice.finish_reason in ("stop", "length", "tool_calls")
     u = reply.usage
     assert u.completion_tokens >= 1 and u.prompt_tokens > 1 and u.total_tokens == u.prompt_tokens + u.completion_tokens
-    assert u.prompt_tokens_details.cached_tokens == 0
+    assert 0 <= u.prompt_tokens_details.cached_tokens <= u.prompt_tokens
     generated = http_stack.client.chat.completions.with_raw_response.create(model="", messages=HELLO, max_tokens=1)
     assert generated.headers["x-request-id"].startswith("req-")
+
+
+def test_cached_tokens_come_from_the_prefix_cache(http_stack):
+    messages = [{"role": "user", "content": "cache me " + " ".join(str(i) for i in range(60))}]
+    first, second = (http_stack.client.chat.completions.create(model="", messages=messages, max_tokens=1)
+                     for _ in range(2))
+    assert second.usage.prompt_tokens == first.usage.prompt_tokens
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens <= second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens_details.cached_tokens
 
 
 def grpc_chat(http_stack, **sampling) -> tuple[str, common_pb2.Usage]:
