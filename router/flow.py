@@ -5,7 +5,8 @@ Chat RPCs (router/service.py), batch requests (router/batch/execute.py) and the 
     chat:       render messages + tools (tokenizer) -> Generation.run with special tokens kept, end-of-turn hidden
                 -> reasoning / content split as the text streams -> tool calls parsed at the end -> tool_choice check
 
-`fan_out` runs several flows as one request (OpenAI's `n`, or several prompts) and merges their pieces.
+A request is prepared once (`*_prompt`) and `run` as one or more sequences; `fan_out` runs several as one request
+(OpenAI's `n`, or several prompts) and merges their pieces.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import AsyncIterator
 from kimiserve.kimi_chat import ReplySplitter, ToolCall
 from kimiserve.v1 import common_pb2, router_pb2
 from router.errors import InvalidArgument, ToolChoiceNotMet
+from router import prompts
 from router.generation import Chunk, Generation
-from router.prompts import chat_hidden_ids, chat_prompt, generate_prompt
 
 ToolChoice = router_pb2.ToolChoice
 
@@ -72,30 +73,57 @@ def _piece(chunk: Chunk, **text) -> Piece:
                  finish_reason=chunk.finish_reason, usage=chunk.usage, error_message=chunk.error_message, **text)
 
 
-async def completion(gen: Generation, method: str, request_id: str,
-                     req: router_pb2.GenerateRequest) -> AsyncIterator[Piece]:
-    prompt = await generate_prompt(gen, req)
-    async for chunk in gen.run(method, request_id, prompt, req.sampling):
-        yield _piece(chunk, text=chunk.text)
+@dataclass(frozen=True)
+class Prompt:
+    """A request made ready to run (validated, rendered, tokenized): the n sequences of one request share it."""
+
+    ids: list[int]
+    chat: bool = False  # read the reply as a chat reply (special tokens kept, split, tool calls parsed)
+    tool_choice: router_pb2.ToolChoice = field(default_factory=router_pb2.ToolChoice)
 
 
-async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.ChatRequest) -> AsyncIterator[Piece]:
-    choice = req.tool_choice
-    offered = offered_tools(req.tools, choice)
+async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:
+    return Prompt(await prompts.generate_prompt(gen, req))
+
+
+async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
+    offered = offered_tools(req.tools, req.tool_choice)
     if len(offered) != len(req.tools):
         req = _with_tools(req, offered)
-    prompt = await chat_prompt(gen, req)
+    return Prompt(await prompts.chat_prompt(gen, req), chat=True, tool_choice=req.tool_choice)
+
+
+async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
+              sampling: common_pb2.SamplingParams) -> AsyncIterator[Piece]:
+    """One sequence from a prepared prompt."""
+    if not prompt.chat:
+        async for chunk in gen.run(method, request_id, prompt.ids, sampling):
+            yield _piece(chunk, text=chunk.text)
+        return
     splitter = ReplySplitter()
-    async for chunk in gen.run(method, request_id, prompt, req.sampling, keep_special_tokens=True,
-                               hidden_ids=chat_hidden_ids(gen.tokenizer.info)):
+    async for chunk in gen.run(method, request_id, prompt.ids, sampling, keep_special_tokens=True,
+                               hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info)):
         reasoning, content = splitter.feed(chunk.text)
         calls: list[ToolCall] = []
         if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             r, c, calls = splitter.finish()
             reasoning, content = reasoning + r, content + c
             if chunk.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
-                check_tool_choice(choice, calls, request_id)
+                check_tool_choice(prompt.tool_choice, calls, request_id)
         yield _piece(chunk, text=content, reasoning=reasoning, tool_calls=calls)
+
+
+async def completion(gen: Generation, method: str, request_id: str,
+                     req: router_pb2.GenerateRequest) -> AsyncIterator[Piece]:
+    """A whole completion request (one sequence), as Generate and batch lines run it."""
+    async for piece in run(gen, method, request_id, await completion_prompt(gen, req), req.sampling):
+        yield piece
+
+
+async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.ChatRequest) -> AsyncIterator[Piece]:
+    """A whole chat request (one sequence), as Chat and batch lines run it."""
+    async for piece in run(gen, method, request_id, await chat_prompt(gen, req), req.sampling):
+        yield piece
 
 
 # ---- tools and tool_choice ---------------------------------------------------------------------------------------

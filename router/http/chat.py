@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import AsyncIterator
 
-from kimiserve.v1 import router_pb2
 from router import flow, openai_body
 from router.generation import Generation
 from router.http import replies, schemas
@@ -15,19 +14,11 @@ from router.http.streaming import DONE, EventStream, event, unless_disconnected
 METHOD = "HttpChat"  # the metrics' method label
 
 
-def choice_flows(gen: Generation, request_id: str, req: router_pb2.ChatRequest, n: int) -> list:
-    flows = []
-    for i in range(n):
-        one = router_pb2.ChatRequest()
-        one.CopyFrom(req)
-        one.sampling.CopyFrom(flow.choice_sampling(req.sampling, i))
-        flows.append(flow.chat(gen, METHOD, flow.choice_request_id(request_id, i, n), one))
-    return flows
-
-
 async def handle(gen: Generation, body: dict, request_id: str, receive):
     req, opts = openai_body.chat_request(body)
-    merged = flow.fan_out(choice_flows(gen, request_id, req, opts.n))
+    prompt = await flow.chat_prompt(gen, req)  # rendered once for the n choices
+    merged = flow.fan_out([flow.run(gen, METHOD, flow.choice_request_id(request_id, i, opts.n), prompt,
+                                    flow.choice_sampling(req.sampling, i)) for i in range(opts.n)])
     head = dict(completion_id=f"chatcmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:
         async def whole() -> schemas.ChatCompletion:

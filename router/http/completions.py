@@ -16,32 +16,23 @@ from router.http.streaming import DONE, EventStream, event, unless_disconnected
 METHOD = "HttpCompletions"  # the metrics' method label
 
 
-def choice_flows(gen: Generation, request_id: str, prompts: list[router_pb2.GenerateRequest], n: int) -> list:
-    flows = []
-    for p, req in enumerate(prompts):
-        for i in range(n):
-            one = router_pb2.GenerateRequest()
-            one.CopyFrom(req)
-            one.sampling.CopyFrom(flow.choice_sampling(req.sampling, i))
-            index = p * n + i
-            flows.append(flow.completion(gen, METHOD, flow.choice_request_id(request_id, index, len(prompts) * n),
-                                         one))
-    return flows
-
-
 async def echo_texts(gen: Generation, prompts: list[router_pb2.GenerateRequest]) -> list[str]:
     return [req.text if req.WhichOneof("prompt") == "text"
             else await gen.tokenizer.detokenize(list(req.prompt_token_ids.ids)) for req in prompts]
 
 
 async def handle(gen: Generation, body: dict, request_id: str, receive):
-    prompts, opts = openai_body.completion_requests(body)
-    merged = flow.fan_out(choice_flows(gen, request_id, prompts, opts.n))
-    echoes = await echo_texts(gen, prompts) if opts.echo else [""] * len(prompts)
+    requests, opts = openai_body.completion_requests(body)
+    prompts = [await flow.completion_prompt(gen, req) for req in requests]  # each tokenized once for its n
+    count = len(prompts) * opts.n
+    merged = flow.fan_out([flow.run(gen, METHOD, flow.choice_request_id(request_id, p * opts.n + i, count), prompt,
+                                    flow.choice_sampling(req.sampling, i))
+                           for p, (req, prompt) in enumerate(zip(requests, prompts)) for i in range(opts.n)])
+    echoes = await echo_texts(gen, requests) if opts.echo else [""] * len(requests)
     head = dict(completion_id=f"cmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:
         async def whole() -> schemas.Completion:
-            got = [flow.Reply() for _ in range(len(prompts) * opts.n)]
+            got = [flow.Reply() for _ in range(count)]
             async for i, piece in merged:
                 got[i].add(piece)
             return replies.completion(**head, replies=got, per_prompt=opts.n, echoes=echoes,
