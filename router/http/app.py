@@ -44,15 +44,15 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
     async def answer(request: Request, method: str, work) -> Response:
         """Runs `work()`; pydantic results become JSON, every failure OpenAI's error shape, and the outcome is counted
         in the router's request metrics under `method`."""
-        request_id = request.scope["state"]["request_id"]
+        rid = request_id(request)
         try:
             result = await work()
         except ClientGone:
-            log.info("client disconnected; its sequences were cancelled", extra={"request_id": request_id})
+            log.info("client disconnected; its sequences were cancelled", extra={"request_id": rid})
             gen.metrics.requests.labels(method, "CANCELLED").inc()
             return Response(status_code=499)
         except Exception as e:  # noqa: BLE001 - every failure is answered in one shape
-            status, body = describe(e, request_id)
+            status, body = describe(e, rid)
             gen.metrics.requests.labels(method, body["error"]["code"].upper()).inc()
             return JSONResponse(body, status_code=status)
         gen.metrics.requests.labels(method, "OK").inc()
@@ -70,15 +70,15 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        rid = request.scope["state"]["request_id"]
-        return await answer(request, chat.METHOD,
-                            lambda: _run(chat.handle, gen, json_body(request), rid, request.receive))
+        async def work():
+            return await chat.handle(gen, await json_body(request), request_id(request), request.receive)
+        return await answer(request, chat.METHOD, work)
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
-        rid = request.scope["state"]["request_id"]
-        return await answer(request, completions.METHOD,
-                            lambda: _run(completions.handle, gen, json_body(request), rid, request.receive))
+        async def work():
+            return await completions.handle(gen, await json_body(request), request_id(request), request.receive)
+        return await answer(request, completions.METHOD, work)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -99,8 +99,8 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
     return Gate(app, api_keys, max_body_bytes)
 
 
-async def _run(handler, gen, body, request_id, receive):
-    return await handler(gen, await body, request_id, receive)
+def request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]  # set by the gate
 
 
 async def _models(gen: Generation) -> schemas.ModelList:
