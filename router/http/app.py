@@ -107,7 +107,7 @@ async def _models(gen: Generation) -> schemas.ModelList:
     info = gen.model_info()
     return schemas.ModelList(data=[schemas.ModelCard(
         id=info.model_name, created=0, model_type=info.model_type,
-        max_model_len=info.capacity.max_context_tokens, vocab_size=info.vocab_size)])
+        max_model_len=gen.max_context_tokens(), vocab_size=info.vocab_size)])
 
 
 async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:

@@ -123,7 +123,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "kimiserve"
     model_type: str
-    max_model_len: int  # the longest prompt + completion the deployment serves (the shards' maximum context)
+    max_model_len: int  # the longest prompt + completion every shard can serve (as ListModels reports it)
     vocab_size: int
 
 
