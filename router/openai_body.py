@@ -15,15 +15,14 @@ from typing import Any
 from kimiserve.v1 import common_pb2, router_pb2
 
 # Fields accepted only at their default (they change nothing then); any other value is refused, never ignored.
-NOOP_DEFAULTS = {"presence_penalty": 0, "frequency_penalty": 0, "best_of": 1, "parallel_tool_calls": True,
-                 "response_format": {"type": "text"}}
+NOOP_DEFAULTS = {"best_of": 1, "parallel_tool_calls": True}
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                   "stop_token_ids", "ignore_eos"}
+                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "response_format"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 MAX_N = 16  # sequences one request may fan out to (each takes a shard slot)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
-# Alternatives per token the shard can report: none yet (logprobs give the chosen token's log-probability only).
-MAX_TOP_LOGPROBS = 0
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
 ToolChoice = router_pb2.ToolChoice
 
 
@@ -68,10 +67,10 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
     req.tools.extend(common_pb2.Tool(json=json.dumps(t)) for t in tools)
     req.tool_choice.CopyFrom(_tool_choice(body.get("tool_choice", "auto")))
     logprobs = _bool(body, "logprobs")
-    top = _top_logprobs(body.get("top_logprobs", 0), "top_logprobs")
+    top = _int(body.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
-    req.sampling.logprobs = logprobs
+    req.sampling.logprobs, req.sampling.top_logprobs = logprobs, top
     return req, _options(body, logprobs=logprobs, top_logprobs=top)
 
 
@@ -82,8 +81,8 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
     sampling = sampling_params(body)
     top = body.get("logprobs")
     if top is not None:  # the legacy API's logprobs is the number of alternatives per token
-        top = _top_logprobs(top, "logprobs")
-        sampling.logprobs = True
+        top = _int(top, "logprobs", 0, 5)
+        sampling.logprobs, sampling.top_logprobs = True, top
         if _bool(body, "echo"):
             raise BodyError("echo with logprobs needs the prompt tokens' logprobs, which are not computed", "echo")
     requests = []
@@ -108,14 +107,6 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
         return list(prompt)
     raise BodyError("prompt must be a non-empty string, a list of token ids, or a list of at most "
                     f"{MAX_PROMPTS} non-empty strings or token-id lists, got {_describe(prompt)}", "prompt")
-
-
-def _top_logprobs(v: Any, name: str) -> int:
-    top = _int(v, name, 0, 20)
-    if top > MAX_TOP_LOGPROBS:
-        raise BodyError(f"{name}={top}: alternatives per token are not available yet; only the chosen token's "
-                        f"log-probability is (give {name}=0)", name)
-    return top
 
 
 def _options(body: dict[str, Any], **kw) -> Options:
@@ -205,7 +196,34 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
         raise BodyError(f"stop_token_ids must be a list of token ids, got {_describe(ids)}", "stop_token_ids")
     s.stop_token_ids.extend(_int(t, "stop_token_ids[]", 0, (1 << 32) - 1) for t in ids)
     s.ignore_eos = _bool(body, "ignore_eos")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # ranges: checked when it runs
+        if name in body:
+            if not _is_number(body[name]):
+                raise BodyError(f"{name} must be a number, got {_describe(body[name])}", name)
+            setattr(s, name, float(body[name]))
+    if "response_format" in body:
+        _response_format(body["response_format"], s)
     return s
+
+
+def _response_format(v: Any, s: common_pb2.SamplingParams) -> None:
+    """OpenAI's response_format -> SamplingParams.response_format (enforced on the shard by constrained decoding)."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text" and set(v) == {"type"}:
+        return
+    if kind == "json_object" and set(v) == {"type"}:
+        s.response_format.json_object.SetInParent()
+        return
+    spec = v.get("json_schema") if kind == "json_schema" and set(v) == {"type", "json_schema"} else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) and set(spec) <= {"name", "schema", "strict"}:
+        js = s.response_format.json_schema
+        js.name = _str(spec, "name", "response_format.json_schema.name")
+        js.schema = json.dumps(spec["schema"])
+        js.strict = _bool(spec, "strict")
+        return
+    raise BodyError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                    "\"json_schema\", \"json_schema\": {\"name\", \"schema\": {...}, \"strict\"}}, got "
+                    f"{_describe(v)}", "response_format")
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------

@@ -25,20 +25,21 @@ async def handle(gen: Generation, body: dict, request_id: str, receive):
             got = [flow.Reply() for _ in range(opts.n)]
             async for i, piece in merged:
                 got[i].add(piece)
-            return replies.chat_completion(**head, replies=got, logprobs=opts.logprobs, request_id=request_id)
+            return replies.chat_completion(**head, replies=got, logprobs=opts.logprobs, request_id=request_id,
+                                           names=await replies.candidate_texts(gen, got))
         return await unless_disconnected(receive, whole())
     # The first piece comes before the response starts, so a request refused up front (bad parameters, unknown
     # model, full queue) is an HTTP error, not an error event inside a 200 stream.
     first = await unless_disconnected(receive, merged.__anext__())
-    return EventStream(_events(first, merged, Chunks(**head, n=opts.n, logprobs=opts.logprobs),
+    return EventStream(_events(first, merged, Chunks(gen, **head, n=opts.n, logprobs=opts.logprobs),
                                opts.include_usage, request_id), request_id)
 
 
 class Chunks:
     """chat.completion.chunk objects for one streamed request."""
 
-    def __init__(self, completion_id: str, created: int, model: str, n: int, logprobs: bool):
-        self.head = dict(id=completion_id, created=created, model=model)
+    def __init__(self, gen: Generation, completion_id: str, created: int, model: str, n: int, logprobs: bool):
+        self.gen, self.head = gen, dict(id=completion_id, created=created, model=model)
         self.logprobs = logprobs
         self.finals: list[flow.Piece | None] = [None] * n
 
@@ -52,7 +53,7 @@ class Chunks:
         return self.chunk([schemas.ChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))
                            for i in range(len(self.finals))])
 
-    def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
+    async def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
         delta = schemas.Delta()
         if p.text:
             delta.content = p.text
@@ -67,7 +68,8 @@ class Chunks:
         if not (p.text or p.reasoning or p.tool_calls or p.final or (self.logprobs and p.token_ids)):
             return None  # e.g. a token whose text is held back (a possible stop string, a partial character)
         return self.chunk([schemas.ChunkChoice(index=i, delta=delta, finish_reason=reason,
-                                               logprobs=replies.chat_logprobs(p) if self.logprobs else None)])
+                                               logprobs=replies.chat_logprobs(p, await replies.candidate_texts(
+                                                   self.gen, [p])) if self.logprobs else None)])
 
     def usage(self) -> str:
         return self.chunk([], usage=replies.usage([p for p in self.finals if p is not None], len(self.finals)))
@@ -77,11 +79,10 @@ async def _events(first: tuple[int, flow.Piece], rest: AsyncIterator, chunks: Ch
                   request_id: str) -> AsyncIterator[str]:
     try:
         yield chunks.start()
-        out = chunks.piece(*first, request_id)
-        if out:
+        if out := await chunks.piece(*first, request_id):
             yield out
         async for i, p in rest:
-            if out := chunks.piece(i, p, request_id):
+            if out := await chunks.piece(i, p, request_id):
                 yield out
         if include_usage:
             yield chunks.usage()

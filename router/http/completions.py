@@ -36,19 +36,20 @@ async def handle(gen: Generation, body: dict, request_id: str, receive):
             async for i, piece in merged:
                 got[i].add(piece)
             return replies.completion(**head, replies=got, per_prompt=opts.n, echoes=echoes,
-                                      logprobs=opts.logprobs, request_id=request_id)
+                                      logprobs=opts.logprobs, request_id=request_id,
+                                      names=await replies.candidate_texts(gen, got))
         return await unless_disconnected(receive, whole())
     first = await unless_disconnected(receive, merged.__anext__())  # refusals before the 200 (see chat.py)
-    chunks = Chunks(**head, per_prompt=opts.n, echoes=echoes, logprobs=opts.logprobs)
+    chunks = Chunks(gen, **head, per_prompt=opts.n, echoes=echoes, logprobs=opts.logprobs)
     return EventStream(_events(first, merged, chunks, opts.include_usage, request_id), request_id)
 
 
 class Chunks:
     """text_completion chunks of one streamed request."""
 
-    def __init__(self, completion_id: str, created: int, model: str, per_prompt: int, echoes: list[str],
-                 logprobs: bool):
-        self.head = dict(id=completion_id, created=created, model=model)
+    def __init__(self, gen: Generation, completion_id: str, created: int, model: str, per_prompt: int,
+                 echoes: list[str], logprobs: bool):
+        self.gen, self.head = gen, dict(id=completion_id, created=created, model=model)
         self.per_prompt, self.echoes, self.logprobs = per_prompt, echoes, logprobs
         count = per_prompt * len(echoes)
         self.offsets = [len(echoes[i // per_prompt]) for i in range(count)]  # text_offset of each choice's next token
@@ -61,13 +62,14 @@ class Chunks:
         return [self.chunk([schemas.CompletionChoice(index=i, text=self.echoes[i // self.per_prompt])])
                 for i in range(len(self.finals)) if self.echoes[i // self.per_prompt]]
 
-    def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
+    async def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
         reason = replies.finish_reason(p, request_id) if p.final else None
         if p.final:
             self.finals[i] = p
         if not (p.text or p.final or (self.logprobs and p.token_ids)):
             return None
-        logprobs = replies.legacy_logprobs(p, self.offsets[i]) if self.logprobs else None
+        logprobs = (replies.legacy_logprobs(p, self.offsets[i], await replies.candidate_texts(self.gen, [p]))
+                    if self.logprobs else None)
         self.offsets[i] += sum(len(t) for t in p.token_texts)
         return self.chunk([schemas.CompletionChoice(index=i, text=p.text, logprobs=logprobs, finish_reason=reason)])
 
@@ -80,10 +82,10 @@ async def _events(first: tuple[int, flow.Piece], rest: AsyncIterator, chunks: Ch
     try:
         for out in chunks.start():
             yield out
-        if out := chunks.piece(*first, request_id):
+        if out := await chunks.piece(*first, request_id):
             yield out
         async for i, p in rest:
-            if out := chunks.piece(i, p, request_id):
+            if out := await chunks.piece(i, p, request_id):
                 yield out
         if include_usage:
             yield chunks.usage()

@@ -9,6 +9,7 @@ from kimiserve.kimi_chat import ToolCall
 from kimiserve.v1 import common_pb2
 from router.errors import RouterError
 from router.flow import Piece, Reply
+from router.generation import Generation
 from router.http import schemas
 
 FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
@@ -44,18 +45,38 @@ def usage(replies: list[Piece], per_prompt: int) -> schemas.Usage:
                              cached_tokens=sum(u.cached_prompt_tokens for u in firsts)))
 
 
-def chat_logprobs(p: Piece) -> schemas.ChoiceLogprobs:
-    return schemas.ChoiceLogprobs(content=[schemas.TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                           for t, lp in zip(p.token_texts, p.logprobs)])
+async def candidate_texts(gen: Generation, pieces: list[Piece]) -> dict[int, str]:
+    """The text of every top-logprob candidate in `pieces` (one tokenizer call per id never seen before)."""
+    ids = [c.token_id for p in pieces for top in p.top_logprobs for c in top.candidates]
+    return await gen.tokenizer.token_texts(ids) if ids else {}
 
 
-def legacy_logprobs(p: Piece, offset: int) -> schemas.LegacyLogprobs:
+def chat_logprobs(p: Piece, names: dict[int, str]) -> schemas.ChoiceLogprobs:
+    tops = p.top_logprobs or [None] * len(p.logprobs)
+    return schemas.ChoiceLogprobs(content=[schemas.TokenLogprob(
+        token=t, logprob=lp, bytes=list(t.encode()),
+        top_logprobs=[schemas.TopLogprob(token=names[c.token_id], logprob=c.logprob,
+                                         bytes=list(names[c.token_id].encode())) for c in top.candidates] if top else [])
+        for t, lp, top in zip(p.token_texts, p.logprobs, tops)])
+
+
+def legacy_logprobs(p: Piece, offset: int, names: dict[int, str]) -> schemas.LegacyLogprobs:
     """The /v1/completions shape; text_offset counts characters from `offset` (the echoed prompt's length)."""
     offsets = []
     for t in p.token_texts:
         offsets.append(offset)
         offset += len(t)
-    return schemas.LegacyLogprobs(tokens=list(p.token_texts), token_logprobs=list(p.logprobs), text_offset=offsets)
+    top = [_by_text(t, names) for t in p.top_logprobs] or None
+    return schemas.LegacyLogprobs(tokens=list(p.token_texts), token_logprobs=list(p.logprobs), top_logprobs=top,
+                                  text_offset=offsets)
+
+
+def _by_text(top, names: dict[int, str]) -> dict[str, float]:
+    """The legacy shape keys candidates by their text; of candidates with the same text the likelier one stays."""
+    out: dict[str, float] = {}
+    for c in top.candidates:  # most likely first
+        out.setdefault(names[c.token_id], c.logprob)
+    return out
 
 
 def tool_calls(calls: list[ToolCall]) -> list[schemas.ToolCall]:
@@ -63,9 +84,11 @@ def tool_calls(calls: list[ToolCall]) -> list[schemas.ToolCall]:
 
 
 def chat_completion(completion_id: str, created: int, model: str, replies: list[Reply], logprobs: bool,
-                    request_id: str) -> schemas.ChatCompletion:
+                    request_id: str, names: dict[int, str] | None = None) -> schemas.ChatCompletion:
+    """`names`: candidate_texts of the replies, when they carry top logprobs."""
     choices = [schemas.ChatChoice(
-        index=i, finish_reason=finish_reason(r, request_id), logprobs=chat_logprobs(r) if logprobs else None,
+        index=i, finish_reason=finish_reason(r, request_id),
+        logprobs=chat_logprobs(r, names or {}) if logprobs else None,
         message=schemas.Message(content=r.text if r.text or not r.tool_calls else None,
                                 reasoning_content=r.reasoning or None,
                                 tool_calls=tool_calls(r.tool_calls) or None))
@@ -75,13 +98,14 @@ def chat_completion(completion_id: str, created: int, model: str, replies: list[
 
 
 def completion(completion_id: str, created: int, model: str, replies: list[Reply], per_prompt: int,
-               echoes: list[str], logprobs: bool, request_id: str) -> schemas.Completion:
-    """`echoes`: the text put before each prompt's choices ("" without echo)."""
+               echoes: list[str], logprobs: bool, request_id: str,
+               names: dict[int, str] | None = None) -> schemas.Completion:
+    """`echoes`: the text put before each prompt's choices ("" without echo); `names` as for chat_completion."""
     choices = []
     for i, r in enumerate(replies):
         echo = echoes[i // per_prompt]
         choices.append(schemas.CompletionChoice(
             index=i, text=echo + r.text, finish_reason=finish_reason(r, request_id),
-            logprobs=legacy_logprobs(r, len(echo)) if logprobs else None))
+            logprobs=legacy_logprobs(r, len(echo), names or {}) if logprobs else None))
     return schemas.Completion(id=completion_id, created=created, model=model, choices=choices,
                               usage=usage(replies, per_prompt))

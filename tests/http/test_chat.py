@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
 
 from kimiserve.v1 import common_pb2, router_pb2
@@ -137,3 +138,40 @@ def test_logprobs_are_delivered_per_token(http_stack):
                                                               logprobs=True, stream=True))
     lps = [t.logprob for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert lps == [t.logprob for t in content]
+
+
+def test_top_logprobs_alternatives(http_stack):
+    reply = http_stack.client.chat.completions.create(model="", messages=HELLO, max_tokens=5, temperature=0,
+                                                      logprobs=True, top_logprobs=3)
+    for t in reply.choices[0].logprobs.content:
+        alternatives = [a.logprob for a in t.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert alternatives[0] == pytest.approx(t.logprob)  # greedy: the chosen token is the most likely one
+        assert all(bytes(a.bytes).decode() == a.token for a in t.top_logprobs)
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                            "maximum": 9}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
+def test_json_schema_reply_parses_and_validates(http_stack):
+    fmt = {"type": "json_schema", "json_schema": {"name": "reply", "schema": SCHEMA, "strict": True}}
+    for kw in (dict(temperature=0), dict(temperature=0.7, seed=5)):
+        reply = http_stack.client.chat.completions.create(model="", messages=HELLO, max_tokens=48,
+                                                          response_format=fmt, **kw)
+        assert reply.choices[0].finish_reason == "stop", reply
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+def test_penalties_pass_through_and_change_the_output(http_stack):
+    kw = dict(model="", prompt="The quick brown fox", max_tokens=16, temperature=0)
+    penalties = dict(frequency_penalty=1.5, presence_penalty=0.5)
+    extra = {"ignore_eos": True}
+    penalised = http_stack.client.completions.create(**kw, **penalties, extra_body={**extra, "repetition_penalty": 1.3})
+    plain = http_stack.client.completions.create(**kw, extra_body=extra)
+    assert penalised.choices[0].text != plain.choices[0].text
+    req = router_pb2.GenerateRequest(text="The quick brown fox", sampling=common_pb2.SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **penalties))
+    grpc_text = "".join(c.text for c in http_stack.grpc.Generate(req, metadata=http_stack.auth, timeout=120))
+    assert penalised.choices[0].text == grpc_text

@@ -93,3 +93,12 @@ def test_stop_strings_cut_the_text(http_stack):
     streamed = list(http_stack.client.completions.create(**kw, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == cut.text
     assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_legacy_top_logprobs(http_stack):
+    out = http_stack.client.completions.create(model="", prompt=IDS, max_tokens=4, temperature=0, logprobs=2,
+                                               extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.top_logprobs) == 4
+    for chosen, alternatives in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(alternatives) <= 2 and max(alternatives.values()) == pytest.approx(chosen)

@@ -41,7 +41,11 @@ def test_api_key_is_required_except_for_health(http_stack):
     ({"messages": HELLO, "top_p": 5.0}, "invalid_argument", None, "top_p must be in (0, 1]"),
     ({"messages": HELLO, "max_tokens": 0}, "invalid_argument", None, "max_tokens must be >= 1"),
     ({"messages": HELLO, "logit_bias": {"1": 5}}, "invalid_argument", "logit_bias", "unsupported body field"),
-    ({"messages": HELLO, "logprobs": True, "top_logprobs": 3}, "invalid_argument", "top_logprobs", "not available yet"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "invalid_argument", "top_logprobs", "[0, 20]"),
+    ({"messages": HELLO, "presence_penalty": 2.5}, "invalid_argument", None, "presence_penalty"),
+    ({"messages": HELLO, "response_format": {"type": "xml"}}, "invalid_argument", "response_format", "json_schema"),
+    ({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "array", "uniqueItems": True}}}}, "invalid_argument", None, "uniqueItems"),
     ({"messages": HELLO, "n": 99}, "invalid_argument", "n", "n must be an integer in [1, 16]"),
     ({"messages": []}, "invalid_argument", "messages", "messages must be a non-empty list"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_argument", None, "wizard"),
