@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimiserve.kimi_chat import (  # noqa: F401 - the tool-call markers, one definition shared with the router
+from kimiserve.kimi_chat import (  # the tool-call markers: one definition, shared with the router
     ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END)
 from tokenizer_svc.chat_types import ChatMessage
 
