@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kimiserve.health import is_serving
 from kimiserve.lifeline import child_env
-from kimiserve.ports import check_free, free_ports
+from kimiserve.ports import PortInUse, check_free, free_ports
 from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
 from router.main import DRAIN_TIMEOUT_S
 
@@ -98,6 +98,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=_at_least_one, default=RestartPolicy.max_failures,
                    help="a child failing this many times in a row, each soon after its start, stops the stack "
                         "(exit 1)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="the router's OpenAI-compatible HTTP API on --host at this port; 0: off")
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where this stack keeps its state (the batch database); default: "
                         "$XDG_CACHE_HOME/kimiserve/stack-HOST-PORT, so two stacks never share one")
@@ -226,6 +228,15 @@ def stop_stack(children: list[Child], grace_s: float | None = None) -> None:
                 child.proc.wait()
 
 
+def check_http_port(host: str, port: int) -> None:
+    """Refuses at once, before starting anything, when the HTTP API's port is taken (another stack, another server)."""
+    try:
+        check_free(host, port, "HTTP API")
+    except PortInUse:
+        raise PortInUse(f"the HTTP API port {host}:{port} is not free; pass --http-port N for another port, or "
+                        "--http-port 0 to turn the HTTP API off") from None
+
+
 def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
 
@@ -237,13 +248,16 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     check_free(args.host, args.port, "router")
+    if args.http_port:
+        check_http_port(args.host, args.http_port)
     model = args.model or ensure_default_model()
     state = state_dir(args)
     state.mkdir(parents=True, exist_ok=True)
     try:
         children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
                                shard_args=shard_flags(args),
-                               router_args=("--batch-db", str(state / "batches.sqlite3")),
+                               router_args=("--batch-db", str(state / "batches.sqlite3"),
+                                            *(("--http-port", str(args.http_port)) if args.http_port else ())),
                                tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop)
     except StartupInterrupted as e:
         log.info("stopped during startup", extra={"reason": str(e)})
@@ -254,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     router = children[-1]
     lines = [f"kimiserve is up: router at {router.address}  (try: kimiserve chat \"Hello\" --router "
              f"{router.address})"]
+    if args.http_port:
+        lines.append(f"  OpenAI-compatible HTTP API at http://{args.host}:{args.http_port}/v1")
     lines += [f"  {c.name:<10} {c.address:<22} metrics {c.metrics_url}" for c in children]
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()

@@ -1,4 +1,5 @@
-"""Router errors, each carrying the gRPC status it is answered with (mapped in one place: service.py)."""
+"""Router errors, each carrying the gRPC status it is answered with, and the one table from those statuses to HTTP
+statuses (router/http)."""
 
 import grpc
 
@@ -25,3 +26,31 @@ class NotFound(RouterError):
 
 class AlreadyExists(RouterError):
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class ToolChoiceNotMet(RouterError):
+    """The reply broke tool_choice 'required' or a named function: checked on the reply, not yet enforced while
+    decoding (that needs constrained decoding)."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+# The one table from the gRPC status of a named error to the HTTP status the HTTP API answers with.
+HTTP_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.INTERNAL: 500,
+    grpc.StatusCode.UNKNOWN: 500,
+    grpc.StatusCode.DATA_LOSS: 500,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.ABORTED: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}

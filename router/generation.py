@@ -65,6 +65,10 @@ class Chunk:
     usage: common_pb2.Usage | None = None
     error_message: str = ""
     top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # one per token id, when asked for
+    logprobs: list[float] = field(default_factory=list)  # one per token id, when the sampling asked for logprobs
+    # What each token added to the detokenized text (before stop strings; "" for hidden ids and for a token that
+    # only starts a multi-byte character): OpenAI's per-token `token` strings.
+    token_texts: list[str] = field(default_factory=list)
 
 
 def validate_sampling(s: common_pb2.SamplingParams) -> None:
@@ -237,15 +241,17 @@ class Generation:
                     text = stops.feed(delta)
                     top = ([common_pb2.TopLogprobs(candidates=event.token.top_logprobs)] if s.top_logprobs
                            else [])
+                    per_token = {"logprobs": [event.token.logprob] if event.token.HasField("logprob") else [],
+                                 "token_texts": [delta], "top_logprobs": top}
                     if stops.stopped:
                         finished = True
                         out.finish_reason = "stop"
                         await shard.cancel(request_id)
                         usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
                                                  cached_prompt_tokens=cached)
-                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage, top_logprobs=top)
+                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage, **per_token)
                         break
-                    yield Chunk([token], text, top_logprobs=top)
+                    yield Chunk([token], text, **per_token)
                 elif kind == "finished":
                     finished = True
                     tail = stops.feed(await detok.finish()) + stops.flush()

@@ -25,6 +25,9 @@ from router.batch.runner import BatchConfig  # batch jobs (router/batch)
 from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
 from router.generation import Generation
+from router.http.app import build_app  # the OpenAI-compatible HTTP API (router/http)
+from router.http.batches import Batches
+from router.http.server import HttpServer
 from router.metrics import RouterMetrics
 from router.service import RouterService
 from router.shard_client import ShardClient
@@ -59,6 +62,8 @@ class RouterConfig:
     api_keys_file: str | None = None  # keys for `authorization: Bearer`; None: no API-key check
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
     batch: BatchConfig | None = None  # batch jobs (router/batch/setup.py); None: defaults, db in the cache dir
+    http_port: int = 0  # the OpenAI-compatible HTTP API (router/http) on host:http_port; 0: off
+    http_max_body_bytes: int = 16 << 20  # larger HTTP request bodies are refused with 413
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +83,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--api-keys-file", default=None,
                    help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
+    p.add_argument("--http-port", type=int, default=0,
+                   help="also serve the OpenAI-compatible HTTP API on this port (same host, TLS and API keys); 0: off")
+    p.add_argument("--http-max-body-bytes", type=int, default=16 << 20,
+                   help="HTTP request bodies above this size are refused with 413")
     security.add_server_tls_args(p)
     security.add_upstream_tls_args(p)
     add_batch_args(p)
@@ -92,7 +101,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     return RouterConfig(a.host, a.port, a.metrics_port, a.tokenizer, shards, a.max_in_flight, a.max_queued,
                         a.default_max_tokens, a.drain_timeout, a.shards_dns, a.discovery_interval,
                         security.server_tls_from_args(a), security.upstream_tls_from_args(a), a.api_keys_file,
-                        a.health_port)
+                        a.health_port, http_port=a.http_port, http_max_body_bytes=a.http_max_body_bytes)
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
@@ -113,7 +122,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     discovery.start()
     generation = Generation(shards, tokenizer, Admission(cfg.max_in_flight, cfg.max_queued, metrics), metrics,
                             cfg.default_max_tokens)
-    interceptors = [security.ApiKeyInterceptor(security.ApiKeys(cfg.api_keys_file))] if cfg.api_keys_file else []
+    api_keys = security.ApiKeys(cfg.api_keys_file) if cfg.api_keys_file else None
+    interceptors = [security.ApiKeyInterceptor(api_keys)] if api_keys else []
     interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
@@ -122,6 +132,9 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     batches = BatchWiring(cfg.batch or BatchConfig(default_db_path(), owner=f"{cfg.host}:{cfg.port}"),
                           generation, metrics)
     batches.attach(servicer)
+    http = (HttpServer(build_app(generation, Batches(batches.runner, batches.files, lambda: generation.model_info()
+                                                    .model_name), api_keys, cfg.http_max_body_bytes),
+                       cfg.host, cfg.http_port, cfg.tls, cfg.drain_timeout_s) if cfg.http_port else None)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -131,6 +144,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                      if cfg.health_port is not None else None)
     start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
     await server.start()
+    if http is not None:
+        http.start()
     if health_server is not None:
         await health_server.start()
     while not any(s.view.healthy for s in shards):  # SERVING only once a request could be served
@@ -143,13 +158,16 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                                       "metrics_port": cfg.metrics_port, "tls": cfg.tls is not None,
                                       "mtls_clients": bool(cfg.tls and cfg.tls.client_ca),
                                       "upstream_tls": cfg.upstream_tls is not None,
-                                      "api_keys": cfg.api_keys_file is not None, "health_port": cfg.health_port})
+                                      "api_keys": cfg.api_keys_file is not None, "health_port": cfg.health_port,
+                                      "http_port": cfg.http_port or None})
     watcher = asyncio.create_task(_export_shard_health(shards, metrics))
     await stop.wait()
     log.info("router draining", extra={"timeout_s": cfg.drain_timeout_s})
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await asyncio.gather(server.stop(grace=cfg.drain_timeout_s), batches.stop(cfg.drain_timeout_s))
+    await asyncio.gather(server.stop(grace=cfg.drain_timeout_s), batches.stop(cfg.drain_timeout_s),
+                         *([http.stop()] if http else []))
+    batches.close()  # after both front ends have stopped reading batches and files
     watcher.cancel()
     await discovery.stop()
     if health_server is not None:

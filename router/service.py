@@ -10,11 +10,10 @@ import grpc
 
 from kimiserve import tracing
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router import flow
 from router.errors import RouterError
 from router.generation import Generation
-from router.prompts import chat_hidden_ids, chat_prompt, generate_prompt
 from router.request_ids import check_client_request_id
-from tokenizer_svc.chat_template import SECTION_BEGIN, parse_tool_calls
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
@@ -82,12 +81,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request_id is None:
             return
         try:
-            prompt = await generate_prompt(self.gen, request)
-            async for chunk in self.gen.run("Generate", request_id, prompt, request.sampling):
-                yield router_pb2.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids,
-                                                  text=chunk.text, finish_reason=chunk.finish_reason,
-                                                  usage=chunk.usage, error_message=chunk.error_message,
-                                                  top_logprobs=chunk.top_logprobs)
+            async for p in flow.completion(self.gen, "Generate", request_id, request):
+                yield router_pb2.GenerateResponse(request_id=request_id, token_ids=p.token_ids, text=p.text,
+                                                  finish_reason=p.finish_reason, usage=p.usage,
+                                                  error_message=p.error_message, token_logprobs=p.logprobs,
+                                                  top_logprobs=p.top_logprobs)
         except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
             await self._fail(context, "Generate", request_id, e)
             return
@@ -99,22 +97,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request_id is None:
             return
         try:
-            prompt = await chat_prompt(self.gen, request)
-            hidden = chat_hidden_ids(self.gen.tokenizer.info)
-            raw, shown = "", 0
-            async for chunk in self.gen.run("Chat", request_id, prompt, request.sampling, keep_special_tokens=True,
-                                            hidden_ids=hidden):
-                raw += chunk.text
-                final = chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-                # Stream only the content before a tool-call section; the section becomes tool_calls at the end.
-                content, calls = parse_tool_calls(raw) if final else (raw.split(SECTION_BEGIN, 1)[0], [])
-                delta, shown = content[shown:], max(shown, len(content))
-                reply = router_pb2.ChatResponse(request_id=request_id, token_ids=chunk.token_ids, text=delta,
-                                                finish_reason=chunk.finish_reason, usage=chunk.usage,
-                                                error_message=chunk.error_message, top_logprobs=chunk.top_logprobs)
-                reply.tool_calls.extend(common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                        for c in calls)
-                yield reply
+            async for p in flow.chat(self.gen, "Chat", request_id, request):
+                yield router_pb2.ChatResponse(
+                    request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,
+                    finish_reason=p.finish_reason, usage=p.usage, error_message=p.error_message,
+                    token_logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                    tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                for c in p.tool_calls])
         except Exception as e:  # noqa: BLE001
             await self._fail(context, "Chat", request_id, e)
             return

@@ -30,6 +30,7 @@ class TokenizerClient:
         self._channel = channel or grpc.aio.insecure_channel(address)  # a TLS channel: kimiserve.security
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.info: tokenizer_pb2.TokenizerInfoResponse | None = None
+        self._token_texts: dict[int, str] = {}  # id -> its text; at most the vocabulary
 
     async def load_info(self) -> tokenizer_pb2.TokenizerInfoResponse:
         self.info = await self.stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=self.timeout)
@@ -54,6 +55,23 @@ class TokenizerClient:
                 raise _translate(e) from e
             span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens included (as the model saw them)."""
+        try:
+            reply = await self.stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=ids, keep_special_tokens=True),
+                                               timeout=self.timeout)
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from e
+        return reply.text
+
+    async def token_texts(self, ids: list[int]) -> dict[int, str]:
+        """Each id's own text (special tokens included), e.g. for top-logprob candidates; remembered, since the same
+        ids come back again and again."""
+        missing = sorted({i for i in ids if i not in self._token_texts})
+        for i, text in zip(missing, await asyncio.gather(*(self.detokenize([i]) for i in missing))):
+            self._token_texts[i] = text
+        return {i: self._token_texts[i] for i in ids}
 
     def detokenizer(self, keep_special_tokens: bool,
                     metadata: tuple[tuple[str, str], ...] = ()) -> "StreamingDetokenizer":

@@ -1,14 +1,13 @@
 """Chat rendering: the built-in Kimi format (docs/models.md#chat-format) or the checkpoint's own Jinja template (wins).
 
-Also `parse_tool_calls`, the inverse for model output: the router turns a Kimi tool-calls section back into
-structured calls.
+The built-in format is in tokenizer_svc/kimi_chat.py (re-exported here); its markers, and their inverse for model
+output (`parse_tool_calls`), in kimiserve/kimi_chat.py, shared with the router.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -17,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kimiserve.limits import clip
-from tokenizer_svc.chat_types import ToolCall, validate_messages
+from tokenizer_svc.chat_types import validate_messages
 from tokenizer_svc.errors import RenderError, TokenizerLoadError
 from tokenizer_svc.kimi_chat import (  # noqa: F401 - the Kimi format's names are this module's too
     ARG_BEGIN, BUILTIN_SOURCE, CALL_BEGIN, CALL_END, GENERATION_PROMPT, IM_END, IM_MIDDLE, KIMI_DEFAULT_SYSTEM_PROMPT,
@@ -125,33 +124,3 @@ def render_chat(template: ChatTemplate, messages: Messages, tools: Tools,
     """Validate, then render. Raises RenderError naming the message index."""
     validate_messages(messages, max_message_chars)
     return template.render(messages, tools, add_generation_prompt)
-
-
-_CALL_RE = re.compile(
-    re.escape(CALL_BEGIN) + r"((?:(?!" + re.escape(CALL_BEGIN) + r").)*?)" + re.escape(ARG_BEGIN)
-    + r"((?:(?!" + re.escape(CALL_BEGIN) + r").)*?)" + re.escape(CALL_END),
-    re.DOTALL,
-)
-_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """Split model output (special tokens kept as text) into content and the calls of its tool-calls section.
-
-    Content is the text outside the section. Arguments are returned verbatim, not validated. A call the model did not
-    finish (e.g. cut by max_tokens) is not a call: its raw text is kept at the end of the content, never dropped.
-    """
-    head, found, rest = text.partition(SECTION_BEGIN)
-    if not found:
-        return text, []
-    section, _, tail = rest.partition(SECTION_END)
-    calls: list[ToolCall] = []
-    consumed = 0
-    for match in _CALL_RE.finditer(section):
-        call_id = match.group(1).strip()
-        name_match = _ID_RE.match(call_id)
-        calls.append(ToolCall(id=call_id, name=name_match.group("name") if name_match else call_id,
-                              arguments=match.group(2).strip()))
-        consumed = match.end()
-    leftover = section[consumed:]
-    return head + tail + (leftover if leftover.strip() else ""), calls

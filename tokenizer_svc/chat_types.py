@@ -7,19 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimiserve.kimi_chat import ToolCall  # the one definition, shared with the router
 from kimiserve.limits import JsonTooDeep, loads_json
 from tokenizer_svc.errors import RenderError
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """One function call made by the assistant. `arguments` is a JSON object as text."""
-
-    id: str
-    name: str
-    arguments: str
 
 
 @dataclass(frozen=True)

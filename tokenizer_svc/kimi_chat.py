@@ -11,6 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kimiserve.kimi_chat import (  # the tool-call markers: one definition, shared with the router
+    ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END)
 from tokenizer_svc.chat_types import ChatMessage
 
 KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -18,8 +20,6 @@ IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
 ROLE_TOKENS = {
     "system": "<|im_system|>", "user": "<|im_user|>", "assistant": "<|im_assistant|>", "tool": "<|im_system|>",
 }
-SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 GENERATION_PROMPT = f"{ROLE_TOKENS['assistant']}assistant{IM_MIDDLE}"
 BUILTIN_SOURCE = "builtin:kimi"
 

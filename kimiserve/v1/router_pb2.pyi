@@ -44,13 +44,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., text: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error_message", "top_logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "error_message", "token_logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -58,25 +59,48 @@ class GenerateResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     error_message: str
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "tools", "sampling", "request_id")
+    __slots__ = ("model", "messages", "tools", "sampling", "request_id", "tool_choice")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]
     sampling: _common_pb2.SamplingParams
     request_id: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tool_choice: ToolChoice
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+
+class ToolChoice(_message.Message):
+    __slots__ = ("mode", "function_name")
+    class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        MODE_UNSPECIFIED: _ClassVar[ToolChoice.Mode]
+        MODE_AUTO: _ClassVar[ToolChoice.Mode]
+        MODE_NONE: _ClassVar[ToolChoice.Mode]
+        MODE_REQUIRED: _ClassVar[ToolChoice.Mode]
+        MODE_FUNCTION: _ClassVar[ToolChoice.Mode]
+    MODE_UNSPECIFIED: ToolChoice.Mode
+    MODE_AUTO: ToolChoice.Mode
+    MODE_NONE: ToolChoice.Mode
+    MODE_REQUIRED: ToolChoice.Mode
+    MODE_FUNCTION: ToolChoice.Mode
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_NAME_FIELD_NUMBER: _ClassVar[int]
+    mode: ToolChoice.Mode
+    function_name: str
+    def __init__(self, mode: _Optional[_Union[ToolChoice.Mode, str]] = ..., function_name: _Optional[str] = ...) -> None: ...
 
 class ChatResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "tool_calls", "finish_reason", "usage", "error_message", "top_logprobs")
+    __slots__ = ("request_id", "text", "token_ids", "tool_calls", "finish_reason", "usage", "error_message", "token_logprobs", "reasoning_text", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +108,8 @@ class ChatResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
@@ -92,8 +118,10 @@ class ChatResponse(_message.Message):
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     error_message: str
+    token_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    reasoning_text: str
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., token_logprobs: _Optional[_Iterable[float]] = ..., reasoning_text: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -266,18 +294,20 @@ class GetBatchResultsRequest(_message.Message):
     def __init__(self, batch_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class BatchResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage", "tool_calls")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "tool_calls", "reasoning_text")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     usage: _common_pb2.Usage
     tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ...) -> None: ...
+    reasoning_text: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., reasoning_text: _Optional[str] = ...) -> None: ...
 
 class BatchRequestError(_message.Message):
     __slots__ = ("code", "message")

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from router.batch.execute import BatchExecutor
+from router.batch.files import FileStore
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import BatchConfig, BatchRunner
 from router.batch.service import BatchService
@@ -47,6 +48,7 @@ def shard_capacity(shards: list[ShardClient]) -> int:
 class BatchWiring:
     def __init__(self, cfg: BatchConfig, generation: Generation, metrics: RouterMetrics):
         self.store = BatchStore(cfg.db_path)
+        self.files = FileStore(cfg.db_path)  # the HTTP API's uploaded files, in the same SQLite file
         generation.admission.batch_capacity = lambda: shard_capacity(generation.shards)
         self.runner = BatchRunner(self.store, BatchExecutor(generation), BatchMetrics(metrics.registry), cfg,
                                   generation.admission)
@@ -59,5 +61,9 @@ class BatchWiring:
         self.runner.start()
 
     async def stop(self, grace_s: float) -> None:
+        """Stops the runner; the stores stay open for the front ends until close()."""
         await self.runner.stop(grace_s)
+
+    def close(self) -> None:
+        self.files.close()
         self.store.close()

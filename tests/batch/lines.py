@@ -62,6 +62,7 @@ async def _run_one(stub, req) -> router_pb2.BatchResponse:
     async for chunk in call:
         out.token_ids.extend(chunk.token_ids)
         text.append(chunk.text)
+        out.reasoning_text += getattr(chunk, "reasoning_text", "")
         out.tool_calls.extend(getattr(chunk, "tool_calls", []))
         if chunk.finish_reason:
             out.finish_reason = chunk.finish_reason

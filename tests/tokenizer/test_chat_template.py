@@ -11,8 +11,7 @@ from typing import NamedTuple
 import pytest
 
 from kimiserve.limits import MAX_ERROR_CHARS, MAX_JSON_DEPTH
-from tokenizer_svc.chat_template import (BuiltinKimiTemplate, JinjaChatTemplate, load_chat_template,
-                                         parse_tool_calls, render_chat)
+from tokenizer_svc.chat_template import BuiltinKimiTemplate, JinjaChatTemplate, load_chat_template, render_chat
 from tokenizer_svc.chat_types import ChatMessage, ToolCall, function_tool, parse_tool_json
 from tokenizer_svc.errors import RenderError, TokenizerLoadError
 
@@ -226,26 +225,3 @@ def test_sandbox_refuses_mutation_and_dunder_access(tmp_path: Path) -> None:
 def test_template_that_does_not_compile_is_refused_at_load(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="does not compile"):
         load_chat_template(tmp_path, write_config(tmp_path, chat_template="{% for %}"))
-
-
-def test_parse_tool_calls() -> None:
-    text = (
-        "Let me check.<|tool_calls_section_begin|>"
-        '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
-        '<|tool_call_begin|> functions.search.web:1 <|tool_call_argument_begin|> {"q": "a<b"} <|tool_call_end|>'
-        "<|tool_calls_section_end|>"
-    )
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check."
-    assert calls == [
-        ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
-        ToolCall("functions.search.web:1", "search.web", '{"q": "a<b"}'),
-    ]
-    assert parse_tool_calls("plain answer") == ("plain answer", [])
-
-
-def test_parse_tool_calls_keeps_an_unfinished_call_as_text() -> None:
-    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
-    content, calls = parse_tool_calls(text)
-    assert calls == []
-    assert content == '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '

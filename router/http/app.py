@@ -1,0 +1,155 @@
+"""The FastAPI application: the routes, behind the gate (gate.py: request id, API key, body size, a log line)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, File, Form, Query, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp
+
+from kimiserve import security
+from kimiserve.limits import JsonTooDeep, loads_json
+from kimiserve.text import encodable_json
+from router.generation import Generation
+from router.http import chat, completions, schemas
+from router.http.batches import Batches
+from router.http.errors import HttpError, describe, error_body
+from router.http.gate import Gate
+from router.http.streaming import ClientGone
+
+log = logging.getLogger(__name__)
+
+
+def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKeys | None,
+              max_body_bytes: int) -> ASGIApp:
+    app = FastAPI(title="kimiserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "invalid_request")
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(e.status_code, message, code), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        return JSONResponse(error_body(400, f"{param}: {first['msg']}", "invalid_argument", param), 400)
+
+    async def answer(request: Request, method: str, work) -> Response:
+        """Runs `work()`; pydantic results become JSON, every failure OpenAI's error shape, and the outcome is counted
+        in the router's request metrics under `method`."""
+        rid = request_id(request)
+        try:
+            result = await work()
+        except ClientGone:
+            log.info("client disconnected; its sequences were cancelled", extra={"request_id": rid})
+            gen.metrics.requests.labels(method, "CANCELLED").inc()
+            return Response(status_code=499)
+        except Exception as e:  # noqa: BLE001 - every failure is answered in one shape
+            status, body = describe(e, rid)
+            gen.metrics.requests.labels(method, body["error"]["code"].upper()).inc()
+            return JSONResponse(body, status_code=status)
+        gen.metrics.requests.labels(method, "OK").inc()
+        return JSONResponse(result.model_dump()) if isinstance(result, BaseModel) else result
+
+    async def json_body(request: Request) -> dict:
+        raw = await request.body()
+        try:  # as batch lines are read: bounded nesting, lone surrogate escapes become U+FFFD
+            body = encodable_json(loads_json(raw.decode("utf-8")))
+        except (json.JSONDecodeError, UnicodeDecodeError, JsonTooDeep) as e:
+            raise HttpError(400, f"the request body is not JSON: {e}", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+        return body
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        async def work():
+            return await chat.handle(gen, await json_body(request), request_id(request), request.receive)
+        return await answer(request, chat.METHOD, work)
+
+    @app.post("/v1/completions")
+    async def text_completions(request: Request) -> Response:
+        async def work():
+            return await completions.handle(gen, await json_body(request), request_id(request), request.receive)
+        return await answer(request, completions.METHOD, work)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await answer(request, "HttpModels", lambda: _models(gen))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await answer(request, "HttpModels", lambda: _model(gen, model_id))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        healthy = [s.address for s in gen.shards if s.view.healthy]
+        return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_shards": healthy},
+                            status_code=200 if healthy else 503)
+
+    if batches is not None:
+        _batch_routes(app, answer, json_body, batches)
+    return Gate(app, api_keys, max_body_bytes)
+
+
+def request_id(request: Request) -> str:
+    return request.scope["state"]["request_id"]  # set by the gate
+
+
+async def _models(gen: Generation) -> schemas.ModelList:
+    info = gen.model_info()
+    return schemas.ModelList(data=[schemas.ModelCard(
+        id=info.model_name, created=0, model_type=info.model_type,
+        max_model_len=gen.max_context_tokens(), vocab_size=info.vocab_size)])
+
+
+async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:
+    from router.prompts import check_model
+
+    check_model(gen, model_id)
+    return (await _models(gen)).data[0]
+
+
+def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
+    async def done(value):
+        return value
+
+    @app.post("/v1/files")
+    async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> Response:
+        content = await file.read()
+        return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content)))
+
+    @app.get("/v1/files/{file_id}")
+    async def file(request: Request, file_id: str) -> Response:
+        return await answer(request, "HttpFiles", lambda: done(batches.file(file_id)))
+
+    @app.get("/v1/files/{file_id}/content")
+    async def content(request: Request, file_id: str) -> Response:
+        async def work():
+            return Response(batches.content(file_id), media_type="application/jsonl")
+        return await answer(request, "HttpFiles", work)
+
+    @app.post("/v1/batches")
+    async def create(request: Request) -> Response:
+        async def work():
+            return batches.create(await json_body(request))
+        return await answer(request, "HttpBatches", work)
+
+    @app.get("/v1/batches/{batch_id}")
+    async def get(request: Request, batch_id: str) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.batch(batch_id)))
+
+    @app.post("/v1/batches/{batch_id}/cancel")
+    async def cancel(request: Request, batch_id: str) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.cancel(batch_id)))
+
+    @app.get("/v1/batches")
+    async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
+        return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after)))

@@ -1,0 +1,176 @@
+"""/v1/files and /v1/batches over the router's durable batch jobs (router/batch): an uploaded JSONL file becomes a
+batch through the same runner as the CreateBatch RPC, and the output / error files are rendered from the batch's
+stored results in OpenAI's line shapes."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from typing import Callable
+
+import grpc
+
+from kimiserve.kimi_chat import ToolCall
+from kimiserve.v1 import router_pb2
+from router.batch import states
+from router.batch.files import BatchInput, FileStore, StoredFile
+from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
+from router.batch.runner import BatchRunner
+from router.batch.store import BatchRow
+from router.errors import HTTP_STATUS, InvalidArgument, NotFound
+from router.flow import Reply
+from router.http import replies, schemas
+
+NON_HTTP_ERRORS = ("batch_cancelled", "batch_expired")  # OpenAI's `error` field: failures that are not an HTTP answer
+OUTPUT, ERRORS = "output", "errors"
+_WINDOW = re.compile(r"^([1-9][0-9]*)h$")
+
+
+class Batches:
+    def __init__(self, runner: BatchRunner, files: FileStore, model: Callable[[], str]):
+        self.runner, self.files, self.model = runner, files, model
+
+    # ---- files ------------------------------------------------------------------------------------------------
+    def upload(self, purpose: str, filename: str, content: bytes) -> schemas.FileObject:
+        if purpose != "batch":
+            raise InvalidArgument(f"purpose must be 'batch' (the only use of files here), got {purpose!r}")
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidArgument(f"file {filename!r} is not UTF-8 text (byte {e.start})") from None
+        f = StoredFile(f"file-{uuid.uuid4().hex}", purpose, filename, len(content), int(time.time() * 1000))
+        self.files.add(f, content)
+        return _file_object(f)
+
+    def file(self, file_id: str) -> schemas.FileObject:
+        stored = self.files.get(file_id)
+        if stored is not None:
+            return _file_object(stored)
+        batch_id, which = self._generated(file_id)
+        row = self.runner.get(batch_id)
+        return schemas.FileObject(id=file_id, bytes=len(self.content(file_id)), created_at=_s(row.created_at_ms),
+                                  filename=f"{batch_id}_{which}.jsonl", purpose=f"batch_{which}")
+
+    def content(self, file_id: str) -> bytes:
+        stored = self.files.content(file_id)
+        if stored is not None:
+            return stored
+        batch_id, which = self._generated(file_id)
+        return self._render(self.runner.get(batch_id), which)
+
+    def _generated(self, file_id: str) -> tuple[str, str]:
+        match = re.fullmatch(r"file-(batch_[0-9a-f]{32})-(output|errors)", file_id)
+        if match is None:
+            raise NotFound(f"no file {file_id!r}")
+        return match.group(1), match.group(2)
+
+    # ---- batches ----------------------------------------------------------------------------------------------
+    def create(self, body: dict) -> schemas.BatchObject:
+        file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
+        if endpoint not in (CHAT_URL, COMPLETIONS_URL):
+            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {endpoint!r}")
+        match = _WINDOW.match(window) if isinstance(window, str) else None
+        if match is None:
+            raise InvalidArgument(f"completion_window must be hours like '24h', got {window!r}")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise InvalidArgument("metadata must be an object of strings")
+        if not isinstance(file_id, str) or self.files.get(file_id) is None:
+            raise NotFound(f"no file {file_id!r}; upload it with POST /v1/files (purpose=batch) first")
+        req = router_pb2.CreateBatchRequest(jsonl=self.files.content(file_id).decode("utf-8"), metadata=metadata,
+                                            completion_window_s=int(match.group(1)) * 3600)
+        row = self.runner.create(req)
+        self.files.link(row.id, BatchInput(file_id, endpoint, window))
+        return self.batch(row.id)
+
+    def batch(self, batch_id: str) -> schemas.BatchObject:
+        return self._object(self.runner.get(batch_id))
+
+    def cancel(self, batch_id: str) -> schemas.BatchObject:
+        return self._object(self.runner.cancel(batch_id))
+
+    def page(self, limit: int, after: str | None) -> schemas.BatchList:
+        token = str(self.runner.get(after).seq) if after else ""
+        rows, next_token = self.runner.page(limit, token)
+        data = [self._object(r) for r in rows]
+        return schemas.BatchList(data=data, first_id=data[0].id if data else None,
+                                 last_id=data[-1].id if data else None, has_more=bool(next_token))
+
+    def _object(self, row: BatchRow) -> schemas.BatchObject:
+        source = self.files.input_of(row.id) or BatchInput("", "", f"{row.completion_window_s // 3600}h")
+        done = row.terminal
+        stamps = {f"{s}_at": _s(ms) for s, ms in row.reached_ms.items() if s != states.VALIDATING}
+        return schemas.BatchObject(
+            id=row.id, endpoint=source.endpoint, input_file_id=source.input_file_id, status=row.status,
+            completion_window=source.completion_window, created_at=_s(row.created_at_ms),
+            expires_at=_s(row.expires_at_ms), metadata=row.metadata or None,
+            errors=schemas.BatchErrors(data=[schemas.BatchErrorItem(**e) for e in row.errors]) if row.errors else None,
+            output_file_id=f"file-{row.id}-{OUTPUT}" if done and row.completed else None,
+            error_file_id=f"file-{row.id}-{ERRORS}" if done and row.failed else None,
+            request_counts=schemas.RequestCounts(total=row.total, completed=row.completed, failed=row.failed),
+            **stamps)
+
+    # ---- output files -----------------------------------------------------------------------------------------
+    def _render(self, row: BatchRow, which: str) -> bytes:
+        kinds = self.files.request_kinds(row.id)
+        lines = []
+        for result in _results(self.runner, row.id):
+            ok = result.WhichOneof("outcome") == "response"
+            if ok != (which == OUTPUT):
+                continue
+            line = {"id": f"batch_req_{row.id}_{result.seq}", "custom_id": result.custom_id, "response": None,
+                    "error": None}
+            if ok:
+                line["response"] = {"status_code": 200, "request_id": result.request_id,
+                                    "body": self._body(kinds.get(result.custom_id), result, row)}
+            elif result.error.code in NON_HTTP_ERRORS:
+                line["error"] = {"code": result.error.code, "message": result.error.message}
+            else:
+                status = _http_status(result.error.code)
+                line["response"] = {"status_code": status, "request_id": result.request_id, "body": {"error": {
+                    "message": result.error.message, "type": "invalid_request_error" if status < 500 else
+                    "server_error", "param": None, "code": result.error.code}}}
+            lines.append(json.dumps(line, ensure_ascii=False))
+        return "".join(line + "\n" for line in lines).encode("utf-8")
+
+    def _body(self, kind: str | None, result: router_pb2.BatchResult, row: BatchRow) -> dict:
+        r = result.response
+        reply = Reply(token_ids=list(r.token_ids), text=r.text, reasoning=r.reasoning_text,
+                      tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls],
+                      finish_reason=r.finish_reason, usage=r.usage)
+        head = dict(created=_s(row.created_at_ms), model=self.model(), request_id=result.request_id)
+        if kind == CHAT:
+            return replies.chat_completion(f"chatcmpl-{result.request_id}", replies=[reply], logprobs=False,
+                                           **head).model_dump()
+        return replies.completion(f"cmpl-{result.request_id}", replies=[reply], per_prompt=1, echoes=[""],
+                                  logprobs=False, **head).model_dump()
+
+
+def _results(runner: BatchRunner, batch_id: str):
+    """Every stored result, in seq order (the store is read synchronously: no follow)."""
+    after = 0
+    while True:
+        page = runner.store.results(batch_id, after, 500)
+        for blob in page:
+            yield router_pb2.BatchResult.FromString(blob)
+        after += len(page)
+        if len(page) < 500:
+            return
+
+
+def _http_status(code: str) -> int:
+    if code == "invalid_request":
+        return 400
+    status = grpc.StatusCode.__members__.get(code.upper())
+    return HTTP_STATUS.get(status, 500)
+
+
+def _file_object(f: StoredFile) -> schemas.FileObject:
+    return schemas.FileObject(id=f.id, bytes=f.bytes, created_at=_s(f.created_at_ms), filename=f.filename,
+                              purpose=f.purpose)
+
+
+def _s(ms: int) -> int:
+    return ms // 1000

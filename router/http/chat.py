@@ -1,0 +1,93 @@
+"""POST /v1/chat/completions: the chat flow (router/flow.py), n choices fanned out, answered whole or as SSE."""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+from router import flow, openai_body
+from router.generation import Generation
+from router.http import replies, schemas
+from router.http.errors import describe
+from router.http.streaming import DONE, EventStream, event, unless_disconnected
+
+METHOD = "HttpChat"  # the metrics' method label
+
+
+async def handle(gen: Generation, body: dict, request_id: str, receive):
+    req, opts = openai_body.chat_request(body)
+    prompt = await flow.chat_prompt(gen, req)  # rendered once for the n choices
+    merged = flow.fan_out([flow.run(gen, METHOD, flow.choice_request_id(request_id, i, opts.n), prompt,
+                                    flow.choice_sampling(req.sampling, i)) for i in range(opts.n)])
+    head = dict(completion_id=f"chatcmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
+    if not opts.stream:
+        async def whole() -> schemas.ChatCompletion:
+            got = [flow.Reply() for _ in range(opts.n)]
+            async for i, piece in merged:
+                got[i].add(piece)
+            return replies.chat_completion(**head, replies=got, logprobs=opts.logprobs, request_id=request_id,
+                                           names=await replies.candidate_texts(gen, got))
+        return await unless_disconnected(receive, whole())
+    # The first piece comes before the response starts, so a request refused up front (bad parameters, unknown
+    # model, full queue) is an HTTP error, not an error event inside a 200 stream.
+    first = await unless_disconnected(receive, merged.__anext__())
+    return EventStream(_events(first, merged, Chunks(gen, **head, n=opts.n, logprobs=opts.logprobs),
+                               opts.include_usage, request_id), request_id)
+
+
+class Chunks:
+    """chat.completion.chunk objects for one streamed request."""
+
+    def __init__(self, gen: Generation, completion_id: str, created: int, model: str, n: int, logprobs: bool):
+        self.gen, self.head = gen, dict(id=completion_id, created=created, model=model)
+        self.logprobs = logprobs
+        self.finals: list[flow.Piece | None] = [None] * n
+
+    def chunk(self, choices: list[schemas.ChunkChoice], **kw) -> str:
+        out = schemas.ChatCompletionChunk(**self.head, choices=choices, **kw).model_dump()
+        for choice in out["choices"]:  # a delta carries only what changed; finish_reason and logprobs stay (null)
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        return event(out)
+
+    def start(self) -> str:
+        return self.chunk([schemas.ChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))
+                           for i in range(len(self.finals))])
+
+    async def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
+        delta = schemas.Delta()
+        if p.text:
+            delta.content = p.text
+        if p.reasoning:
+            delta.reasoning_content = p.reasoning
+        if p.tool_calls:
+            delta.tool_calls = [schemas.ToolCallDelta(index=k, **c.model_dump())
+                                for k, c in enumerate(replies.tool_calls(p.tool_calls))]
+        reason = replies.finish_reason(p, request_id) if p.final else None
+        if p.final:
+            self.finals[i] = p
+        if not (p.text or p.reasoning or p.tool_calls or p.final or (self.logprobs and p.token_ids)):
+            return None  # e.g. a token whose text is held back (a possible stop string, a partial character)
+        return self.chunk([schemas.ChunkChoice(index=i, delta=delta, finish_reason=reason,
+                                               logprobs=replies.chat_logprobs(p, await replies.candidate_texts(
+                                                   self.gen, [p])) if self.logprobs else None)])
+
+    def usage(self) -> str:
+        return self.chunk([], usage=replies.usage([p for p in self.finals if p is not None], len(self.finals)))
+
+
+async def _events(first: tuple[int, flow.Piece], rest: AsyncIterator, chunks: Chunks, include_usage: bool,
+                  request_id: str) -> AsyncIterator[str]:
+    try:
+        yield chunks.start()
+        if out := await chunks.piece(*first, request_id):
+            yield out
+        async for i, p in rest:
+            if out := await chunks.piece(i, p, request_id):
+                yield out
+        if include_usage:
+            yield chunks.usage()
+    except Exception as e:  # noqa: BLE001 - after the 200 has gone out, an error is an event in the stream
+        yield event(describe(e, request_id)[1])
+    finally:
+        await rest.aclose()
+    yield DONE

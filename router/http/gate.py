@@ -1,0 +1,87 @@
+"""The gate in front of every HTTP route: each request gets its id (the client's X-Request-Id, checked by the gRPC
+API's rule, else a generated one) returned as a header; the API key is checked as on the gRPC port; the body size is
+capped (413); one log line per request."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kimiserve import security
+from router.errors import InvalidArgument
+from router.http.errors import HttpError, error_response
+from router.request_ids import check_client_request_id
+
+log = logging.getLogger(__name__)
+REQUEST_ID_HEADER = "x-request-id"
+OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key
+
+
+class Gate:
+    """Pure ASGI middleware: it must not buffer streamed responses, as Starlette's BaseHTTPMiddleware would."""
+
+    def __init__(self, app: ASGIApp, api_keys: security.ApiKeys | None, max_body_bytes: int):
+        self.app, self.api_keys, self.max_body = app, api_keys, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.monotonic(), [0]
+        headers = Headers(scope=scope)
+        request_id = headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))]}
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            self._check(scope, headers, request_id)
+            await self.app(scope, self._limited(receive), send_with_id)
+        except HttpError as e:
+            if status[0]:
+                raise
+            await error_response(e, request_id)(scope, receive, send_with_id)
+        log.info("http request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
+                                        "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
+
+    def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
+        try:
+            check_client_request_id(request_id)  # the gRPC API's rule: it travels back in a header and in logs
+        except InvalidArgument as e:
+            scope["state"]["request_id"] = f"req-{uuid.uuid4().hex}"
+            raise HttpError(400, f"X-Request-Id: {e}", "invalid_argument", "X-Request-Id") from None
+        if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
+            token = security.bearer_token([("authorization", headers.get("authorization"))]
+                                          if "authorization" in headers else [])
+            if not (token and self.api_keys.valid(token)):
+                reason = "missing" if token is None else ("malformed" if not token else "wrong")
+                log.warning("http request refused: %s API key", reason, extra={
+                    "request_id": request_id, "path": scope["path"],
+                    "key_sha256_prefix": security.key_fingerprint(token) if token else None})
+                raise HttpError(401, f"{reason} API key: send the header `Authorization: Bearer <key>`",
+                                "invalid_api_key")
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            raise HttpError(413, f"request body of {length} bytes is over the limit of {self.max_body} bytes",
+                            "request_too_large")
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = [0]
+
+        async def limited() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_body:
+                    raise HttpError(413, f"request body is over the limit of {self.max_body} bytes",
+                                    "request_too_large")
+            return message
+        return limited

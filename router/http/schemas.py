@@ -1,0 +1,190 @@
+"""Pydantic models of the HTTP API's responses, in OpenAI's shapes (the fields clients read; null where OpenAI sends
+null). Requests are parsed by router/openai_body.py, the translation batch lines share."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens restored from the shard's prefix cache instead of prefilled
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # alternatives: not available yet
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class Function(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: Function
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
+class Message(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: Message
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class LegacyLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None  # alternatives: not available yet
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kimiserve"
+    model_type: str
+    max_model_len: int  # the longest prompt + completion every shard can serve (as ListModels reports it)
+    vocab_size: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+
+
+class RequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchErrorItem(BaseModel):
+    code: str
+    message: str
+    line: int | None = None
+    param: str | None = None
+
+
+class BatchErrors(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchErrorItem]
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: BatchErrors | None = None
+    input_file_id: str
+    completion_window: str
+    status: str
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts
+    metadata: dict[str, str] | None = None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool

@@ -1,0 +1,278 @@
+"""OpenAI request bodies (/v1/chat/completions, /v1/completions) -> Router requests. Pure Python, no I/O.
+
+The one translation of OpenAI JSON, used by the HTTP API (router/http) and by batch input lines (router/batch/parse.py),
+so an HTTP request and a batch line accept exactly the same bodies. Types are checked here and every problem is a
+BodyError naming the field (`param`); values (ranges, context length) are validated when the request runs, as for the
+gRPC API. A field this server cannot honour is refused, never ignored; some are accepted only at their default.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kimiserve.v1 import common_pb2, router_pb2
+
+# Fields accepted only at their default (they change nothing then); any other value is refused, never ignored.
+NOOP_DEFAULTS = {"best_of": 1, "parallel_tool_calls": True}
+SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                   "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "response_format"}
+OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
+MAX_N = 16  # sequences one request may fan out to (each takes a shard slot)
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
+ToolChoice = router_pb2.ToolChoice
+
+
+class BodyError(ValueError):
+    """A body field is unusable; `param` names it (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a request is answered, beyond the Router request itself (the HTTP API's business)."""
+
+    n: int = 1  # sequences per prompt
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    logprobs: bool = False  # the chosen tokens' log-probabilities
+    top_logprobs: int = 0  # alternatives per token (none available yet: only 0 is accepted)
+    echo: bool = False  # completions: the prompt text before the completion
+
+    def non_default(self) -> list[str]:
+        return [f"{k}={v!r}" for k, v in vars(self).items() if v != getattr(DEFAULT_OPTIONS, k)]
+
+
+DEFAULT_OPTIONS = Options()
+
+
+def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
+    body = _present(body)
+    _check_fields(body, {"model", "messages", "tools", "tool_choice", "user", "top_logprobs"} | SAMPLING_FIELDS
+                  | OPTION_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BodyError(f"messages must be a non-empty list, got {_describe(messages)}", "messages")
+    req = router_pb2.ChatRequest(model=_str(body, "model"), sampling=sampling_params(body))
+    req.messages.extend(_message(m, i) for i, m in enumerate(messages))
+    tools = body.get("tools", [])
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BodyError("tools must be a list of JSON objects", "tools")
+    req.tools.extend(common_pb2.Tool(json=json.dumps(t)) for t in tools)
+    req.tool_choice.CopyFrom(_tool_choice(body.get("tool_choice", "auto")))
+    logprobs = _bool(body, "logprobs")
+    top = _int(body.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
+    req.sampling.logprobs, req.sampling.top_logprobs = logprobs, top
+    return req, _options(body, logprobs=logprobs, top_logprobs=top)
+
+
+def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
+    """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
+    body = _present(body)
+    _check_fields(body, {"model", "prompt", "user", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS)
+    sampling = sampling_params(body)
+    top = body.get("logprobs")
+    if top is not None:  # the legacy API's logprobs is the number of alternatives per token
+        top = _int(top, "logprobs", 0, 5)
+        sampling.logprobs, sampling.top_logprobs = True, top
+        if _bool(body, "echo"):
+            raise BodyError("echo with logprobs needs the prompt tokens' logprobs, which are not computed", "echo")
+    requests = []
+    for prompt in _prompts(body.get("prompt")):
+        req = router_pb2.GenerateRequest(model=_str(body, "model"), sampling=sampling)
+        if isinstance(prompt, str):
+            req.text = prompt
+        else:
+            req.prompt_token_ids.ids.extend(prompt)
+        requests.append(req)
+    return requests, _options(body, logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo"))
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str) and prompt:
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        return [prompt]
+    if (isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS
+            and all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p))
+                    for p in prompt)):
+        return list(prompt)
+    raise BodyError("prompt must be a non-empty string, a list of token ids, or a list of at most "
+                    f"{MAX_PROMPTS} non-empty strings or token-id lists, got {_describe(prompt)}", "prompt")
+
+
+def _options(body: dict[str, Any], **kw) -> Options:
+    n = _int(body.get("n", 1), "n", 1, MAX_N)
+    stream = _bool(body, "stream")
+    stream_options = body.get("stream_options", {})
+    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
+        raise BodyError(f"stream_options may only hold include_usage, got {_describe(stream_options)}",
+                        "stream_options")
+    if stream_options and not stream:
+        raise BodyError("stream_options needs stream: true", "stream_options")
+    return Options(n=n, stream=stream, include_usage=_bool(stream_options, "include_usage"), **kw)
+
+
+def _tool_choice(v: Any) -> router_pb2.ToolChoice:
+    modes = {"auto": ToolChoice.MODE_AUTO, "none": ToolChoice.MODE_NONE, "required": ToolChoice.MODE_REQUIRED}
+    if isinstance(v, str) and v in modes:
+        return ToolChoice(mode=modes[v])
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
+        return ToolChoice(mode=ToolChoice.MODE_FUNCTION, function_name=fn["name"])
+    raise BodyError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
+                    f"{{\"name\": ...}}}}, got {_describe(v)}", "tool_choice")
+
+
+def _message(m: Any, i: int) -> common_pb2.ChatMessage:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise BodyError(f"{param} must be an object, got {_describe(m)}", param)
+    m = _present(m)
+    unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+    if unknown:
+        raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
+    out = common_pb2.ChatMessage(role=_str(m, "role", f"{param}.role"), content=_content(m.get("content"), i),
+                                 name=_str(m, "name", f"{param}.name"),
+                                 tool_call_id=_str(m, "tool_call_id", f"{param}.tool_call_id"))
+    calls = m.get("tool_calls", [])
+    if not isinstance(calls, list):
+        raise BodyError(f"{param}.tool_calls must be a list", f"{param}.tool_calls")
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BodyError(f"{param}.tool_calls[{j}] needs a function with a name", f"{param}.tool_calls[{j}]")
+        arguments = fn.get("arguments", "{}")
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments)
+        out.tool_calls.append(common_pb2.ToolCall(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments))
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BodyError(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
+    """OpenAI body fields -> SamplingParams. Only types are checked here; values are validated as for Generate
+    when the request runs (so the error is the same one a single request gets)."""
+    s = common_pb2.SamplingParams()
+    if "max_tokens" in body and "max_completion_tokens" in body:
+        raise BodyError("give max_tokens or max_completion_tokens, not both", "max_tokens")
+    name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
+    if name in body:
+        s.max_tokens = _int(body[name], name, -(1 << 31), (1 << 31) - 1)
+    for name in ("temperature", "top_p"):
+        if name in body:
+            if not _is_number(body[name]):
+                raise BodyError(f"{name} must be a number, got {_describe(body[name])}", name)
+            setattr(s, name, float(body[name]))
+    if "top_k" in body:
+        s.top_k = _int(body["top_k"], "top_k", -(1 << 31), (1 << 31) - 1)
+    if "seed" in body:
+        s.seed = _int(body["seed"], "seed", 0, (1 << 64) - 1)
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+        raise BodyError(f"stop must be a string or a list of strings, got {_describe(stop)}", "stop")
+    s.stop.extend(stop)
+    ids = body.get("stop_token_ids", [])
+    if not isinstance(ids, list):
+        raise BodyError(f"stop_token_ids must be a list of token ids, got {_describe(ids)}", "stop_token_ids")
+    s.stop_token_ids.extend(_int(t, "stop_token_ids[]", 0, (1 << 32) - 1) for t in ids)
+    s.ignore_eos = _bool(body, "ignore_eos")
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # ranges: checked when it runs
+        if name in body:
+            if not _is_number(body[name]):
+                raise BodyError(f"{name} must be a number, got {_describe(body[name])}", name)
+            setattr(s, name, float(body[name]))
+    if "response_format" in body:
+        _response_format(body["response_format"], s)
+    return s
+
+
+def _response_format(v: Any, s: common_pb2.SamplingParams) -> None:
+    """OpenAI's response_format -> SamplingParams.response_format (enforced on the shard by constrained decoding)."""
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text" and set(v) == {"type"}:
+        return
+    if kind == "json_object" and set(v) == {"type"}:
+        s.response_format.json_object.SetInParent()
+        return
+    spec = v.get("json_schema") if kind == "json_schema" and set(v) == {"type", "json_schema"} else None
+    if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) and set(spec) <= {"name", "schema", "strict"}:
+        js = s.response_format.json_schema
+        js.name = _str(spec, "name", "response_format.json_schema.name")
+        js.schema = json.dumps(spec["schema"])
+        js.strict = _bool(spec, "strict")
+        return
+    raise BodyError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                    "\"json_schema\", \"json_schema\": {\"name\", \"schema\": {...}, \"strict\"}}, got "
+                    f"{_describe(v)}", "response_format")
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+def _present(d: dict[str, Any]) -> dict[str, Any]:
+    """A field set to null is treated as absent (clients serialise unset optionals that way)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
+    bad = []
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in NOOP_DEFAULTS and value == NOOP_DEFAULTS[key] and type(value) is type(NOOP_DEFAULTS[key]):
+            continue
+        bad.append(f"{key}={value!r}" if key in NOOP_DEFAULTS else key)
+    if bad:
+        raise BodyError(f"unsupported body field(s) {sorted(bad)}", bad[0].split("=")[0])
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v: Any, name: str, lo: int, hi: int) -> int:
+    if not _is_int(v) or not lo <= v <= hi:
+        raise BodyError(f"{name} must be an integer in [{lo}, {hi}], got {_describe(v)}", name.rstrip("[]"))
+    return v
+
+
+def _bool(d: dict[str, Any], key: str) -> bool:
+    v = d.get(key, False)
+    if not isinstance(v, bool):
+        raise BodyError(f"{key} must be true or false, got {_describe(v)}", key)
+    return v
+
+
+def _str(d: dict[str, Any], key: str, name: str | None = None) -> str:
+    v = d.get(key, "")
+    if not isinstance(v, str):
+        raise BodyError(f"{name or key} must be a string, got {_describe(v)}", name or key)
+    return v
+
+
+def _describe(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, (bytes, set)) else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."

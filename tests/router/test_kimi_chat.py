@@ -1,0 +1,67 @@
+"""Parsing a Kimi reply: tool-call sections, thinking blocks, and the streamed split (no network)."""
+
+import pytest
+
+from kimiserve.kimi_chat import ReplySplitter, ToolCall, parse_tool_calls, split_reasoning
+
+CALLS = ('<|tool_calls_section_begin|>'
+         '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+         '<|tool_call_begin|> functions.search.web:1 <|tool_call_argument_begin|> {"q": "a<b"} <|tool_call_end|>'
+         '<|tool_calls_section_end|>')
+
+
+def test_parse_tool_calls() -> None:
+    content, calls = parse_tool_calls("Let me check." + CALLS)
+    assert content == "Let me check."
+    assert calls == [
+        ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+        ToolCall("functions.search.web:1", "search.web", '{"q": "a<b"}'),
+    ]
+    assert parse_tool_calls("plain answer") == ("plain answer", [])
+
+
+def test_parse_tool_calls_keeps_an_unfinished_call_as_text() -> None:
+    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+    content, calls = parse_tool_calls(text)
+    assert calls == []
+    assert content == '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("<think>plan</think>answer", ("plan", "answer")),
+    ("<think>cut off by max_tokens", ("cut off by max_tokens", "")),
+    ("answer <think>not leading</think>", ("", "answer <think>not leading</think>")),
+    ("", ("", "")),
+])
+def test_split_reasoning(text, expected) -> None:
+    assert split_reasoning(text) == expected
+
+
+def stream(deltas):
+    s = ReplySplitter()
+    reasoning, content, steps = "", "", []
+    for d in deltas:
+        r, c = s.feed(d)
+        steps.append((r, c))
+        reasoning, content = reasoning + r, content + c
+    r, c, calls = s.finish()
+    return reasoning + r, content + c, calls, steps
+
+
+@pytest.mark.parametrize("deltas", [
+    ["<think>", "a plan", "</think>", "Let me ", "check.", CALLS, " tail"],
+    ["<", "think>a plan</", "think>Let me check.", "<|tool_calls_", "section_begin|>" + CALLS[28:] + " tail"],
+    ["Let me check.", CALLS[:40], CALLS[40:], " tail"],
+    ["<think>a plan"],
+    ["just text"],
+])
+def test_streamed_split_equals_the_whole_reply_parsed(deltas) -> None:
+    whole = "".join(deltas)
+    reasoning, rest = split_reasoning(whole)
+    content, calls = parse_tool_calls(rest)
+    assert stream(deltas)[:3] == (reasoning, content, calls)
+
+
+def test_no_marker_text_is_streamed_early() -> None:
+    *_, steps = stream(["<think>", "plan </", "think>", "ok <|tool_calls", "_section_begin|>"])
+    assert steps == [("", ""), ("plan ", ""), ("", ""), ("", "ok "), ("", "")]
