@@ -127,8 +127,8 @@ class ShardMetrics:
         now = (stats.queried_tokens, stats.hit_tokens, stats.evictions)
         for counter, new, old in zip((self.prefix_queried, self.prefix_hit, self.prefix_evictions), now,
                                      self._prefix_seen):
-            if new > old:
-                counter.labels(**self.labels).inc(new - old)
+            # Touched even without an increase: with the cache on, no hit is a real 0 (the hit rate is 0, not absent).
+            counter.labels(**self.labels).inc(new - old)
         self._prefix_seen = now
         self.prefix_entries.labels(**self.labels).set(entries)
         self.prefix_entries_total.labels(**self.labels).set(max_entries)

@@ -50,11 +50,14 @@ PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 # shard-0 runs the chart rendered with these values too, as every shard of a release with them would (the CPU build of
 # the streaming engine: the code a GPU runs). 18 blocks of 4 tokens hold the traffic's longest request (a 60-token
 # prompt + 9) alone but not four at once, so KV pages move to the host and back. shard-1 stays resident: the discovery
-# test gives it a 500-token sequence, which that cache would refuse.
+# test gives it a 500-token sequence, which that cache would refuse. The streaming shard keeps no prefix cache: its
+# entries' blocks are evicted before any sequence is offloaded, which made whether this traffic ever offloads depend
+# on timing.
 STREAMING_SHARD = "shard-0"
 STREAMING_VALUES = ("--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=2",
                     "--set", "shard.weights.slots=4", "--set-json", "shard.weights.pinnedMemoryGb=0.5",
-                    "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4", "--set", "shard.numKvBlocks=18")
+                    "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4", "--set", "shard.numKvBlocks=18",
+                    "--set-json", 'shard.extraArgs=["--prefix-cache-entries", "0"]')
 
 
 @dataclass
