@@ -17,6 +17,8 @@ from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
 from shard_svc.streaming import HostKVProfile, StreamingMetrics, StreamOptions, WeightStreamer
 from shard_svc.streaming.host_loader import load_streamed
+# At collection, before any thread runs: Triton is re-imported in interpreter mode there (tests/kernels/conftest.py).
+from tests.kernels.conftest import SKIP_REASON
 from tests.trained.conftest import (BLOCK, CHATS, CPU, K3, LINEAR, TOKENS, assert_same_tokens, chat_ids, engine_for,
                                     generate, model_dir)
 
@@ -46,7 +48,9 @@ def test_host_kv_offload_gives_the_reference_tokens(name, reference):
     page = HostKVProfile.from_config(ModelConfig.from_dir(path)).page_bytes(BLOCK, torch.float32)
     engine = engine_for(path, kv_metrics=StreamingMetrics(registry, "kv"), num_kv_blocks=promise + 1,
                         host_kv_bytes=3 * promise * page)
-    assert_same_tokens(reference(name), generate(engine, prompts), "host KV offload", logits_tol=0.0)
+    # Offloaded sequences sit steps out, so the decode batch sizes differ from the reference run, and float32 GEMMs
+    # of another row count may sum in another order: tokens equal, logits to rounding (2.6e-7 seen).
+    assert_same_tokens(reference(name), generate(engine, prompts), "host KV offload", logits_tol=1e-5)
     moved = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
     assert moved and moved > 0, "the small cache never offloaded a sequence: the test did not test offload"
 
@@ -68,8 +72,6 @@ def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(name, reference, monkeypatch):
-    from tests.kernels.conftest import SKIP_REASON
-
     if SKIP_REASON:
         pytest.skip(SKIP_REASON)
     from tests.kernels.test_linear import linear_module
