@@ -46,7 +46,8 @@ def test_host_kv_offload_gives_the_reference_tokens(name, reference):
     page = HostKVProfile.from_config(ModelConfig.from_dir(path)).page_bytes(BLOCK, torch.float32)
     engine = engine_for(path, kv_metrics=StreamingMetrics(registry, "kv"), num_kv_blocks=promise + 1,
                         host_kv_bytes=3 * promise * page)
-    assert_same_tokens(reference(name), generate(engine, prompts), "host KV offload", logits_tol=0.0)
+    # Offloaded sequences decode in other batch compositions than the reference's: equal tokens, logits to fp32 sums.
+    assert_same_tokens(reference(name), generate(engine, prompts), "host KV offload", logits_tol=1e-5)
     moved = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
     assert moved and moved > 0, "the small cache never offloaded a sequence: the test did not test offload"
 
