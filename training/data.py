@@ -62,6 +62,9 @@ def pack_dialogues(dialogues: list[Dialogue], seq_len: int, pad_id: int) -> Batc
     if cur_in:
         rows_in.append(cur_in)
         rows_tg.append(cur_tg)
+    if not rows_in:
+        raise ValueError(f"none of {len(dialogues)} dialogues fits a row of {seq_len} tokens (shortest: "
+                         f"{min((len(d.ids) for d in dialogues), default=0)} tokens)")
     inputs = torch.full((len(rows_in), seq_len), pad_id, dtype=torch.int64)
     targets = torch.full((len(rows_in), seq_len), -100, dtype=torch.int64)
     for r, (ids, tg) in enumerate(zip(rows_in, rows_tg)):

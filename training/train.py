@@ -111,9 +111,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.models:
         summary["models"][name] = train_one(name, args, device, dtype, tokenizer, tok_dir, train_stream, held_stream,
                                             packed)
+        summary["seconds"] = round(time.perf_counter() - start, 1)
+        # After each model, so a later model's failure leaves the earlier ones' report with their checkpoints.
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     shutil.rmtree(tok_dir)  # each model directory holds its own copy
-    summary["seconds"] = round(time.perf_counter() - start, 1)
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
