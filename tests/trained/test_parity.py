@@ -45,15 +45,18 @@ def test_weight_streaming_gives_the_reference_tokens(name, reference):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_host_kv_offload_gives_the_reference_tokens(name, reference):
-    """A device cache that holds one sequence's promise at a time; with host pages all three run together, so the
-    scheduler moves whole sequences to the host and back while they decode."""
+    """A device cache of 4-token blocks that holds the first two prompts and two more blocks (at least one whole
+    sequence, the context limit): as sequences decode they outgrow it, so the scheduler moves whole sequences to the
+    host pool and back."""
     path = model_dir(name)
     prompts = chat_ids(path)
-    promise = max(-(-(len(p) + TOKENS[name]) // BLOCK) for p in prompts)
+    block = 4
+    blocks = [-(-len(p) // block) for p in prompts]
+    promises = [-(-(len(p) + TOKENS[name]) // block) for p in prompts]
     registry = CollectorRegistry()
-    page = HostKVProfile.from_config(ModelConfig.from_dir(path)).page_bytes(BLOCK, torch.float32)
-    engine = engine_for(path, kv_metrics=StreamingMetrics(registry, "kv"), num_kv_blocks=promise + 1,
-                        host_kv_bytes=3 * promise * page)
+    page = HostKVProfile.from_config(ModelConfig.from_dir(path)).page_bytes(block, torch.float32)
+    engine = engine_for(path, kv_metrics=StreamingMetrics(registry, "kv"), kv_block_size=block,
+                        num_kv_blocks=max(blocks[0] + blocks[1] + 2, max(promises)), host_kv_bytes=sum(promises) * page)
     # Offloaded sequences decode in other batch compositions than the reference's: equal tokens, logits to fp32 sums.
     assert_same_tokens(reference(name), generate(engine, prompts, TOKENS[name]), "host KV offload", logits_tol=1e-5)
     moved = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
