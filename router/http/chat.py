@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
 
 from router import flow, openai_body
 from router.generation import Generation
 from router.http import replies, schemas
-from router.http.errors import describe
-from router.http.streaming import DONE, EventStream, event, unless_disconnected
+from router.http.streaming import EventStream, event, sse_events, unless_disconnected
 
 METHOD = "HttpChat"  # the metrics' method label
 
@@ -31,7 +29,7 @@ async def handle(gen: Generation, body: dict, request_id: str, receive):
     # The first piece comes before the response starts, so a request refused up front (bad parameters, unknown
     # model, full queue) is an HTTP error, not an error event inside a 200 stream.
     first = await unless_disconnected(receive, merged.__anext__())
-    return EventStream(_events(first, merged, Chunks(gen, **head, n=opts.n, logprobs=opts.logprobs),
+    return EventStream(sse_events(first, merged, Chunks(gen, **head, n=opts.n, logprobs=opts.logprobs),
                                opts.include_usage, request_id), request_id)
 
 
@@ -49,9 +47,9 @@ class Chunks:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return event(out)
 
-    def start(self) -> str:
-        return self.chunk([schemas.ChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))
-                           for i in range(len(self.finals))])
+    def start(self) -> list[str]:
+        return [self.chunk([schemas.ChunkChoice(index=i, delta=schemas.Delta(role="assistant", content=""))
+                           for i in range(len(self.finals))])]
 
     async def piece(self, i: int, p: flow.Piece, request_id: str) -> str | None:
         delta = schemas.Delta()
@@ -73,21 +71,3 @@ class Chunks:
 
     def usage(self) -> str:
         return self.chunk([], usage=replies.usage([p for p in self.finals if p is not None], len(self.finals)))
-
-
-async def _events(first: tuple[int, flow.Piece], rest: AsyncIterator, chunks: Chunks, include_usage: bool,
-                  request_id: str) -> AsyncIterator[str]:
-    try:
-        yield chunks.start()
-        if out := await chunks.piece(*first, request_id):
-            yield out
-        async for i, p in rest:
-            if out := await chunks.piece(i, p, request_id):
-                yield out
-        if include_usage:
-            yield chunks.usage()
-    except Exception as e:  # noqa: BLE001 - after the 200 has gone out, an error is an event in the stream
-        yield event(describe(e, request_id)[1])
-    finally:
-        await rest.aclose()
-    yield DONE

@@ -4,14 +4,12 @@ index = prompt index * n + choice), answered whole or as SSE."""
 from __future__ import annotations
 
 import time
-from typing import AsyncIterator
 
 from kimiserve.v1 import router_pb2
 from router import flow, openai_body
 from router.generation import Generation
 from router.http import replies, schemas
-from router.http.errors import describe
-from router.http.streaming import DONE, EventStream, event, unless_disconnected
+from router.http.streaming import EventStream, event, sse_events, unless_disconnected
 
 METHOD = "HttpCompletions"  # the metrics' method label
 
@@ -41,7 +39,7 @@ async def handle(gen: Generation, body: dict, request_id: str, receive):
         return await unless_disconnected(receive, whole())
     first = await unless_disconnected(receive, merged.__anext__())  # refusals before the 200 (see chat.py)
     chunks = Chunks(gen, **head, per_prompt=opts.n, echoes=echoes, logprobs=opts.logprobs)
-    return EventStream(_events(first, merged, chunks, opts.include_usage, request_id), request_id)
+    return EventStream(sse_events(first, merged, chunks, opts.include_usage, request_id), request_id)
 
 
 class Chunks:
@@ -75,22 +73,3 @@ class Chunks:
 
     def usage(self) -> str:
         return self.chunk([], usage=replies.usage([p for p in self.finals if p is not None], self.per_prompt))
-
-
-async def _events(first: tuple[int, flow.Piece], rest: AsyncIterator, chunks: Chunks, include_usage: bool,
-                  request_id: str) -> AsyncIterator[str]:
-    try:
-        for out in chunks.start():
-            yield out
-        if out := await chunks.piece(*first, request_id):
-            yield out
-        async for i, p in rest:
-            if out := await chunks.piece(i, p, request_id):
-                yield out
-        if include_usage:
-            yield chunks.usage()
-    except Exception as e:  # noqa: BLE001 - after the 200 has gone out, an error is an event in the stream
-        yield event(describe(e, request_id)[1])
-    finally:
-        await rest.aclose()
-    yield DONE

@@ -71,3 +71,26 @@ class EventStream(Response):
     async def _pump(self, send: Send) -> None:
         async for text in self.events:
             await send({"type": "http.response.body", "body": text.encode(), "more_body": True})
+
+
+async def sse_events(first: tuple, rest: AsyncIterator, chunks, include_usage: bool,
+                     request_id: str) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat or completion: the opening chunks, one chunk per piece of the n merged
+    sequences, usage when asked, and an error event if the stream fails after the 200 went out; then [DONE]."""
+    from router.http.errors import describe
+
+    try:
+        for out in chunks.start():
+            yield out
+        if out := await chunks.piece(*first, request_id):
+            yield out
+        async for i, p in rest:
+            if out := await chunks.piece(i, p, request_id):
+                yield out
+        if include_usage:
+            yield chunks.usage()
+    except Exception as e:  # noqa: BLE001 - after the 200 has gone out, an error is an event in the stream
+        yield event(describe(e, request_id)[1])
+    finally:
+        await rest.aclose()
+    yield DONE
