@@ -49,7 +49,8 @@ def test_a_layout_that_does_not_fit_fails_before_spawning(models):
                           "--prompt-ids", "1,2", "--tp", "3", "--ep", "3"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
-    assert "ParallelConfigError" in out.stderr and "KDA heads = 4 is not divisible by tp = 3" in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr  # a user mistake: one line, no traceback
+    assert "cannot be split with --tp 3 --ep 3: KDA heads = 4 is not divisible by tp = 3" in out.stderr
     assert "shard-rank1" not in out.stderr
 
 

@@ -100,7 +100,7 @@ def k3_streamer(tiny_k3):
     return cfg, model, WeightStreamer(cfg, model, host, CPU, StreamOptions(prefetch_depth=2))
 
 
-def test_a_skipped_fetch_is_a_named_error_not_stale_weights(k3_streamer, monkeypatch):
+def test_a_skipped_fetch_is_a_named_error_not_stale_weights(k3_streamer, monkeypatch, caplog):
     cfg, model, streamer = k3_streamer
     fetch = streamer._fetch
     monkeypatch.setattr(streamer, "_fetch", lambda layer, routed: None if layer == 40 else fetch(layer, routed))
@@ -109,8 +109,8 @@ def test_a_skipped_fetch_is_a_named_error_not_stale_weights(k3_streamer, monkeyp
     engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     result = engine.step()
     assert result.events[0].finish_reason == "error"
-    assert "MissingSlotError" in result.events[0].error or "no device slot holds it" in result.events[0].error
-    assert "layer 40" in result.events[0].error
+    assert "MissingSlotError" in result.events[0].error  # the client sees the class; the shard's log the detail
+    assert any(r.exc_info and "layer 40" in str(r.exc_info[1]) for r in caplog.records)
     assert streamer.engine.occupancy() == 0  # the aborted pass left nothing behind
 
 
