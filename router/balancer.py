@@ -4,18 +4,16 @@ Headroom is the shard's free state slots minus its queue, from its last Load ans
 it since that answer, so a burst between two polls spreads instead of piling onto one shard.
 
 Prefix affinity: each shard keeps its own prefix cache, so prompts that start alike (the turns of one conversation,
-requests sharing a system prompt) should meet on one shard. The first AFFINITY_TOKENS tokens pick a shard by
-rendezvous hashing (the same shard for the same start, whatever the order of the list; a shard leaving moves only
-its own prompts); that shard is taken while its headroom is within AFFINITY_SLACK of the best, else the one with
-the most headroom, so affinity never queues a request behind a busy shard while another is free.
+requests sharing a system prompt) should meet on one shard. The router's PrefixIndex says how many leading tokens of
+this prompt each shard has already been sent; the shard with the longest match is taken while its headroom is within
+AFFINITY_SLACK of the best, else the one with the most headroom, so affinity never queues a request behind a busy
+shard while another is free. A prompt no shard has seen goes to the one with the most headroom.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-AFFINITY_TOKENS = 256
 AFFINITY_SLACK = 2
 
 
@@ -37,24 +35,17 @@ class NoHealthyShard(Exception):
     """Every shard is down or out of rotation."""
 
 
-def affinity_key(prompt: list[int]) -> bytes:
-    """What prefix affinity hashes: the prompt's first AFFINITY_TOKENS ids."""
-    return b"".join(t.to_bytes(4, "little") for t in prompt[:AFFINITY_TOKENS])
-
-
-def _rendezvous(key: bytes, name: str) -> bytes:
-    return hashlib.blake2b(key + b"|" + name.encode(), digest_size=8).digest()
-
-
-def pick_shard(views: list[ShardView], key: bytes | None = None) -> ShardView:
+def pick_shard(views: list[ShardView], matched: dict[str, int] | None = None) -> ShardView:
+    """matched: leading prompt tokens each shard has seen (PrefixIndex.matched_tokens); None or {} for no affinity."""
     healthy = [v for v in views if v.healthy]
     if not healthy:
         raise NoHealthyShard(f"no healthy shard among {[v.name for v in views]}")
     # Ties go to the shard with fewer in-flight requests, then by name for determinism.
     roomiest = max(healthy, key=lambda v: (v.headroom, -v.in_flight, v.name))
-    if key is None:
+    warm = [v for v in healthy if matched and matched.get(v.name, 0) > 0]
+    if not warm:
         return roomiest
-    preferred = max(healthy, key=lambda v: _rendezvous(key, v.name))
+    preferred = max(warm, key=lambda v: (matched[v.name], v.headroom, -v.in_flight, v.name))
     if preferred.headroom > 0 and preferred.headroom >= roomiest.headroom - AFFINITY_SLACK:
         return preferred
     return roomiest

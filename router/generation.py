@@ -21,9 +21,10 @@ from kimiserve.limits import (
     JsonTooDeep, loads_json)
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
-from router.balancer import NoHealthyShard, affinity_key, pick_shard
+from router.balancer import NoHealthyShard, pick_shard
 from router.errors import AlreadyExists, InvalidArgument, ShardUnavailable
 from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex, block_names
 from router.shard_client import ShardClient
 from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
@@ -125,8 +126,9 @@ class Generation:
     """The router's engine-facing half: everything between a validated prompt and a stream of chunks."""
 
     def __init__(self, shards: list[ShardClient], tokenizer: TokenizerClient, admission: Admission,
-                 metrics: RouterMetrics, default_max_tokens: int):
+                 metrics: RouterMetrics, default_max_tokens: int, prefixes: PrefixIndex):
         self.shards, self.tokenizer, self.admission = shards, tokenizer, admission
+        self.prefixes = prefixes  # what this router sent to which shard, for prefix affinity
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
         # Every request id live in this router, interactive and batch: a second request with a live id is refused
         # before anything is sent, so no stream can receive another request's events.
@@ -203,9 +205,11 @@ class Generation:
                       out: _Outcome, span):
         with span.child("route") as route:
             try:
-                shard = pick_shard([c.view for c in self.shards], affinity_key(prompt))
+                names = block_names(prompt)
+                shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
             except NoHealthyShard as e:
                 raise ShardUnavailable(str(e)) from e
+            self.prefixes.record(shard.name, names)
             route.set("shard", shard.name)
         out.shard = shard.name
         shard_client = next(c for c in self.shards if c.view is shard)

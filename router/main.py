@@ -29,6 +29,7 @@ from router.http.app import build_app  # the OpenAI-compatible HTTP API (router/
 from router.http.batches import Batches
 from router.http.server import HttpServer
 from router.metrics import RouterMetrics
+from router.prefix_index import PrefixIndex
 from router.service import RouterService
 from router.shard_client import ShardClient
 from router.tokenizer_client import TokenizerClient
@@ -112,16 +113,22 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                                                   ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)]))
     await tokenizer.load_info()
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
+    prefixes = PrefixIndex()
+
+    def forget_shard(address: str) -> None:
+        _forget_shard_metrics(metrics, address)
+        prefixes.forget(address)
+
     discovery = ShardDiscovery(
         shards, [static_resolver(cfg.shards)] + ([dns_resolver(cfg.shards_dns)] if cfg.shards_dns else []),
         make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls,
                                                                                 options=UPSTREAM_OPTIONS)),
         interval_s=cfg.discovery_interval_s, drain_timeout_s=cfg.drain_timeout_s,
-        on_removed=lambda addr: _forget_shard_metrics(metrics, addr))
+        on_removed=forget_shard)
     await discovery.refresh()
     discovery.start()
     generation = Generation(shards, tokenizer, Admission(cfg.max_in_flight, cfg.max_queued, metrics), metrics,
-                            cfg.default_max_tokens)
+                            cfg.default_max_tokens, prefixes)
     api_keys = security.ApiKeys(cfg.api_keys_file) if cfg.api_keys_file else None
     interceptors = [security.ApiKeyInterceptor(api_keys)] if api_keys else []
     interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at

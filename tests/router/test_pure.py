@@ -3,6 +3,7 @@
 import pytest
 
 from router.balancer import NoHealthyShard, ShardView, pick_shard
+from router.prefix_index import PrefixIndex, block_names
 from router.stop_strings import StopStringFilter
 
 
@@ -44,18 +45,46 @@ def test_pick_shard_prefers_headroom_and_skips_unhealthy():
         pick_shard([ShardView("a"), c])
 
 
-def test_prefix_affinity_keeps_a_prompt_start_on_one_shard_while_it_has_room():
-    from router.balancer import affinity_key
+def _route(index: PrefixIndex, views: list[ShardView], prompt: list[int]) -> str:
+    names = block_names(prompt)
+    chosen = pick_shard(views, index.matched_tokens(names)).name
+    index.record(chosen, names)
+    return chosen
 
-    views = [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1", "s2")]
-    convo = list(range(300))
-    first = pick_shard(views, affinity_key(convo)).name
-    assert pick_shard(views, affinity_key(convo + [7, 8, 9])).name == first  # the next turn: same start
-    assert pick_shard(list(reversed(views)), affinity_key(convo)).name == first  # order does not matter
-    spread = {pick_shard(views, affinity_key([i] * 10)).name for i in range(60)}
-    assert spread == {"s0", "s1", "s2"}  # different starts spread over every shard
+
+def test_the_next_turn_of_a_conversation_goes_where_its_prefix_went_while_that_shard_has_room():
+    index, views = PrefixIndex(), [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1", "s2")]
+    turn1 = [(i * 7) % 97 for i in range(40)]
+    first = _route(index, views, turn1)
+    views[0].free_slots = views[1].free_slots = views[2].free_slots = 8  # the next poll: nobody busier
+    next(v for v in views if v.name != first).free_slots = 9  # another shard has a little more room
+    assert _route(index, views, turn1 + [1, 2, 3] * 20) == first  # 32 of its tokens were seen there
+    assert _route(index, list(reversed(views)), turn1 + [9]) == first  # the order of the list does not matter
     busy = next(v for v in views if v.name == first)
     busy.free_slots = 1  # far less room than the others: headroom wins over affinity
-    assert pick_shard(views, affinity_key(convo)).name != first
-    busy.free_slots = 7  # within the slack: affinity holds
-    assert pick_shard(views, affinity_key(convo)).name == first
+    assert _route(index, views, turn1 + [4]) != first
+
+
+def test_the_longest_match_wins_and_unseen_prompts_go_to_the_roomiest_shard():
+    index, views = PrefixIndex(), [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1")]
+    system = list(range(100, 132))  # two blocks, shared
+    index.record("s0", block_names(system))
+    index.record("s1", block_names(system + list(range(16))))
+    assert index.matched_tokens(block_names(system + list(range(16)) + [5])) == {"s0": 32, "s1": 48}
+    assert pick_shard(views, index.matched_tokens(block_names(system + list(range(16))))).name == "s1"
+    views[0].free_slots = 9
+    assert pick_shard(views, index.matched_tokens(block_names([1] * 40))).name == "s0"  # cold: most headroom
+    assert index.matched_tokens(block_names(list(range(15)))) == {}  # less than one block is never matched
+
+
+def test_the_index_forgets_the_least_recently_sent_prefixes_beyond_its_capacity_and_removed_shards():
+    index = PrefixIndex(capacity_blocks=4)
+    a, b = list(range(48)), list(range(1000, 1032))
+    index.record("s0", block_names(a))
+    index.record("s0", block_names(b))  # five names: a's first block (the oldest) goes
+    assert index.matched_tokens(block_names(a)) == {}
+    assert index.matched_tokens(block_names(b)) == {"s0": 32}
+    index.forget("s0")
+    assert index.matched_tokens(block_names(b)) == {}
+    with pytest.raises(ValueError, match="capacity"):
+        PrefixIndex(capacity_blocks=0)
