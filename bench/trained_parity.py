@@ -3,7 +3,8 @@ users feel it: next-token agreement and perplexity on held-out prose, and greedy
 
 Variants (each the served engine, shard_svc/engine): `eager-fp32` (the reference), `eager-bf16` (the reference's
 own rounding noise at the serving dtype), `kernels-bf16` (the Triton ops and, on CUDA, decode CUDA graphs: what a
-shard serves). For each variant against the reference:
+shard serves), and `kernels-fp32` (the same fast paths in float32, where a correct kernel differs from the
+reference by rounding only, so replies should match token for token). For each variant against the reference:
 - held-out: WINDOWS windows of SEQ tokens of the corpus's held-out paragraphs, teacher-forced through prefill;
   top-1 agreement of the next-token argmax, and the variant's perplexity next to the reference's;
 - greedy: the chat prompts decoded for --tokens tokens; how many replies are identical and the mean length of the
@@ -42,8 +43,8 @@ REPO = Path(__file__).resolve().parents[1]
 CHATS = ["Hello", "Who are you?", "Who wrote Emma?", "Tell me a story.", "Who is Mr. Darcy?",
          "What is a ball?", "Describe the weather.", "Who is Elizabeth Bennet?"]
 SEQ, WINDOWS = 256, 16
-VARIANTS = {"eager-fp32": ("eager", torch.float32), "eager-bf16": ("eager", torch.bfloat16),
-            "kernels-bf16": ("auto", torch.bfloat16)}
+VARIANTS = {"eager-fp32": ("eager", torch.float32), "kernels-fp32": ("auto", torch.float32),
+            "eager-bf16": ("eager", torch.bfloat16), "kernels-bf16": ("auto", torch.bfloat16)}
 
 
 @dataclass
