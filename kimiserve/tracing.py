@@ -127,6 +127,9 @@ class NoSpan:
     def set(self, key: str, value: Any) -> None:
         pass
 
+    def rename(self, name: str) -> None:
+        pass
+
     def fail(self, message: str) -> None:
         pass
 
@@ -166,6 +169,10 @@ class Span:
         if key == "request_id":
             self.request_id, key = value, REQUEST_ID_ATTRIBUTE
         self._span.set_attribute(key, value)
+
+    def rename(self, name: str) -> None:
+        """For a span whose name is known only after it started (an HTTP request's route, once routed)."""
+        self._span.update_name(name)
 
     def fail(self, message: str) -> None:
         from opentelemetry.trace import Status, StatusCode

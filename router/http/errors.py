@@ -11,6 +11,8 @@ import logging
 import grpc
 from fastapi.responses import JSONResponse
 
+from kimiserve import tracing
+
 from router.errors import HTTP_STATUS, RouterError
 from router.openai_body import BodyError
 
@@ -33,7 +35,7 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
 
 def describe(e: Exception, request_id: str) -> tuple[int, dict]:
     """(HTTP status, OpenAI error body) for any exception, logged: refusals in one line, unexpected failures whole
-    (and answered 500 without their text)."""
+    (and answered 500 without their text); the request's span is marked failed, as a refused RPC's is."""
     if isinstance(e, HttpError):
         status, body = e.status, error_body(e.status, str(e), e.code, e.param)
     elif isinstance(e, BodyError):
@@ -43,10 +45,12 @@ def describe(e: Exception, request_id: str) -> tuple[int, dict]:
         body = error_body(status, f"{e} (request_id={request_id})", e.code.name.lower())
     else:
         log.exception("http request failed", extra={"request_id": request_id})
+        tracing.current().fail(f"500 {type(e).__name__}")
         return 500, error_body(500, f"internal error (request_id={request_id})",
                                grpc.StatusCode.INTERNAL.name.lower())
     log.info("http request refused", extra={"request_id": request_id, "status": status,
                                             "error": body["error"]["message"]})
+    tracing.current().fail(f"{status} {body['error']['code']}: {body['error']['message']}")
     return status, body
 
 

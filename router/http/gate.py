@@ -1,6 +1,7 @@
 """The gate in front of every HTTP route: each request gets its id (the client's X-Request-Id, checked by the gRPC
 API's rule, else a generated one) returned as a header; the API key is checked as on the gRPC port; the body size is
-capped (413); one log line per request."""
+capped (413); one log line per request; and one trace span per request (kimiserve/tracing.py), the parent of
+everything the request does, as router.Chat / router.Generate are over gRPC."""
 
 from __future__ import annotations
 
@@ -11,14 +12,27 @@ import uuid
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kimiserve import security
+from kimiserve import security, tracing
 from router.errors import InvalidArgument
 from router.http.errors import HttpError, error_response
 from router.request_ids import check_client_request_id
 
 log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "x-request-id"
-OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key
+OPEN_PATHS = frozenset({"/health"})  # probes cannot send a key; not traced either (a probe is not a request)
+TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context: the client's span becomes the request's parent
+
+
+def _client_request_id(headers: Headers) -> str:
+    """The client's X-Request-Id, checked by the gRPC API's rule (it travels back in a header and in logs), else a
+    generated one."""
+    request_id = headers.get(REQUEST_ID_HEADER)
+    if not request_id:
+        return f"req-{uuid.uuid4().hex}"
+    try:
+        return check_client_request_id(request_id)
+    except InvalidArgument as e:
+        raise HttpError(400, f"X-Request-Id: {e}", "invalid_argument", "X-Request-Id") from None
 
 
 class Gate:
@@ -32,32 +46,52 @@ class Gate:
             return await self.app(scope, receive, send)
         start, status = time.monotonic(), [0]
         headers = Headers(scope=scope)
-        request_id = headers.get(REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        try:
+            request_id, refused = _client_request_id(headers), None
+        except HttpError as e:  # answered below, under an id of our own (the refused one goes nowhere)
+            request_id, refused = f"req-{uuid.uuid4().hex}", e
         scope.setdefault("state", {})["request_id"] = request_id
+        span = self._span(scope, headers, request_id)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []),
                                                   (REQUEST_ID_HEADER.encode(), request_id.encode("latin-1"))]}
                 status[0] = message["status"]
+                route = scope.get("route")  # FastAPI's matched route, once routed: its template names the span
+                if route is not None:
+                    span.rename(f"{scope['method']} {route.path}")
+                    span.set("http.route", route.path)
+                span.set("http.response.status_code", status[0])
             await send(message)
 
         try:
+            if refused is not None:
+                raise refused
             self._check(scope, headers, request_id)
             await self.app(scope, self._limited(receive), send_with_id)
         except HttpError as e:
             if status[0]:
                 raise
             await error_response(e, request_id)(scope, receive, send_with_id)
+        finally:
+            span.end()
         log.info("http request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
                                         "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
 
+    @staticmethod
+    def _span(scope: Scope, headers: Headers, request_id: str) -> tracing.Span | tracing.NoSpan:
+        """The request's span, made the current span of this request's task (uvicorn runs each request in a task of
+        its own; the flows' tasks copy it when they start). Named by the method until the route is known."""
+        if scope["path"] in OPEN_PATHS:
+            return tracing.NO_SPAN
+        parent = {k: headers[k] for k in TRACE_HEADERS if k in headers}
+        span = tracing.start(scope["method"], parent, "server", request_id=request_id,
+                             **{"http.request.method": scope["method"], "url.path": scope["path"]})
+        tracing.set_current(span)
+        return span
+
     def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
-        try:
-            check_client_request_id(request_id)  # the gRPC API's rule: it travels back in a header and in logs
-        except InvalidArgument as e:
-            scope["state"]["request_id"] = f"req-{uuid.uuid4().hex}"
-            raise HttpError(400, f"X-Request-Id: {e}", "invalid_argument", "X-Request-Id") from None
         if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
             token = security.bearer_token([("authorization", headers.get("authorization"))]
                                           if "authorization" in headers else [])

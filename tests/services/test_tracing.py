@@ -3,7 +3,7 @@
 One chat request must arrive as one trace: the router's spans (admission, render_chat, route, stream), the
 tokenizer's (RenderChat, DetokenizeStream) and the shard's (queue, one prefill span per prefill pass, decode), joined
 parent to child across the processes, every span carrying the request id, and the client's own traceparent as the
-root's parent.
+root's parent. The same holds for a request to the HTTP API, whose root span is the HTTP request's.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import secrets
 
+import httpx
 import pytest
 
 from kimiserve.ports import free_port
@@ -33,13 +34,16 @@ def receiver():
 
 @pytest.fixture(scope="module")
 def traced_stack(tiny_k3, receiver):
+    http_port = free_port()
     env = {**OTEL_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the services are child processes: they inherit the environment at start
     try:
         s = Stack(start_stack(tiny_k3, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
                               shard_args=("--num-state-slots", "4", "--num-kv-blocks", "256", "--max-model-len", "512",
-                                          "--prefill-token-budget", str(PREFILL_BUDGET))))
+                                          "--prefill-token-budget", str(PREFILL_BUDGET)),
+                              router_args=("--http-port", str(http_port))))
+        s.http = f"http://127.0.0.1:{http_port}"
     finally:
         for k, v in saved.items():
             if v is None:
@@ -128,3 +132,50 @@ def test_a_request_without_client_context_starts_its_own_trace(traced_stack, rec
     assert one(spans, "shard.sequence").attributes["completion_tokens"] == 1
     assert not by_name(spans, "decode")  # max_tokens 1: the first token ends it at prefill
 
+
+
+def test_an_http_request_is_one_trace_rooted_at_the_http_span(traced_stack, receiver):
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    rid = f"traced-http-{secrets.token_hex(4)}"
+    text = f"{secrets.token_hex(4)} " + " ".join(f"w{i}" for i in range(8))
+    body = {"model": "", "messages": [{"role": "user", "content": text}], "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"x-request-id": rid, "traceparent": f"00-{trace_id}-{client_span}-01"}
+    with httpx.stream("POST", f"{traced_stack.http}/v1/chat/completions", json=body, headers=headers,
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+
+    wanted = {"POST /v1/chat/completions", "render_chat", "tokenizer.RenderChat", "admission", "route", "stream",
+              "tokenizer.DetokenizeStream", "shard.sequence", "prefill", "decode"}
+    spans = receiver.trace(trace_id, lambda got: wanted <= {s.name for s in got})
+    tree = render_tree(spans)
+    assert {s.service for s in spans} == {"kimiserve-router", "kimiserve-tokenizer", "kimiserve-shard"}, tree
+    assert all(s.attributes.get("kimiserve.request_id") == rid for s in spans), tree
+
+    root = one(spans, "POST /v1/chat/completions")
+    assert root.parent_id == client_span, tree  # the client's traceparent header
+    assert root.attributes["http.request.method"] == "POST"
+    assert root.attributes["http.route"] == "/v1/chat/completions"
+    assert root.attributes["http.response.status_code"] == 200
+    assert root.attributes["finish_reason"] == "length" and root.attributes["completion_tokens"] == 3
+    assert root.error == ""
+    for name in ("render_chat", "admission", "route", "stream"):
+        assert_child(root, one(spans, name), spans)
+    assert_child(one(spans, "render_chat"), one(spans, "tokenizer.RenderChat"), spans)
+    assert_child(one(spans, "stream"), one(spans, "shard.sequence"), spans)
+    assert_child(one(spans, "stream"), one(spans, "tokenizer.DetokenizeStream"), spans)
+    assert_child(one(spans, "shard.sequence"), one(spans, "decode"), spans)
+
+
+def test_a_refused_http_request_is_a_failed_span_named_by_its_route(traced_stack, receiver):
+    rid = f"traced-http-bad-{secrets.token_hex(4)}"
+    resp = httpx.post(f"{traced_stack.http}/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}},
+                      headers={"x-request-id": rid}, timeout=60)
+    assert resp.status_code == 400, resp.text
+    spans = receiver.wait(lambda got: len(got) >= 1, lambda s: s.attributes.get("kimiserve.request_id") == rid)
+    root = one(spans, "POST /v1/completions")
+    assert root.parent_id == "" and root.attributes["http.response.status_code"] == 400
+    assert "logit_bias" in root.error and root.error.startswith("400 invalid_argument"), root.error
+    assert len(spans) == 1, render_tree(spans)  # refused before any tokenizer or shard work
