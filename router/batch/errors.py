@@ -5,7 +5,7 @@ import grpc
 from router.errors import InvalidArgument, NotFound, RouterError
 
 __all__ = ["BatchNotFound", "BatchStateError", "BatchStoreError", "BatchStoreFull", "BatchStoreReadOnly",
-           "DuplicateResult", "InvalidArgument"]
+           "DuplicateResult", "FileInUse", "InvalidArgument"]
 
 
 class BatchNotFound(NotFound):
@@ -14,6 +14,12 @@ class BatchNotFound(NotFound):
 
 class BatchStateError(RouterError):
     """The batch's status does not allow the operation (e.g. cancelling a completed batch)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class FileInUse(RouterError):
+    """An uploaded file is the input of a batch that has not ended: it is kept until the batch ends."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

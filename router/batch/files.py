@@ -2,6 +2,9 @@
 
 Only input files are stored; a batch's output and error files are rendered from its results when read, so results
 live in one place (the `results` table). Its own connection: WAL lets it share the file with BatchStore.
+
+A batch copies its input when it is created (BatchStore's `input`), so deleting a file never changes a batch's run;
+still, a file is kept while a batch created from it has not ended, so a live batch's `input_file_id` always resolves.
 """
 
 from __future__ import annotations
@@ -10,7 +13,10 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
-from router.batch.errors import BatchStoreError
+from router.batch import states
+from router.batch.errors import BatchStoreError, FileInUse
+from router.errors import NotFound
+from router.batch.store import write_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -30,6 +36,10 @@ CREATE TABLE IF NOT EXISTS batch_inputs (
 """
 
 
+class FileNotFound(NotFound):
+    """No uploaded file with that id."""
+
+
 @dataclass(frozen=True)
 class StoredFile:
     id: str
@@ -46,8 +56,14 @@ class BatchInput:
     completion_window: str
 
 
+_TERMINAL = tuple(sorted(states.TERMINAL))
+_LIVE_USERS = (f"SELECT bi.batch_id FROM batch_inputs bi JOIN batches b ON b.id = bi.batch_id WHERE bi.input_file_id = ? "
+               f"AND b.status NOT IN ({','.join('?' * len(_TERMINAL))}) ORDER BY b.seq")
+
+
 class FileStore:
     def __init__(self, path: Path):
+        self.path = path
         try:
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA busy_timeout=10000")
@@ -66,6 +82,47 @@ class FileStore:
         row = self._db.execute("SELECT id, purpose, filename, bytes, created_at_ms FROM files WHERE id = ?",
                                (file_id,)).fetchone()
         return StoredFile(*row) if row else None
+
+    def page(self, limit: int, after: str | None, descending: bool, purpose: str | None) -> tuple[list[StoredFile], bool]:
+        """Up to `limit` files in upload order (newest first when `descending`), after the file `after` (a cursor: the
+        last id of the previous page), with `purpose` if given; and whether more follow. Raises FileNotFound for an
+        `after` that is no file."""
+        where, args = [], []
+        if after is not None:
+            row = self._db.execute("SELECT rowid FROM files WHERE id = ?", (after,)).fetchone()
+            if row is None:
+                raise FileNotFound(f"no file {after!r} (the `after` cursor names the last file of a page)")
+            where.append("rowid < ?" if descending else "rowid > ?")
+            args.append(row[0])
+        if purpose is not None:
+            where.append("purpose = ?")
+            args.append(purpose)
+        sql = ("SELECT id, purpose, filename, bytes, created_at_ms FROM files"
+               + (" WHERE " + " AND ".join(where) if where else "")
+               + f" ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?")
+        rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
+        return [StoredFile(*r) for r in rows[:limit]], len(rows) > limit
+
+    def delete(self, file_id: str) -> None:
+        """Deletes an uploaded file, in one transaction with the check that no live batch was created from it.
+        Raises FileNotFound, or FileInUse naming the batches."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")  # the check and the delete see one state of the store
+            try:
+                users = [r[0] for r in self._db.execute(_LIVE_USERS, (file_id, *_TERMINAL))]
+                deleted = 0 if users else self._db.execute("DELETE FROM files WHERE id = ?", (file_id,)).rowcount
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.OperationalError as e:
+            raise write_error(self.path, e) from e
+        if users:
+            raise FileInUse(f"file {file_id!r} is the input of batch(es) {users}, which have not ended; delete it "
+                            "once they end (or cancel them first)")
+        if not deleted:
+            raise FileNotFound(f"no file {file_id!r}")
 
     def content(self, file_id: str) -> bytes | None:
         row = self._db.execute("SELECT content FROM files WHERE id = ?", (file_id,)).fetchone()

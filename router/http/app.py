@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Literal
 
 from fastapi import FastAPI, File, Form, Query, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
@@ -126,9 +127,18 @@ def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
         content = await file.read()
         return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content)))
 
+    @app.get("/v1/files")
+    async def files(request: Request, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
+                    order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response:
+        return await answer(request, "HttpFiles", lambda: done(batches.files_page(limit, after, order, purpose)))
+
     @app.get("/v1/files/{file_id}")
     async def file(request: Request, file_id: str) -> Response:
         return await answer(request, "HttpFiles", lambda: done(batches.file(file_id)))
+
+    @app.delete("/v1/files/{file_id}")
+    async def delete(request: Request, file_id: str) -> Response:
+        return await answer(request, "HttpFiles", lambda: done(batches.delete(file_id)))
 
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:

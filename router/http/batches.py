@@ -25,6 +25,8 @@ from router.http import replies, schemas
 
 NON_HTTP_ERRORS = ("batch_cancelled", "batch_expired")  # OpenAI's `error` field: failures that are not an HTTP answer
 OUTPUT, ERRORS = "output", "errors"
+GENERATED_PURPOSES = (f"batch_{OUTPUT}", f"batch_{ERRORS}")
+_GENERATED = r"file-(batch_[0-9a-f]{32})-(output|errors)"  # a batch's output / error file, rendered when read
 _WINDOW = re.compile(r"^([1-9][0-9]*)h$")
 
 
@@ -53,6 +55,29 @@ class Batches:
         return schemas.FileObject(id=file_id, bytes=len(self.content(file_id)), created_at=_s(row.created_at_ms),
                                   filename=f"{batch_id}_{which}.jsonl", purpose=f"batch_{which}")
 
+    def files_page(self, limit: int, after: str | None, order: str, purpose: str | None) -> schemas.FileList:
+        """Uploaded files, OpenAI's list shape. A batch's output and error files are not listed: they are reached from
+        the batch (output_file_id, error_file_id), so filtering on their purposes is refused rather than answered
+        with an empty list."""
+        if purpose in GENERATED_PURPOSES:
+            raise InvalidArgument(f"purpose={purpose!r}: a batch's output and error files are not listed; read "
+                                  "output_file_id / error_file_id of GET /v1/batches/{batch_id}")
+        stored, more = self.files.page(limit, after, order == "desc", purpose)
+        data = [_file_object(f) for f in stored]
+        return schemas.FileList(data=data, first_id=data[0].id if data else None,
+                                last_id=data[-1].id if data else None, has_more=more)
+
+    def delete(self, file_id: str) -> schemas.FileDeleted:
+        """Deletes an uploaded file (refused while a batch created from it has not ended: FileInUse). A batch's
+        output and error files are its results, kept as long as the batch is: deleting one is refused."""
+        if self.files.get(file_id) is None and re.fullmatch(_GENERATED, file_id):
+            batch_id = self._generated(file_id)[0]
+            self.runner.get(batch_id)  # BatchNotFound when there is no such batch
+            raise InvalidArgument(f"file {file_id!r} is rendered from the results of batch {batch_id!r} and lasts "
+                                  "as long as the batch; it cannot be deleted on its own")
+        self.files.delete(file_id)
+        return schemas.FileDeleted(id=file_id)
+
     def content(self, file_id: str) -> bytes:
         stored = self.files.content(file_id)
         if stored is not None:
@@ -61,7 +86,7 @@ class Batches:
         return self._render(self.runner.get(batch_id), which)
 
     def _generated(self, file_id: str) -> tuple[str, str]:
-        match = re.fullmatch(r"file-(batch_[0-9a-f]{32})-(output|errors)", file_id)
+        match = re.fullmatch(_GENERATED, file_id)
         if match is None:
             raise NotFound(f"no file {file_id!r}")
         return match.group(1), match.group(2)

@@ -139,6 +139,22 @@ class FileObject(BaseModel):
     created_at: int
     filename: str
     purpose: str
+    status: Literal["processed"] = "processed"  # stored whole on upload: nothing is processed later
+    expires_at: int | None = None  # files are kept until deleted
+
+
+class FileList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[FileObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
 
 
 class RequestCounts(BaseModel):
