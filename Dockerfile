@@ -38,6 +38,6 @@ USER 10001:10001
 WORKDIR /tmp
 # gRPC: router 50051, tokenizer 50052, shard 50061; health-only (TLS on): 50050, 50053, 50060;
 # Prometheus /metrics: router 9100, shard 9101, tokenizer 9102 (the chart's defaults).
-EXPOSE 50051 50052 50061 50050 50053 50060 9100 9101 9102
+EXPOSE 50051 50052 50061 50050 50053 50060 9100 9101 9102 8000
 ENTRYPOINT ["kimiserve"]
 CMD ["--help"]

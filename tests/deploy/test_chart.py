@@ -178,6 +178,9 @@ def test_rendered_manifests_pass_kubernetes_schemas(helm_bin, variant):
     (["--set", "shard.weights.prefetchDepth=-1"], "/shard/weights/prefetchDepth"),
     (["--set", "shard.weights.nosuchkey=1"], "nosuchkey"),
     (["--set", "shard.hostKvGb=1.5"], "/shard/hostKvGb"),  # --set passes fractions as strings (values.yaml says so)
+    (["--set", "router.http.port=0"], "/router/http/port"),
+    (["--set", "router.http.maxBodyBytes=0"], "/router/http/maxBodyBytes"),
+    (["--set", "router.http.tls=true"], "tls"),
 ])
 def test_bad_values_are_refused(helm_bin, bad, message):
     proc = subprocess.run([helm_bin, "template", "rel", str(CHART), *bad], capture_output=True, text=True,
@@ -258,6 +261,41 @@ def test_tracing_values_set_the_otel_environment_the_services_read(helm_bin):
         assert exporters_wanted({k: v for k, v in env.items() if v is not None}) == ["otlp"]
 
 
+def test_http_api_values_render_into_a_port_the_router_serves(helm_bin):
+    """On by default: the router's --http-port is its container port "http", which the Service exposes under the same
+    name (appProtocol https when the public port has TLS); the flags parse with the router's own parser. Off: no
+    flag, no port."""
+    import argparse
+
+    from router.main import add_args, config_from_args
+
+    def router(*values):
+        docs = helm_template(helm_bin, *values)
+        (container,) = _containers(find(docs, "Deployment", "-router"))
+        service = find(docs, "Service", "-router")
+        return container, {p["name"]: p for p in service["spec"]["ports"]}
+
+    container, service_ports = router()
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == 8000 and len(set(ports.values())) == len(ports)
+    assert (service_ports["http"]["port"], service_ports["http"]["targetPort"],
+            service_ports["http"]["appProtocol"]) == (8000, "http", "http")
+    p = argparse.ArgumentParser()
+    add_args(p)
+    cfg = config_from_args(p.parse_args(container["args"][1:]))
+    assert (cfg.http_port, cfg.http_max_body_bytes) == (8000, 16 << 20)
+
+    container, service_ports = router("--set", "router.http.port=8443", "--set", "router.http.maxBodyBytes=1048576",
+                                      "--set", "security.tls.enabled=true")
+    assert {"--http-port=8443", "--http-max-body-bytes=1048576"} <= set(container["args"])
+    assert {"name": "http", "containerPort": 8443, "protocol": "TCP"} in container["ports"]
+    assert (service_ports["http"]["port"], service_ports["http"]["appProtocol"]) == (8443, "https")
+
+    container, service_ports = router("--set", "router.http.enabled=false")
+    assert not any(a.startswith("--http-") for a in container["args"])
+    assert "http" not in {p["name"] for p in container["ports"]} and "http" not in service_ports
+
+
 def _containers(doc):
     return doc["spec"]["template"]["spec"]["containers"]
 
@@ -279,6 +317,8 @@ def test_objects_wire_up(helm_bin, variant):
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert container["image"].rsplit(":", 1)[1] not in ("", "latest")
         assert container["resources"]["requests"], comp
+        if comp == "router":
+            assert f"--http-port={ports['http']}" in container["args"]
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["grpc"]["port"] in ports.values(), (comp, probe)
         svc = [s for s in services if _matches(s["spec"]["selector"], pod_labels)]
@@ -393,5 +433,6 @@ def test_dockerfile_matches_the_package_and_the_chart():
     exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE") for p in line.split()[1:]}
     for comp in ("router", "tokenizer", "shard"):
         assert {values[comp][k] for k in ("port", "metricsPort", "healthPort")} <= exposed, comp
+    assert values["router"]["http"]["port"] in exposed
     assert 'ENTRYPOINT ["kimiserve"]' in text
     assert values["image"]["tag"] == yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]

@@ -181,9 +181,9 @@ def stack(helm_bin, tmp_path_factory):
         "shard.gpus": "0", "shard.dtype": "float32", "shard.numStateSlots": "4", "shard.numKvBlocks": "256",
         "shard.maxModelLen": "512", "router.discoveryIntervalSeconds": "1", "router.drainTimeoutSeconds": "10",
     }
-    for comp in ("router", "tokenizer", "shard"):
-        for key in ("port", "metricsPort", "healthPort"):
-            values[f"{comp}.{key}"] = str(free_port())
+    for key in ("router.port", "router.metricsPort", "router.healthPort", "router.http.port", "tokenizer.port",
+                "tokenizer.metricsPort", "tokenizer.healthPort", "shard.port", "shard.metricsPort", "shard.healthPort"):
+        values[key] = str(free_port())
     args = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     docs = helm_template(helm_bin, *args)
     containers = {c: find(docs, kind, f"-{c}")["spec"]["template"]["spec"]["containers"][0]
@@ -340,6 +340,29 @@ def test_probes_of_the_rendered_chart_pass_against_the_real_servers(stack):
             port = p.container[probe]["grpc"]["port"]
             assert port == p.port("health")  # TLS / mTLS on: probes use the plaintext health-only port
             assert probe_ok(p.host, port), f"{p.name} {probe}"
+
+
+def test_the_http_port_serves_the_openai_api_over_tls_with_api_keys(stack):
+    """The chart's "http" port: the OpenAI-compatible API on the public port's certificate, behind the API keys (the
+    open GET /health aside); plaintext is refused."""
+    import ssl
+
+    import httpx
+
+    tls = ssl.create_default_context(cafile=str(stack.etc / "router-tls" / "ca.crt"))
+    base = f"https://127.0.0.1:{stack.router.port('http')}"
+    with httpx.Client(base_url=base, verify=tls, timeout=120) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/models", headers={"authorization": f"Bearer {WRONG_KEY}"}).status_code == 401
+        auth = {"authorization": f"Bearer {GOOD_KEY}"}
+        model = http.get("/v1/models", headers=auth).json()["data"][0]["id"]
+        reply = http.post("/v1/chat/completions", headers=auth, json={
+            "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    with pytest.raises(httpx.HTTPError):  # TLS only, like the gRPC port
+        httpx.get(f"http://127.0.0.1:{stack.router.port('http')}/health", timeout=10)
 
 
 def test_router_uses_both_shards_from_dns_and_static_list(traffic):
