@@ -3,7 +3,8 @@
 The one translation of OpenAI JSON, used by the HTTP API (router/http) and by batch input lines (router/batch/parse.py),
 so an HTTP request and a batch line accept exactly the same bodies. Types are checked here and every problem is a
 BodyError naming the field (`param`); values (ranges, context length) are validated when the request runs, as for the
-gRPC API. A field this server cannot honour is refused, never ignored; some are accepted only at their default.
+gRPC API. Which fields are honoured, accepted and ignored, or refused: router/openai_fields.py (a field that would
+change the reply and is not honoured is refused, never ignored).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from kimiserve.v1 import common_pb2, router_pb2
+from router import openai_fields
 
-# Fields accepted only at their default (they change nothing then); any other value is refused, never ignored.
-NOOP_DEFAULTS = {"best_of": 1, "parallel_tool_calls": True}
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "response_format"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
+# OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
+# previous system messages"); the chat template knows `system`.
+ROLE_ALIASES = {"developer": "system"}
 MAX_N = 16  # sequences one request may fan out to (each takes a shard slot)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
@@ -54,8 +57,7 @@ DEFAULT_OPTIONS = Options()
 
 def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
     body = _present(body)
-    _check_fields(body, {"model", "messages", "tools", "tool_choice", "user", "top_logprobs"} | SAMPLING_FIELDS
-                  | OPTION_FIELDS)
+    _check_fields(body, {"model", "messages", "tools", "tool_choice", "top_logprobs"} | SAMPLING_FIELDS | OPTION_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"messages must be a non-empty list, got {_describe(messages)}", "messages")
@@ -77,7 +79,7 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
 def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
     body = _present(body)
-    _check_fields(body, {"model", "prompt", "user", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS)
+    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS)
     sampling = sampling_params(body)
     top = body.get("logprobs")
     if top is not None:  # the legacy API's logprobs is the number of alternatives per token
@@ -112,13 +114,16 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 def _options(body: dict[str, Any], **kw) -> Options:
     n = _int(body.get("n", 1), "n", 1, MAX_N)
     stream = _bool(body, "stream")
-    stream_options = body.get("stream_options", {})
-    if not isinstance(stream_options, dict) or set(stream_options) - {"include_usage"}:
-        raise BodyError(f"stream_options may only hold include_usage, got {_describe(stream_options)}",
+    raw = body.get("stream_options", {})
+    stream_options = _present(raw) if isinstance(raw, dict) else None
+    if stream_options is None or set(stream_options) - {"include_usage", "include_obfuscation"}:
+        raise BodyError(f"stream_options may hold include_usage and include_obfuscation, got {_describe(raw)}",
                         "stream_options")
-    if stream_options and not stream:
-        raise BodyError("stream_options needs stream: true", "stream_options")
-    return Options(n=n, stream=stream, include_usage=_bool(stream_options, "include_usage"), **kw)
+    # include_obfuscation pads OpenAI's chunks against size side channels: no padding is sent, the text is the same.
+    _bool(stream_options, "include_obfuscation")
+    # Without stream, stream_options changes nothing: a whole response always carries usage.
+    include_usage = _bool(stream_options, "include_usage") and stream
+    return Options(n=n, stream=stream, include_usage=include_usage, **kw)
 
 
 def _tool_choice(v: Any) -> router_pb2.ToolChoice:
@@ -140,7 +145,8 @@ def _message(m: Any, i: int) -> common_pb2.ChatMessage:
     unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
-    out = common_pb2.ChatMessage(role=_str(m, "role", f"{param}.role"), content=_content(m.get("content"), i),
+    role = _str(m, "role", f"{param}.role")
+    out = common_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=_content(m.get("content"), i),
                                  name=_str(m, "name", f"{param}.name"),
                                  tool_call_id=_str(m, "tool_call_id", f"{param}.tool_call_id"))
     calls = m.get("tool_calls", [])
@@ -172,8 +178,10 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     """OpenAI body fields -> SamplingParams. Only types are checked here; values are validated as for Generate
     when the request runs (so the error is the same one a single request gets)."""
     s = common_pb2.SamplingParams()
-    if "max_tokens" in body and "max_completion_tokens" in body:
-        raise BodyError("give max_tokens or max_completion_tokens, not both", "max_tokens")
+    if "max_tokens" in body and "max_completion_tokens" in body and not (
+            _is_int(body["max_tokens"]) and body["max_tokens"] == body["max_completion_tokens"]):
+        raise BodyError(f"max_tokens ({_describe(body['max_tokens'])}) and max_completion_tokens "
+                        f"({_describe(body['max_completion_tokens'])}) differ; give one of them", "max_tokens")
     name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
     if name in body:
         s.max_tokens = _int(body[name], name, -(1 << 31), (1 << 31) - 1)
@@ -233,16 +241,11 @@ def _present(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
-    bad = []
-    for key, value in body.items():
-        if key in allowed:
-            continue
-        if key in NOOP_DEFAULTS and value == NOOP_DEFAULTS[key] and type(value) is type(NOOP_DEFAULTS[key]):
-            continue
-        bad.append(f"{key}={value!r}" if key in NOOP_DEFAULTS else key)
-    if bad:
-        raise BodyError(f"unsupported body field(s) {sorted(bad)}", bad[0].split("=")[0])
+def _check_fields(body: dict[str, Any], honoured: set[str]) -> None:
+    try:
+        openai_fields.check(body, honoured)
+    except openai_fields.FieldError as e:
+        raise BodyError(str(e), e.field) from None
 
 
 def _is_int(v: Any) -> bool:

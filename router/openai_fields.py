@@ -1,0 +1,96 @@
+"""Which OpenAI request-body fields this server honours, which it accepts and ignores, and which it refuses.
+
+Every field of OpenAI's chat/completions and completions references falls in one of three groups:
+
+- honoured: translated into the Router request (router/openai_body.py);
+- IGNORED: accepted with any value of the right type, because no value can change the reply (bookkeeping, routing
+  and latency hints of OpenAI's own service);
+- NO_OP_VALUES: accepted only at the values that change nothing (a default, or the one thing this server does), and
+  refused at any other, since honouring it would change the reply and ignoring it would be a silent wrong answer.
+
+Anything else is refused with a BodyError naming the field: the OpenAI fields in REFUSED (with the reason), and
+unknown ones. A field set to null counts as absent (openai_body._present).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> (the JSON type its value must have, why no value of it can change the reply)
+IGNORED: dict[str, tuple[type, str]] = {
+    "user": (str, "an end-user id for OpenAI's abuse monitoring"),
+    "safety_identifier": (str, "the same, under its newer name"),
+    "metadata": (dict, "tags of a stored completion; nothing is stored here"),
+    "store": (bool, "storing the completion for OpenAI's evals and distillation; nothing is stored here"),
+    "service_tier": (str, "OpenAI's processing tier; this server has one"),
+    "prompt_cache_key": (str, "a routing hint for OpenAI's prompt cache; the router routes by prompt prefix itself"),
+    "prompt_cache_retention": (str, "how long OpenAI keeps a cached prefix"),
+    "prompt_cache_options": (dict, "the same, under its newer name"),
+    "prediction": (dict, "predicted output only shortens the latency; the reply is the same"),
+}
+
+# name -> the values accepted (each changes nothing); compared by value and JSON type.
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),  # candidates generated server-side per choice: one, the choice itself
+    "parallel_tool_calls": (True,),  # false would allow at most one tool call, which is not enforced
+    "logit_bias": ({},),  # no bias
+    "modalities": (["text"],),  # text is all this server generates
+    "verbosity": ("medium",),  # OpenAI's default; another level would change the reply
+    "functions": ([],),  # the deprecated form of tools: send `tools`
+    "function_call": ("auto", "none"),  # with no `functions`, either choice changes nothing
+    "suffix": ("",),  # completions: text after the insertion point; none
+}
+
+
+# OpenAI fields that would change the reply and are not honoured: refused, with the reason in the message.
+REFUSED: dict[str, str] = {
+    "audio": "no audio output is generated",
+    "reasoning_effort": "the model's reasoning cannot be steered",
+    "web_search_options": "no web search is run",
+    "moderation": "no moderation is run on input or output",
+}
+
+
+class FieldError(ValueError):
+    """A body field this server refuses; `field` names it."""
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality that tells true from 1 (Python's True == 1 would accept `best_of: true`)."""
+    return type(a) is type(b) and a == b
+
+
+def check(body: dict[str, Any], honoured: set[str]) -> None:
+    """Raises FieldError naming every refused field of `body` (the first, in sorted order, as `field`)."""
+    refused: list[str] = []  # as the message shows them: the name, or name=value for a value refused
+    rules: list[str] = []
+    for key in sorted(body):
+        value = body[key]
+        if key in honoured:
+            continue
+        if key in IGNORED:
+            kind, why = IGNORED[key]
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                raise FieldError(f"{key} must be a {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
+                                 f"and ignored: {why})", key)
+            continue
+        if key in NO_OP_VALUES:
+            if any(_same(value, ok) for ok in NO_OP_VALUES[key]):
+                continue
+            refused.append(f"{key}={value!r}")
+            rules.append(f"{key} is accepted only as {' or '.join(repr(v) for v in NO_OP_VALUES[key])}, as any "
+                         "other value would change the reply")
+            continue
+        refused.append(key)
+        if key in REFUSED:
+            rules.append(f"{key}: {REFUSED[key]}")
+    if refused:
+        detail = f" ({'; '.join(rules)})" if rules else ""
+        raise FieldError(f"unsupported body field(s) {refused}{detail}", refused[0].split("=")[0])
+
+
+_TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
