@@ -29,6 +29,8 @@ IGNORED: dict[str, tuple[type, str]] = {
     "prediction": (dict, "predicted output only shortens the latency; the reply is the same"),
 }
 
+_TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
+
 # name -> the values accepted (each changes nothing); compared by value and JSON type.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # candidates generated server-side per choice: one, the choice itself
@@ -92,5 +94,3 @@ def check(body: dict[str, Any], honoured: set[str]) -> None:
         detail = f" ({'; '.join(rules)})" if rules else ""
         raise FieldError(f"unsupported body field(s) {refused}{detail}", refused[0].split("=")[0])
 
-
-_TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}

@@ -180,7 +180,7 @@ def test_rendered_manifests_pass_kubernetes_schemas(helm_bin, variant):
     (["--set", "shard.hostKvGb=1.5"], "/shard/hostKvGb"),  # --set passes fractions as strings (values.yaml says so)
     (["--set", "router.http.port=0"], "/router/http/port"),
     (["--set", "router.http.maxBodyBytes=0"], "/router/http/maxBodyBytes"),
-    (["--set", "router.http.tls=true"], "tls"),
+    (["--set", "router.http.tls=true"], "at '/router/http': additional properties 'tls' not allowed"),
 ])
 def test_bad_values_are_refused(helm_bin, bad, message):
     proc = subprocess.run([helm_bin, "template", "rel", str(CHART), *bad], capture_output=True, text=True,

@@ -80,7 +80,8 @@ REFUSED_CHAT = {
     "functions": dict(functions=[{"name": "f", "parameters": {"type": "object"}}]),
     "function_call": dict(function_call={"name": "f"}),
     "max_tokens": dict(extra_body={"max_completion_tokens": 5}),  # differs from max_tokens=6
-    "user": dict(extra_body={"user": 5}),
+    "user": dict(extra_body={"user": 5}),  # ignored fields are still type-checked
+    "store": dict(extra_body={"store": "yes"}),
     "best_of": dict(extra_body={"best_of": 2}),
     "min_p": dict(extra_body={"min_p": 0.1}),  # a vendor sampling field not implemented
     "frobnicate": dict(extra_body={"frobnicate": 1}),
