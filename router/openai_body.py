@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kimiserve.limits import MAX_N
 from kimiserve.v1 import common_pb2, router_pb2
 
 # Fields accepted only at their default (they change nothing then); any other value is refused, never ignored.
@@ -20,7 +21,6 @@ SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p"
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "response_format"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
-MAX_N = 16  # sequences one request may fan out to (each takes a shard slot)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
 ToolChoice = router_pb2.ToolChoice
