@@ -183,14 +183,16 @@ async def choices(gen: Generation, method: str, request_id: str,
     prompt index * n + i, and choice i of a prompt samples with choice_sampling(sampling, i). The request id and
     every sequence id are claimed at once before anything runs (AlreadyExists if one is live)."""
     ids = sequence_ids(request_id, len(prompts_) * n)
-    gen.live.claim(request_id, ids)
+    claim = gen.live.claim(request_id, ids)
     try:
-        async for item in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i))
-                                   for p, (prompt, s) in enumerate(prompts_) for i in range(n)]):
-            yield item
-    finally:  # sequences that never started (an earlier one failed first) hold their ids until here
+        async for k, piece in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i))
+                                       for p, (prompt, s) in enumerate(prompts_) for i in range(n)]):
+            if piece.final:
+                gen.live.release(claim, ids[k])  # before the client sees the last chunk and may reuse the id
+            yield k, piece
+    finally:  # a failure or cancellation: every sequence's id, started or not
         for sid in ids:
-            gen.live.release(sid)
+            gen.live.release(claim, sid)
 
 
 def total_usage(usages: list[common_pb2.Usage | None], per_prompt: int) -> common_pb2.Usage:

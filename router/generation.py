@@ -167,23 +167,18 @@ class Generation:
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
                   keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
                   ) -> AsyncIterator[Chunk]:
-        """Yields chunks of the sequence `request_id`, which the caller claimed in `live`; the last chunk has
-        finish_reason and usage. Raises RouterError subclasses.
+        """Yields chunks of the sequence `request_id`, which the caller claimed in `live` (and releases: see
+        flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
 
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
         if not self.live.holds(request_id):
             raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
-        try:
-            validate_sampling(s)
-            max_tokens = self._budget(prompt, s)
-            arrival = time.monotonic()
-            async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens,
-                                              hidden_ids, arrival):
-                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    self.live.release(request_id)  # before the client sees its last chunk and may reuse the id
-                yield chunk
-        finally:
-            self.live.release(request_id)
+        validate_sampling(s)
+        max_tokens = self._budget(prompt, s)
+        arrival = time.monotonic()
+        async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
+                                          arrival):
+            yield chunk
 
     async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
         span = tracing.current()

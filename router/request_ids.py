@@ -43,39 +43,45 @@ def sequence_ids(request_id: str, count: int) -> list[str]:
     return [request_id] if count == 1 else [f"{request_id}:{i}" for i in range(count)]
 
 
+class Claim:
+    """The ids one request holds: its own, and its sequences' until each is released."""
+
+    def __init__(self, request_id: str, sequences: list[str]):
+        self.request_id, self.open = request_id, set(sequences)
+
+
 class LiveIds:
-    """Every id live in this router, interactive and batch, each mapped to the request that claimed it.
+    """Every id live in this router, interactive and batch, each mapped to the claim that holds it.
 
     Single-threaded (the router's event loop), so a claim is atomic. A sequence id is released when its sequence
     ends (before its last chunk is handed on, so the client may reuse it at once); the request id goes with its last
-    sequence."""
+    sequence. Releases name their claim, so a late release never frees an id a newer request has claimed since."""
 
     def __init__(self) -> None:
-        self._owner: dict[str, str] = {}  # live id -> the request id that claimed it
-        self._open: dict[str, int] = {}  # request id -> its sequences not yet released
+        self._owner: dict[str, Claim] = {}
 
-    def claim(self, request_id: str, sequences: list[str]) -> None:
+    def claim(self, request_id: str, sequences: list[str]) -> Claim:
         """Claims the request id and its sequence ids, all or none; AlreadyExists names the first one taken."""
         for wanted in (request_id, *sequences):
             if wanted in self._owner:
-                owner = self._owner[wanted]
+                owner = self._owner[wanted].request_id
                 whose = "" if owner == wanted else f" (a sequence of live request {owner!r})"
                 raise AlreadyExists(f"request {request_id!r}: id {wanted!r} is already live{whose}; a request's id "
                                     "and its sequence ids (ID:0, ID:1, ... for n > 1) must be unique among live "
                                     "requests")
+        claim = Claim(request_id, sequences)
         for claimed in (request_id, *sequences):
-            self._owner[claimed] = request_id
-        self._open[request_id] = len(sequences)
+            self._owner[claimed] = claim
+        return claim
 
     def holds(self, sequence_id: str) -> bool:
         return sequence_id in self._owner
 
-    def release(self, sequence_id: str) -> None:
-        """Idempotent: a sequence id released twice (or never claimed) changes nothing."""
-        request_id = self._owner.pop(sequence_id, None)
-        if request_id is None:
+    def release(self, claim: Claim, sequence_id: str) -> None:
+        """Idempotent: releasing a sequence twice, or one the claim does not hold, changes nothing."""
+        if sequence_id not in claim.open:
             return
-        self._open[request_id] -= 1
-        if self._open[request_id] == 0:
-            del self._open[request_id]
-            self._owner.pop(request_id, None)
+        claim.open.discard(sequence_id)
+        for done in (sequence_id, claim.request_id) if not claim.open else (sequence_id,):
+            if self._owner.get(done) is claim:
+                del self._owner[done]
