@@ -45,6 +45,11 @@ MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 2.0
 # Alternatives per generated token (OpenAI's top_logprobs cap).
 MAX_TOP_LOGPROBS = 20
+# Choices one request may fan out to (OpenAI's n; each is a sequence taking a shard slot), gRPC and HTTP alike.
+MAX_N = 16
+# Calls in one reply under tool_choice 'required' (ResponseFormat.tool_calls.max_calls): the grammar numbers the
+# calls, so it spells out each position.
+MAX_TOOL_CALLS = 16
 # SamplingParams.response_format json_schema.schema or regex, UTF-8 bytes: the shard compiles it into a grammar.
 MAX_RESPONSE_FORMAT_BYTES = 64 * 1024
 # A json_schema's name, as OpenAI bounds it.

@@ -29,10 +29,10 @@ class AlreadyExists(RouterError):
 
 
 class ToolChoiceNotMet(RouterError):
-    """The reply broke tool_choice 'required' or a named function: checked on the reply, not yet enforced while
-    decoding (that needs constrained decoding)."""
+    """A finished reply broke tool_choice 'required' or a named function although decoding enforced it (a stop
+    string or stop token id cut it short): the backstop check of router/tool_choice.py."""
 
-    code = grpc.StatusCode.UNIMPLEMENTED
+    code = grpc.StatusCode.INTERNAL
 
 
 # The one table from the gRPC status of a named error to the HTTP status the HTTP API answers with.

@@ -2,27 +2,27 @@
 Chat RPCs (router/service.py), batch requests (router/batch/execute.py) and the HTTP API (router/http).
 
     completion: prompt (text or ids) -> Generation.run -> pieces
-    chat:       render messages + tools (tokenizer) -> Generation.run with special tokens kept, end-of-turn hidden
+    chat:       render messages + tools (tokenizer) -> Generation.run with special tokens kept, end-of-turn hidden,
+                tool_choice enforced by a decoding constraint (router/tool_choice.py)
                 -> reasoning / content split as the text streams -> tool calls parsed at the end -> tool_choice check
 
-A request is prepared once (`*_prompt`) and `run` as one or more sequences; `fan_out` runs several as one request
-(OpenAI's `n`, or several prompts) and merges their pieces.
+A request is prepared once (`*_prompt`) and run by `choices` as its n choices (OpenAI's `n`, over one or several
+prompts): their ids claimed together (router/request_ids.py), per-choice seeds, one merged stream of pieces.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kimiserve.kimi_chat import ReplySplitter, ToolCall
+from kimiserve.limits import MAX_N
 from kimiserve.v1 import common_pb2, router_pb2
-from router.errors import InvalidArgument, ToolChoiceNotMet
-from router import prompts
+from router import prompts, tool_choice
+from router.errors import InvalidArgument
 from router.generation import Chunk, Generation
-
-ToolChoice = router_pb2.ToolChoice
+from router.request_ids import sequence_ids
 
 
 @dataclass
@@ -80,77 +80,29 @@ class Prompt:
     ids: list[int]
     chat: bool = False  # read the reply as a chat reply (special tokens kept, split, tool calls parsed)
     tool_choice: router_pb2.ToolChoice = field(default_factory=router_pb2.ToolChoice)
+    # The response_format that enforces tool_choice while decoding (router/tool_choice.py); None: no constraint.
+    constraint: common_pb2.ResponseFormat | None = None
+
+
+def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
+    if s.HasField("response_format") and s.response_format.WhichOneof("kind") == "tool_calls":
+        raise InvalidArgument("sampling.response_format.tool_calls is set by the router from ChatRequest.tool_choice;"
+                              " use tool_choice 'required' or a named function")
 
 
 async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:
+    _no_client_tool_calls(req.sampling)
     return Prompt(await prompts.generate_prompt(gen, req))
 
 
 async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
-    offered = offered_tools(req.tools, req.tool_choice)
+    _no_client_tool_calls(req.sampling)
+    offered = tool_choice.offered_tools(req.tools, req.tool_choice)
     if len(offered) != len(req.tools):
         req = _with_tools(req, offered)
-    return Prompt(await prompts.chat_prompt(gen, req), chat=True, tool_choice=req.tool_choice)
-
-
-async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
-              sampling: common_pb2.SamplingParams) -> AsyncIterator[Piece]:
-    """One sequence from a prepared prompt."""
-    if not prompt.chat:
-        async for chunk in gen.run(method, request_id, prompt.ids, sampling):
-            yield _piece(chunk, text=chunk.text)
-        return
-    splitter = ReplySplitter()
-    async for chunk in gen.run(method, request_id, prompt.ids, sampling, keep_special_tokens=True,
-                               hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info)):
-        reasoning, content = splitter.feed(chunk.text)
-        calls: list[ToolCall] = []
-        if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            r, c, calls = splitter.finish()
-            reasoning, content = reasoning + r, content + c
-            if chunk.finish_reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
-                check_tool_choice(prompt.tool_choice, calls, request_id)
-        yield _piece(chunk, text=content, reasoning=reasoning, tool_calls=calls)
-
-
-async def completion(gen: Generation, method: str, request_id: str,
-                     req: router_pb2.GenerateRequest) -> AsyncIterator[Piece]:
-    """A whole completion request (one sequence), as Generate and batch lines run it."""
-    async for piece in run(gen, method, request_id, await completion_prompt(gen, req), req.sampling):
-        yield piece
-
-
-async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.ChatRequest) -> AsyncIterator[Piece]:
-    """A whole chat request (one sequence), as Chat and batch lines run it."""
-    async for piece in run(gen, method, request_id, await chat_prompt(gen, req), req.sampling):
-        yield piece
-
-
-# ---- tools and tool_choice ---------------------------------------------------------------------------------------
-
-def tool_name(tool: common_pb2.Tool) -> str:
-    if tool.WhichOneof("definition") == "function":
-        return tool.function.name
-    try:
-        fn = json.loads(tool.json).get("function", {})
-    except (json.JSONDecodeError, AttributeError):
-        return ""  # malformed tools are refused by the tokenizer service with the tool's index
-    return fn.get("name", "") if isinstance(fn, dict) else ""
-
-
-def offered_tools(tools, choice: router_pb2.ToolChoice) -> list[common_pb2.Tool]:
-    """The tools declared to the model under `choice`: none for NONE, only the named one for FUNCTION."""
-    if choice.mode == ToolChoice.MODE_NONE:
-        return []
-    if choice.mode == ToolChoice.MODE_REQUIRED and not tools:
-        raise InvalidArgument("tool_choice 'required' needs at least one tool in tools")
-    if choice.mode == ToolChoice.MODE_FUNCTION:
-        named = [t for t in tools if tool_name(t) == choice.function_name]
-        if not named:
-            raise InvalidArgument(f"tool_choice names function {choice.function_name!r}, which is not in tools "
-                                  f"{[tool_name(t) for t in tools]}")
-        return named[:1]
-    return list(tools)
+    ids = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
+    return Prompt(ids, chat=True, tool_choice=req.tool_choice,
+                  constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling))
 
 
 def _with_tools(req: router_pb2.ChatRequest, tools: list[common_pb2.Tool]) -> router_pb2.ChatRequest:
@@ -161,19 +113,57 @@ def _with_tools(req: router_pb2.ChatRequest, tools: list[common_pb2.Tool]) -> ro
     return out
 
 
-def check_tool_choice(choice: router_pb2.ToolChoice, calls: list[ToolCall], request_id: str) -> None:
-    """REQUIRED / FUNCTION are not enforced while decoding yet (that needs constrained decoding); a reply that breaks
-    them is refused here rather than returned as if it complied."""
-    if choice.mode == ToolChoice.MODE_REQUIRED and not calls:
-        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice 'required' but the reply made no tool call "
-                               "(tool_choice is checked, not yet enforced by constrained decoding)")
-    if choice.mode == ToolChoice.MODE_FUNCTION and (not calls or any(c.name != choice.function_name for c in calls)):
-        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice names {choice.function_name!r} but the reply "
-                               f"called {[c.name for c in calls]} (tool_choice is checked, not yet enforced by "
-                               "constrained decoding)")
+async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
+              sampling: common_pb2.SamplingParams) -> AsyncIterator[Piece]:
+    """One sequence from a prepared prompt; `request_id` is its sequence id, claimed by `choices`."""
+    if not prompt.chat:
+        async for chunk in gen.run(method, request_id, prompt.ids, sampling):
+            yield _piece(chunk, text=chunk.text)
+        return
+    if prompt.constraint is not None:
+        constrained = common_pb2.SamplingParams()
+        constrained.CopyFrom(sampling)
+        constrained.response_format.CopyFrom(prompt.constraint)
+        sampling = constrained
+    splitter = ReplySplitter()
+    async for chunk in gen.run(method, request_id, prompt.ids, sampling, keep_special_tokens=True,
+                               hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info)):
+        reasoning, content = splitter.feed(chunk.text)
+        calls: list[ToolCall] = []
+        if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            r, c, calls = splitter.finish()
+            reasoning, content = reasoning + r, content + c
+            if chunk.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
+                tool_choice.check_reply(prompt.tool_choice, calls, request_id)
+        yield _piece(chunk, text=content, reasoning=reasoning, tool_calls=calls)
+
+
+async def completion(gen: Generation, method: str, request_id: str,
+                     req: router_pb2.GenerateRequest) -> AsyncIterator[tuple[int, Piece]]:
+    """A whole Generate request: its n choices as (choice index, piece)."""
+    count = choice_count(req.n)
+    prompt = await completion_prompt(gen, req)
+    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count):
+        yield item
+
+
+async def chat(gen: Generation, method: str, request_id: str,
+               req: router_pb2.ChatRequest) -> AsyncIterator[tuple[int, Piece]]:
+    """A whole Chat request: its n choices as (choice index, piece)."""
+    count = choice_count(req.n)
+    prompt = await chat_prompt(gen, req)
+    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count):
+        yield item
 
 
 # ---- several sequences as one request ----------------------------------------------------------------------------
+
+def choice_count(n: int) -> int:
+    """A Generate / Chat request's `n`: 0 (unset) is 1; above MAX_N is INVALID_ARGUMENT naming the bound."""
+    if n > MAX_N:
+        raise InvalidArgument(f"n must be in [1, {MAX_N}] (0 or unset: 1), got {n}")
+    return n or 1
+
 
 def choice_sampling(s: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
     """Sampling of choice `index` of n: the same, with seed + index (mod 2^64) when a seed is set, so choices differ
@@ -186,9 +176,32 @@ def choice_sampling(s: common_pb2.SamplingParams, index: int) -> common_pb2.Samp
     return out
 
 
-def choice_request_id(request_id: str, index: int, count: int) -> str:
-    """The id of one sequence of a request of `count` sequences: the request id itself when it is alone."""
-    return request_id if count == 1 else f"{request_id}:{index}"
+async def choices(gen: Generation, method: str, request_id: str,
+                  prompts_: list[tuple[Prompt, common_pb2.SamplingParams]], n: int
+                  ) -> AsyncIterator[tuple[int, Piece]]:
+    """The n choices of each prompt of one request, as (choice index, piece) in arrival order; choice index =
+    prompt index * n + i, and choice i of a prompt samples with choice_sampling(sampling, i). The request id and
+    every sequence id are claimed at once before anything runs (AlreadyExists if one is live)."""
+    ids = sequence_ids(request_id, len(prompts_) * n)
+    claim = gen.live.claim(request_id, ids)
+    try:
+        async for k, piece in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i))
+                                       for p, (prompt, s) in enumerate(prompts_) for i in range(n)]):
+            if piece.final:
+                gen.live.release(claim, ids[k])  # before the client sees the last chunk and may reuse the id
+            yield k, piece
+    finally:  # a failure or cancellation: every sequence's id, started or not
+        for sid in ids:
+            gen.live.release(claim, sid)
+
+
+def total_usage(usages: list[common_pb2.Usage | None], per_prompt: int) -> common_pb2.Usage:
+    """A request's usage from its choices' (in choice-index order): each prompt counted once (choices
+    i*per_prompt .. share it; its first choice's cache hits are the prompt's), completion tokens summed."""
+    firsts = [u for u in usages[::per_prompt] if u is not None]
+    return common_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
+                            completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
+                            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts))
 
 
 _DONE = object()

@@ -22,9 +22,10 @@ from kimiserve.limits import (
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
-from router.errors import AlreadyExists, InvalidArgument, ShardUnavailable
+from router.errors import InvalidArgument, RouterError, ShardUnavailable
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, block_names
+from router.request_ids import LiveIds
 from router.shard_client import ShardClient
 from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
@@ -130,9 +131,9 @@ class Generation:
         self.shards, self.tokenizer, self.admission = shards, tokenizer, admission
         self.prefixes = prefixes  # what this router sent to which shard, for prefix affinity
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
-        # Every request id live in this router, interactive and batch: a second request with a live id is refused
-        # before anything is sent, so no stream can receive another request's events.
-        self._live: set[str] = set()
+        # Every request id and sequence id live in this router, interactive and batch: a request with a live id is
+        # refused before anything is sent (router/flow.py claims them), so no stream can receive another's events.
+        self.live = LiveIds()
 
     def model_info(self) -> shard_pb2.ShardInfoResponse:
         for shard in self.shards:
@@ -166,23 +167,18 @@ class Generation:
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
                   keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
                   ) -> AsyncIterator[Chunk]:
-        """Yields chunks; the last one has finish_reason and usage. Raises RouterError subclasses.
+        """Yields chunks of the sequence `request_id`, which the caller claimed in `live` (and releases: see
+        flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
 
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
-        if request_id in self._live:
-            raise AlreadyExists(f"request id {request_id!r} is already live; ids must be unique among live requests")
+        if not self.live.holds(request_id):
+            raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
         validate_sampling(s)
         max_tokens = self._budget(prompt, s)
         arrival = time.monotonic()
-        self._live.add(request_id)
-        try:
-            async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens,
-                                              hidden_ids, arrival):
-                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    self._live.discard(request_id)  # before the client sees its last chunk and may reuse the id
-                yield chunk
-        finally:
-            self._live.discard(request_id)
+        async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
+                                          arrival):
+            yield chunk
 
     async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
         span = tracing.current()

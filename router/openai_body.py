@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kimiserve.limits import MAX_N
 from kimiserve.v1 import common_pb2, router_pb2
 from router import openai_fields
 
@@ -23,7 +24,6 @@ OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
 ROLE_ALIASES = {"developer": "system"}
-MAX_N = 16  # sequences one request may fan out to (each takes a shard slot)
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
 ToolChoice = router_pb2.ToolChoice

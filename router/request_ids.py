@@ -1,8 +1,14 @@
-"""Request ids: what a client may send, and the form the batch runner gives its own requests.
+"""Request ids: what a client may send, the form the batch runner gives its own requests, the ids of a request's
+sequences, and the registry of live ids.
 
 A client id travels back in gRPC trailing metadata and in every log line, so it must be printable ASCII of bounded
 length, checked before any work. The batch runner's ids have a reserved form that no client id may take: a client
 could otherwise collide with a batch line on purpose, stall it, or read its tokens.
+
+A request of n > 1 choices runs its sequences as "ID:0" .. "ID:n-1" (sequence_ids). Those are ordinary printable
+ids a client could also send, so the registry (LiveIds) claims a request's id and all its sequence ids together, at
+once, before anything is sent: while "ID" with n = 2 is live, a client request "ID:1" is refused (and the other way
+round), so no two live sequences ever share an id on a shard, whoever chose it.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import re
 
 from kimiserve.limits import MAX_REQUEST_ID_CHARS
-from router.errors import InvalidArgument
+from router.errors import AlreadyExists, InvalidArgument
 
 _BATCH_FORM = re.compile(r"batch_[0-9a-f]{32}:")
 
@@ -30,3 +36,52 @@ def check_client_request_id(request_id: str) -> str:
     if _BATCH_FORM.match(request_id):
         raise InvalidArgument("request ids of the form 'batch_<32 hex digits>:...' are reserved for batch requests")
     return request_id
+
+
+def sequence_ids(request_id: str, count: int) -> list[str]:
+    """The shard ids of a request's `count` sequences: the request id itself when it is alone."""
+    return [request_id] if count == 1 else [f"{request_id}:{i}" for i in range(count)]
+
+
+class Claim:
+    """The ids one request holds: its own, and its sequences' until each is released."""
+
+    def __init__(self, request_id: str, sequences: list[str]):
+        self.request_id, self.open = request_id, set(sequences)
+
+
+class LiveIds:
+    """Every id live in this router, interactive and batch, each mapped to the claim that holds it.
+
+    Single-threaded (the router's event loop), so a claim is atomic. A sequence id is released when its sequence
+    ends (before its last chunk is handed on, so the client may reuse it at once); the request id goes with its last
+    sequence. Releases name their claim, so a late release never frees an id a newer request has claimed since."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, Claim] = {}
+
+    def claim(self, request_id: str, sequences: list[str]) -> Claim:
+        """Claims the request id and its sequence ids, all or none; AlreadyExists names the first one taken."""
+        for wanted in (request_id, *sequences):
+            if wanted in self._owner:
+                owner = self._owner[wanted].request_id
+                whose = "" if owner == wanted else f" (a sequence of live request {owner!r})"
+                raise AlreadyExists(f"request {request_id!r}: id {wanted!r} is already live{whose}; a request's id "
+                                    "and its sequence ids (ID:0, ID:1, ... for n > 1) must be unique among live "
+                                    "requests")
+        claim = Claim(request_id, sequences)
+        for claimed in (request_id, *sequences):
+            self._owner[claimed] = claim
+        return claim
+
+    def holds(self, sequence_id: str) -> bool:
+        return sequence_id in self._owner
+
+    def release(self, claim: Claim, sequence_id: str) -> None:
+        """Idempotent: releasing a sequence twice, or one the claim does not hold, changes nothing."""
+        if sequence_id not in claim.open:
+            return
+        claim.open.discard(sequence_id)
+        for done in (sequence_id, claim.request_id) if not claim.open else (sequence_id,):
+            if self._owner.get(done) is claim:
+                del self._owner[done]

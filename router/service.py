@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
+from typing import AsyncIterator
 
 import grpc
 
@@ -81,11 +82,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request_id is None:
             return
         try:
-            async for p in flow.completion(self.gen, "Generate", request_id, request):
+            async for i, p, total in _with_total(flow.completion(self.gen, "Generate", request_id, request),
+                                                 flow.choice_count(request.n)):
                 yield router_pb2.GenerateResponse(request_id=request_id, token_ids=p.token_ids, text=p.text,
                                                   finish_reason=p.finish_reason, usage=p.usage,
                                                   error_message=p.error_message, token_logprobs=p.logprobs,
-                                                  top_logprobs=p.top_logprobs)
+                                                  top_logprobs=p.top_logprobs, choice_index=i, total_usage=total)
         except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
             await self._fail(context, "Generate", request_id, e)
             return
@@ -97,11 +99,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request_id is None:
             return
         try:
-            async for p in flow.chat(self.gen, "Chat", request_id, request):
+            async for i, p, total in _with_total(flow.chat(self.gen, "Chat", request_id, request),
+                                                 flow.choice_count(request.n)):
                 yield router_pb2.ChatResponse(
                     request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,
                     finish_reason=p.finish_reason, usage=p.usage, error_message=p.error_message,
-                    token_logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                    token_logprobs=p.logprobs, top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
                     tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
                                 for c in p.tool_calls])
         except Exception as e:  # noqa: BLE001
@@ -117,3 +120,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelCard(
             name=info.model_name, model_type=info.model_type, max_context_tokens=context_tokens,
             vocab_size=info.vocab_size)])
+
+
+async def _with_total(choices: AsyncIterator[tuple[int, flow.Piece]], n: int
+                      ) -> AsyncIterator[tuple[int, flow.Piece, common_pb2.Usage | None]]:
+    """(choice index, piece, total usage): the total (flow.total_usage, the HTTP API's rule) rides on the last
+    piece of the choice that finishes last, which is the stream's last message; None on every other piece."""
+    usages: list[common_pb2.Usage | None] = [None] * n
+    finished = 0
+    async for i, p in choices:
+        total = None
+        if p.final:
+            usages[i], finished = p.usage, finished + 1
+            if finished == n:
+                total = flow.total_usage(usages, n)
+        yield i, p, total

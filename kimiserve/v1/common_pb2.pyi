@@ -53,7 +53,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ...) -> None: ...
 
 class ResponseFormat(_message.Message):
-    __slots__ = ("json_object", "json_schema", "regex")
+    __slots__ = ("json_object", "json_schema", "regex", "tool_calls")
     class JsonObject(_message.Message):
         __slots__ = ()
         def __init__(self) -> None: ...
@@ -66,13 +66,29 @@ class ResponseFormat(_message.Message):
         schema: str
         strict: bool
         def __init__(self, name: _Optional[str] = ..., schema: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
+    class ToolCalls(_message.Message):
+        __slots__ = ("functions", "max_calls")
+        class Function(_message.Message):
+            __slots__ = ("name", "parameters")
+            NAME_FIELD_NUMBER: _ClassVar[int]
+            PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+            name: str
+            parameters: str
+            def __init__(self, name: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+        FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
+        MAX_CALLS_FIELD_NUMBER: _ClassVar[int]
+        functions: _containers.RepeatedCompositeFieldContainer[ResponseFormat.ToolCalls.Function]
+        max_calls: int
+        def __init__(self, functions: _Optional[_Iterable[_Union[ResponseFormat.ToolCalls.Function, _Mapping]]] = ..., max_calls: _Optional[int] = ...) -> None: ...
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     json_object: ResponseFormat.JsonObject
     json_schema: ResponseFormat.JsonSchema
     regex: str
-    def __init__(self, json_object: _Optional[_Union[ResponseFormat.JsonObject, _Mapping]] = ..., json_schema: _Optional[_Union[ResponseFormat.JsonSchema, _Mapping]] = ..., regex: _Optional[str] = ...) -> None: ...
+    tool_calls: ResponseFormat.ToolCalls
+    def __init__(self, json_object: _Optional[_Union[ResponseFormat.JsonObject, _Mapping]] = ..., json_schema: _Optional[_Union[ResponseFormat.JsonSchema, _Mapping]] = ..., regex: _Optional[str] = ..., tool_calls: _Optional[_Union[ResponseFormat.ToolCalls, _Mapping]] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -81,7 +81,8 @@ class RouterServicer:
 
     def Generate(self, request, context):
         """Generate a completion for a raw prompt (text or token ids). Streams one chunk per step of new tokens; the last
-        chunk carries finish_reason and usage. Cancelling the call cancels the sequence on its shard.
+        chunk of each choice (GenerateRequest.n) carries its finish_reason and usage, and the stream's last chunk the
+        request's total_usage. Cancelling the call cancels every sequence on its shard.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -6,7 +6,7 @@ from __future__ import annotations
 from kimiserve.v1 import common_pb2, router_pb2
 from router import flow
 from router.batch.parse import CHAT, GENERATE
-from router.errors import RouterError
+from router.errors import InvalidArgument, RouterError
 from router.generation import Generation
 
 FINISHED_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
@@ -27,13 +27,16 @@ class BatchExecutor:
     async def run(self, kind: str, payload: bytes, request_id: str) -> router_pb2.BatchResponse:
         """Raises RouterError (as Generate / Chat would answer) or RequestFailed."""
         if kind == GENERATE:
-            pieces = flow.completion(self.gen, "BatchGenerate", request_id,
-                                     router_pb2.GenerateRequest.FromString(payload))
+            req = router_pb2.GenerateRequest.FromString(payload)
+            choices = flow.completion(self.gen, "BatchGenerate", request_id, req)
         elif kind == CHAT:
-            pieces = flow.chat(self.gen, "BatchChat", request_id, router_pb2.ChatRequest.FromString(payload))
+            req = router_pb2.ChatRequest.FromString(payload)
+            choices = flow.chat(self.gen, "BatchChat", request_id, req)
         else:
             raise RouterError(f"request {request_id!r} has unknown kind {kind!r}")
-        return _finish(await flow.collect(pieces), request_id)
+        if req.n > 1:  # refused when the batch is validated (router/batch/parse.py); a result holds one choice
+            raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice")
+        return _finish(await flow.collect(piece async for _, piece in choices), request_id)
 
 
 def _finish(reply: flow.Reply, request_id: str) -> router_pb2.BatchResponse:

@@ -134,6 +134,11 @@ def parse_inline(items: "list[router_pb2.BatchRequestItem]") -> ParsedInput:
                 "invalid_request", f"custom_id {item.custom_id!r} (request {i}): set generate or chat")))
             continue
         inner = getattr(item, which)
+        if inner.n > 1:  # a result holds one choice: refused here, at validation, never run as n = 1
+            out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line, INVALID, error=(
+                "invalid_request", f"custom_id {item.custom_id!r} (request {i}): n={inner.n}, but a batch request "
+                "runs one choice; send n requests with their own custom_ids (and seeds) instead")))
+            continue
         inner.ClearField("request_id")  # the router names batch requests itself
         out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line,
                                           GENERATE if which == "generate" else CHAT, inner.SerializeToString()))

@@ -15,8 +15,7 @@ METHOD = "HttpChat"  # the metrics' method label
 async def handle(gen: Generation, body: dict, request_id: str, receive):
     req, opts = openai_body.chat_request(body)
     prompt = await flow.chat_prompt(gen, req)  # rendered once for the n choices
-    merged = flow.fan_out([flow.run(gen, METHOD, flow.choice_request_id(request_id, i, opts.n), prompt,
-                                    flow.choice_sampling(req.sampling, i)) for i in range(opts.n)])
+    merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], opts.n)
     head = dict(completion_id=f"chatcmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:
         async def whole() -> schemas.ChatCompletion:

@@ -23,9 +23,8 @@ async def handle(gen: Generation, body: dict, request_id: str, receive):
     requests, opts = openai_body.completion_requests(body)
     prompts = [await flow.completion_prompt(gen, req) for req in requests]  # each tokenized once for its n
     count = len(prompts) * opts.n
-    merged = flow.fan_out([flow.run(gen, METHOD, flow.choice_request_id(request_id, p * opts.n + i, count), prompt,
-                                    flow.choice_sampling(req.sampling, i))
-                           for p, (req, prompt) in enumerate(zip(requests, prompts)) for i in range(opts.n)])
+    merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling) for req, prompt in zip(requests, prompts)],
+                          opts.n)
     echoes = await echo_texts(gen, requests) if opts.echo else [""] * len(requests)
     head = dict(completion_id=f"cmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:

@@ -8,7 +8,7 @@ import grpc
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.v1 import common_pb2
 from router.errors import RouterError
-from router.flow import Piece, Reply
+from router.flow import Piece, Reply, total_usage
 from router.generation import Generation
 from router.http import schemas
 
@@ -35,14 +35,11 @@ def finish_reason(p: Piece, request_id: str) -> str:
 
 
 def usage(replies: list[Piece], per_prompt: int) -> schemas.Usage:
-    """Prompts are counted once each (choices i*per_prompt .. of one prompt share it; its first choice's cache hits
-    are the prompt's), completions summed."""
-    firsts = [r.usage for r in replies[::per_prompt] if r.usage is not None]
-    prompt = sum(u.prompt_tokens for u in firsts)
-    completion = sum(r.usage.completion_tokens for r in replies if r.usage is not None)
-    return schemas.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details=schemas.PromptTokensDetails(
-                             cached_tokens=sum(u.cached_prompt_tokens for u in firsts)))
+    """The request's usage by the gRPC API's rule (flow.total_usage): prompts once, completions summed."""
+    u = total_usage([r.usage for r in replies], per_prompt)
+    return schemas.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                         total_tokens=u.prompt_tokens + u.completion_tokens,
+                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens))
 
 
 async def candidate_texts(gen: Generation, pieces: list[Piece]) -> dict[int, str]:

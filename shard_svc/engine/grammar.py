@@ -20,12 +20,15 @@ from pathlib import Path
 import llguidance
 import torch
 
-from kimiserve.limits import MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, JsonTooDeep, loads_json
+from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+from kimiserve.limits import (
+    MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
+    JsonTooDeep, loads_json)
 from shard_svc.errors import ConfigError, InvalidRequest
 
 log = logging.getLogger(__name__)
 
-RESPONSE_FORMAT_KINDS = ("json_object", "json_schema", "regex")
+RESPONSE_FORMAT_KINDS = ("json_object", "json_schema", "regex", "tool_calls")
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,16 @@ class ResponseFormat:
     kind: str  # one of RESPONSE_FORMAT_KINDS
     text: str = ""  # json_schema: the schema as JSON text; regex: the expression; json_object: unused
     name: str = ""  # json_schema: the schema's name (logged only)
+    # tool_calls: (name, parameters JSON schema text, "" for any object) of each function that may be called
+    functions: tuple[tuple[str, str], ...] = ()
+    max_calls: int = 0  # tool_calls: most calls in the section (1..MAX_TOOL_CALLS)
 
     def validate(self) -> None:
         """The checks that need no tokenizer; Grammars.compile checks the grammar itself."""
         if self.kind not in RESPONSE_FORMAT_KINDS:
             raise InvalidRequest(f"response_format kind must be one of {RESPONSE_FORMAT_KINDS}, got {self.kind!r}")
+        if self.kind == "tool_calls":
+            _validate_tool_calls(self.functions, self.max_calls)
         if (size := len(self.text.encode("utf-8"))) > MAX_RESPONSE_FORMAT_BYTES:
             raise InvalidRequest(f"response_format {self.kind}: {size:,} bytes is over the limit of "
                                  f"{MAX_RESPONSE_FORMAT_BYTES:,}")
@@ -57,6 +65,51 @@ class ResponseFormat:
                                      f"{type(schema).__name__}")
         if self.kind == "regex" and not self.text:
             raise InvalidRequest("response_format regex is empty")
+
+
+def _validate_tool_calls(functions: tuple[tuple[str, str], ...], max_calls: int) -> None:
+    if not 1 <= len(functions) <= MAX_TOOLS:
+        raise InvalidRequest(f"response_format tool_calls: {len(functions)} functions; 1 to {MAX_TOOLS} allowed")
+    if (size := sum(len(n.encode("utf-8")) + len(p.encode("utf-8")) for n, p in functions)) > MAX_TOOLS_BYTES:
+        raise InvalidRequest(f"response_format tool_calls: {size:,} bytes of names and parameters is over the limit "
+                             f"of {MAX_TOOLS_BYTES:,}")
+    if not 1 <= max_calls <= MAX_TOOL_CALLS:
+        raise InvalidRequest(f"response_format tool_calls: max_calls must be in [1, {MAX_TOOL_CALLS}], got "
+                             f"{max_calls}")
+    names = [n for n, _ in functions]
+    if "" in names or len(set(names)) != len(names):
+        raise InvalidRequest(f"response_format tool_calls: function names must be non-empty and unique, got {names}")
+    for name, parameters in functions:
+        try:
+            schema = loads_json(parameters) if parameters else {}
+        except (json.JSONDecodeError, JsonTooDeep) as e:
+            raise InvalidRequest(f"response_format tool_calls: function {name!r} parameters are not JSON of at most "
+                                 f"{MAX_JSON_DEPTH} levels: {e}") from e
+        if not isinstance(schema, dict):
+            raise InvalidRequest(f"response_format tool_calls: function {name!r} parameters must be a JSON object "
+                                 f"schema, got {type(schema).__name__}")
+
+
+def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -> str:
+    """A Lark grammar (llguidance's dialect) of Kimi's tool-calls section with 1..max_calls calls:
+
+        <|tool_calls_section_begin|> call_0 [call_1 [... call_{max_calls-1}]] <|tool_calls_section_end|>
+        call_i: <|tool_call_begin|> "functions.NAME:i" <|tool_call_argument_begin|> args_NAME <|tool_call_end|>
+
+    for every NAME of `functions`, args_NAME being JSON valid under its parameters schema (%json). Each <|...|> is
+    the special token itself, never its text spelled out in ordinary tokens. The call index is in the id, so each
+    position gets its own rule; names and schemas are quoted as JSON strings, so any name is a literal."""
+    lines = [f"start: {SECTION_BEGIN} calls_0 {SECTION_END}"]
+    for i in range(max_calls):
+        more = f" calls_{i + 1}?" if i + 1 < max_calls else ""
+        lines.append(f"calls_{i}: call_{i}{more}")
+        alternatives = " | ".join(f"{json.dumps(f'functions.{name}:{i}')} {ARG_BEGIN} args_{k}"
+                                  for k, (name, _) in enumerate(functions))
+        lines.append(f"call_{i}: {CALL_BEGIN} ({alternatives}) {CALL_END}")
+    for k, (_, parameters) in enumerate(functions):
+        schema = loads_json(parameters) if parameters else {}
+        lines.append(f"args_{k}: %json {json.dumps({'type': 'object', **schema})}")
+    return "\n".join(lines) + "\n"
 
 
 class Grammars:
@@ -94,6 +147,8 @@ class Grammars:
         fmt.validate()
         if fmt.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(fmt.text)
+        elif fmt.kind == "tool_calls":
+            grammar = llguidance.LLMatcher.grammar_from_lark(tool_calls_grammar(fmt.functions, fmt.max_calls))
         else:
             schema = json.loads(fmt.text) if fmt.kind == "json_schema" else {"type": "object"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)

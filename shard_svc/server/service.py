@@ -42,6 +42,9 @@ def response_format_from_pb(f: common_pb2.ResponseFormat) -> ResponseFormat | No
         return None
     if kind == "json_schema":
         return ResponseFormat("json_schema", f.json_schema.schema, f.json_schema.name)
+    if kind == "tool_calls":
+        return ResponseFormat("tool_calls", functions=tuple((fn.name, fn.parameters) for fn in f.tool_calls.functions),
+                              max_calls=f.tool_calls.max_calls)
     return ResponseFormat(kind, f.regex if kind == "regex" else "")
 
 

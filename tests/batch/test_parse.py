@@ -108,3 +108,19 @@ def test_a_lone_surrogate_escape_is_read_as_the_tokenizer_reads_it():
     assert parsed.issues == [] and parsed.requests[0].kind == GENERATE
     req = router_pb2.GenerateRequest.FromString(parsed.requests[0].payload)
     assert req.text == "a\ufffdb \U0001F600" and list(req.sampling.stop) == ["\ufffd"]
+
+
+def test_an_inline_request_with_n_choices_fails_alone_at_validation():
+    items = [router_pb2.BatchRequestItem(custom_id="many", chat=router_pb2.ChatRequest(
+                 n=2, messages=[common_pb2.ChatMessage(role="user", content="x")])),
+             router_pb2.BatchRequestItem(custom_id="one", generate=router_pb2.GenerateRequest(text="hi", n=1))]
+    many, one = parse_inline(items).requests
+    assert many.kind == INVALID and many.error[0] == "invalid_request" and "n=2" in many.error[1]
+    assert one.kind == GENERATE
+
+
+def test_a_jsonl_line_with_n_choices_fails_alone():
+    line = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi", "n": 2}})
+    (req,) = parse_jsonl(line).requests
+    assert req.kind == INVALID and "n=2" in req.error[1]
+

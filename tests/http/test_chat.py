@@ -111,21 +111,50 @@ def test_tool_round_trip_is_rendered_as_sent(http_stack):
     assert none.usage.prompt_tokens == without  # tool_choice none: the tools are not offered
 
 
-def test_tool_choice_is_checked_not_ignored(http_stack):
+def test_tool_choice_naming_an_unknown_function_is_refused(http_stack):
     import openai
 
     with pytest.raises(openai.BadRequestError) as e:
         http_stack.client.chat.completions.create(model="", messages=HELLO, tools=TOOLS, max_tokens=1,
                                                   tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "'nope'" in e.value.body["message"] and "get_weather" in e.value.body["message"]
-    # The tiny model's reply cannot be steered; a reply without the call must not pass as one that obeyed.
-    try:
-        reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=TOOLS, max_tokens=2,
-                                                          tool_choice="required", temperature=0)
-    except openai.APIStatusError as refused:
-        assert refused.status_code == 501 and "not yet enforced" in refused.body["message"]
-    else:
-        assert reply.choices[0].message.tool_calls
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+        "additionalProperties": False}
+PING = {"type": "object", "properties": {}, "additionalProperties": False}
+BOUNDED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+                 {"type": "function", "function": {"name": "ping", "parameters": PING}}]
+
+
+def check_tool_calls(calls, names: set[str]) -> None:
+    assert calls
+    for i, call in enumerate(calls):
+        assert call.function.name in names and call.id == f"functions.{call.function.name}:{i}"
+        jsonschema.validate(json.loads(call.function.arguments),
+                            {"get_weather": CITY, "ping": PING}[call.function.name])
+
+
+def test_tool_choice_required_is_enforced_while_decoding(http_stack):
+    # The tiny random model would never write a tool call by itself: every call here is the grammar's doing.
+    reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=BOUNDED_TOOLS, max_tokens=300,
+                                                      tool_choice="required", n=2, temperature=1.0, seed=7)
+    assert [c.index for c in reply.choices] == [0, 1]
+    for choice in reply.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        check_tool_calls(choice.message.tool_calls, {"get_weather", "ping"})
+
+
+def test_a_named_tool_choice_streams_exactly_one_call_to_it(http_stack):
+    stream = http_stack.client.chat.completions.create(
+        model="", messages=HELLO, tools=BOUNDED_TOOLS, max_tokens=300, temperature=0, stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    chunks = [c for c in stream if c.choices]
+    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+    check_tool_calls(calls, {"get_weather"})
+    assert len(calls) == 1
 
 
 def test_logprobs_are_delivered_per_token(http_stack):

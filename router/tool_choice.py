@@ -1,0 +1,96 @@
+"""tool_choice: which tools a chat request declares to the model, the decoding constraint that makes the reply
+comply, and the check of the finished reply.
+
+    auto      every tool declared, no constraint
+    none      no tool declared
+    required  every tool declared; the reply is one or more calls (ResponseFormat.tool_calls, at most MAX_TOOL_CALLS)
+    function  only the named tool declared; the reply is exactly one call to it
+
+The constraint is a response_format the shard compiles into a grammar (shard_svc/engine/grammar.py), so the model
+can only write Kimi's tool-calls section with arguments valid under each function's parameters schema. The check on
+the finished reply stays as a backstop: with the grammar in force it fails only when something cut the reply short
+that the grammar does not govern (a stop string or stop token id).
+"""
+
+from __future__ import annotations
+
+import json
+
+from kimiserve.kimi_chat import ToolCall
+from kimiserve.limits import MAX_TOOL_CALLS
+from kimiserve.v1 import common_pb2, router_pb2
+from router.errors import InvalidArgument, ToolChoiceNotMet
+
+ToolChoice = router_pb2.ToolChoice
+ToolCalls = common_pb2.ResponseFormat.ToolCalls
+CONSTRAINED = (ToolChoice.MODE_REQUIRED, ToolChoice.MODE_FUNCTION)
+
+
+def _function(tool: common_pb2.Tool) -> dict:
+    """The tool's {"name", "parameters", ...} object ({} when malformed: the tokenizer service refuses those with the
+    tool's index when the prompt is rendered)."""
+    if tool.WhichOneof("definition") == "function":
+        return {"name": tool.function.name, "parameters": tool.function.parameters_json or None}
+    try:
+        fn = json.loads(tool.json).get("function", {})
+    except (json.JSONDecodeError, AttributeError):
+        return {}
+    return fn if isinstance(fn, dict) else {}
+
+
+def tool_name(tool: common_pb2.Tool) -> str:
+    name = _function(tool).get("name", "")
+    return name if isinstance(name, str) else ""
+
+
+def offered_tools(tools, choice: router_pb2.ToolChoice) -> list[common_pb2.Tool]:
+    """The tools declared to the model under `choice`: none for NONE, only the named one for FUNCTION."""
+    if choice.mode == ToolChoice.MODE_NONE:
+        return []
+    if choice.mode == ToolChoice.MODE_REQUIRED and not tools:
+        raise InvalidArgument("tool_choice 'required' needs at least one tool in tools")
+    if choice.mode == ToolChoice.MODE_FUNCTION:
+        named = [t for t in tools if tool_name(t) == choice.function_name]
+        if not named:
+            raise InvalidArgument(f"tool_choice names function {choice.function_name!r}, which is not in tools "
+                                  f"{[tool_name(t) for t in tools]}")
+        return named[:1]
+    return list(tools)
+
+
+def constraint(offered: list[common_pb2.Tool], choice: router_pb2.ToolChoice,
+               sampling: common_pb2.SamplingParams) -> common_pb2.ResponseFormat | None:
+    """The response_format that enforces `choice` over the offered tools (already rendered, so well-formed); None
+    when the choice constrains nothing."""
+    if choice.mode not in CONSTRAINED:
+        return None
+    if sampling.HasField("response_format"):
+        raise InvalidArgument(f"tool_choice {_describe(choice)} and sampling.response_format both constrain the "
+                              "reply; set one of them")
+    functions = [ToolCalls.Function(name=tool_name(t), parameters=_parameters(t)) for t in offered]
+    max_calls = 1 if choice.mode == ToolChoice.MODE_FUNCTION else MAX_TOOL_CALLS
+    return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=functions, max_calls=max_calls))
+
+
+def _parameters(tool: common_pb2.Tool) -> str:
+    """The tool's parameters schema as JSON text; "" when it has none (any arguments object)."""
+    params = _function(tool).get("parameters")
+    if params is None or isinstance(params, str):
+        return params or ""
+    return json.dumps(params)
+
+
+def check_reply(choice: router_pb2.ToolChoice, calls: list[ToolCall], request_id: str) -> None:
+    """The backstop: a finished reply that broke REQUIRED / FUNCTION is refused rather than returned as if it
+    complied. Decoding enforces both, so only a stop string or stop token id cutting the reply short gets here."""
+    if choice.mode == ToolChoice.MODE_REQUIRED and not calls:
+        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice 'required' but the reply made no complete tool "
+                               "call (decoding enforces it: a stop string or stop token id must have cut it short)")
+    if choice.mode == ToolChoice.MODE_FUNCTION and (len(calls) != 1 or calls[0].name != choice.function_name):
+        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice names {choice.function_name!r} but the reply "
+                               f"called {[c.name for c in calls]} (decoding enforces it: a stop string or stop "
+                               "token id must have cut it short)")
+
+
+def _describe(choice: router_pb2.ToolChoice) -> str:
+    return "'required'" if choice.mode == ToolChoice.MODE_REQUIRED else f"function {choice.function_name!r}"
