@@ -29,6 +29,10 @@ from shard_svc.errors import ConfigError, InvalidRequest
 log = logging.getLogger(__name__)
 
 RESPONSE_FORMAT_KINDS = ("json_object", "json_schema", "regex", "tool_calls")
+# JSON is generated compact (", " and ": " between items, no other whitespace) unless a schema's own "x-guidance"
+# says otherwise: with free whitespace a model can spend its whole max_tokens on spaces and newlines between two
+# keys (a random or weak model does), and one canonical form keeps replies short and comparable.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -
         lines.append(f"call_{i}: {CALL_BEGIN} ({alternatives}) {CALL_END}")
     for k, (_, parameters) in enumerate(functions):
         schema = loads_json(parameters) if parameters else {}
-        lines.append(f"args_{k}: %json {json.dumps({'type': 'object', **schema})}")
+        lines.append(f"args_{k}: %json {json.dumps({'type': 'object', 'x-guidance': JSON_OPTIONS, **schema})}")
     return "\n".join(lines) + "\n"
 
 
@@ -151,7 +155,7 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_lark(tool_calls_grammar(fmt.functions, fmt.max_calls))
         else:
             schema = json.loads(fmt.text) if fmt.kind == "json_schema" else {"type": "object"}
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error or messages:  # a warning is a keyword it would not enforce: refused, never ignored
             raise InvalidRequest(f"request {request_id!r}: response_format {fmt.kind} cannot be enforced: "

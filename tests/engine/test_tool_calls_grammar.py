@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from kimiserve.kimi_chat import CALL_BEGIN, SECTION_BEGIN, SECTION_END, parse_tool_calls
-from shard_svc.engine.grammar import Grammars, ResponseFormat, tool_calls_grammar
+from shard_svc.engine.grammar import JSON_OPTIONS, Grammars, ResponseFormat, tool_calls_grammar
 from shard_svc.errors import InvalidRequest
 from tokenizer_svc.tiny import write_tiny_tokenizer
 
@@ -54,7 +54,7 @@ def test_grammar_text_numbers_each_call_and_embeds_each_schema():
     assert lark.splitlines()[0] == f"start: {SECTION_BEGIN} calls_0 {SECTION_END}"
     assert '"functions.get_weather:0"' in lark and '"functions.ping:1"' in lark and ":2" not in lark
     assert "calls_1?" in lark and "calls_2" not in lark  # at most two calls
-    assert f"args_0: %json {json.dumps(WEATHER)}" in lark
+    assert f"args_0: %json {json.dumps({'type': 'object', 'x-guidance': JSON_OPTIONS, **WEATHER})}" in lark
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -103,3 +103,17 @@ def test_a_schema_keyword_the_engine_cannot_enforce_is_refused(grammars):
     remote = json.dumps({"$ref": "https://example.com/schema.json"})
     with pytest.raises(InvalidRequest, match="cannot be enforced|tool_calls"):
         grammars.compile(ResponseFormat("tool_calls", functions=(("f", remote),), max_calls=1), "remote-ref")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_json_is_compact_unless_the_schema_asks_for_free_whitespace(grammars, seed):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    text = walk(grammars, ResponseFormat("json_schema", json.dumps(schema)), seed, limit=40)
+    assert text in {f'{{"ok": {b}, "n": {n}}}' for b in ("true", "false") for n in range(10)}, text
+    free = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    matcher = grammars.compile(ResponseFormat("json_schema", json.dumps(free)), "free")
+    assert matcher.consume_tokens(grammars.tokenizer.tokenize_str('{ \n "ok"'))  # the schema's own choice wins
+    compact = grammars.compile(ResponseFormat("json_schema", json.dumps(schema)), "compact")
+    assert not compact.consume_tokens(grammars.tokenizer.tokenize_str('{ \n "ok"'))
