@@ -1,13 +1,16 @@
 """The prefix cache is exact: every request gives the tokens an engine without a cache gives (float32, both model
 families), at every boundary: a prefix equal to an entry, one token shorter or longer, ending inside a KV block or
 on its edge, a whole prompt cached (max_tokens=1 too), interval snapshots inside a chunked prefill, the next turn of
-a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read."""
+a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read. With the host
+tier: hits that come back from the host (as a prefix and whole), an entry dropped from the host (never read again),
+an admission that pushes its own hit to the host, and the host bytes accounted exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
 from tests.engine.conftest import k3_config, linear_config, make_engine
 
@@ -153,3 +156,79 @@ def test_a_snapshot_with_every_slot_taken_evicts_instead_of_failing():
         cached.step()
     for rid, p in prompts.items():
         assert seqs[rid].output == _run(plain, p, rid, max_tokens=5)[0], rid
+
+
+# -- host tier (--prefix-host-entries) ------------------------------------------------------------------------------
+
+def _host_bytes(engine, length: int) -> int:
+    """What one host entry of `length` tokens must hold: a state slot, every KV block of the prefix, a logits row."""
+    kv = engine.runner.kv_cache.kv
+    block = kv[:, 0].numel() * kv.element_size()
+    return (engine.runner.kda_pool.bytes_per_slot + -(-length // BLOCK) * block
+            + engine.cfg.vocab_size * 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hit_from_the_host_tier_equals_no_cache(family):
+    """One device entry, two on the host: an evicted prompt comes back from the host as a prefix (a longer prompt)
+    and whole (its first token drawn from the host logits row, greedy and seeded), tokens as without a cache."""
+    cached, plain = _engines(FAMILIES[family], entries=1, prefix_host_entries=2)
+    cache = cached.prefix_cache
+    a, b = _prompt(37, 11), _prompt(21, 12)
+    _run(cached, a, "a", max_tokens=1)  # max_tokens=1: the finish adds no entry (prompt-end entry covers it)
+    _run(cached, b, "b", max_tokens=1)  # `a` goes to the host
+    assert (len(cache), cache.host_entries) == (1, 1)
+    assert cache.host_bytes == _host_bytes(cached, 37)
+    longer = a + _prompt(9, 13)
+    got, hit = _run(cached, longer, "longer")
+    assert (got, hit) == (_run(plain, longer, "longer")[0], 37)
+    assert cache.stats.host_hit_tokens == 37
+    for rid, kw in (("whole-greedy", dict(max_tokens=1)), ("whole-seeded", dict(temperature=0.8, seed=5))):
+        c2, p2 = _engines(FAMILIES[family], entries=1, prefix_host_entries=2)
+        _run(c2, a, "a", max_tokens=1)
+        _run(c2, b, "b", max_tokens=1)
+        got, hit = _run(c2, a, rid, **kw)
+        assert (got, hit) == (_run(p2, a, rid, **kw)[0], 37), rid
+        assert c2.prefix_cache.stats.host_hit_tokens == 37
+        _pools_settle(c2)
+    _pools_settle(cached)
+    assert cache.host_entries == 0 and cache.host_bytes == 0
+
+
+def test_an_entry_dropped_from_the_host_tier_is_gone_for_good():
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=1, prefix_host_entries=1)
+    cache = cached.prefix_cache
+    first, second, third = _prompt(33, 14), _prompt(40, 15), _prompt(18, 16)
+    _run(cached, first, "first", max_tokens=1)
+    _run(cached, second, "second", max_tokens=1)  # `first` to the host
+    dropped = cache.lookup(first)
+    assert cache.host_entries == 1 and dropped is not None and not cache.shared_blocks(dropped)
+    _run(cached, third, "third", max_tokens=1)  # `second` to the host: `first` is dropped from it
+    assert cache.lookup(first) is None and cache.stats.host_evictions == 1 and cache.stats.evictions == 2
+    assert cache.host_entries == 1 and cache.host_bytes == _host_bytes(cached, 40)
+    for t in (dropped.recurrent, dropped.conv, dropped.kv, dropped.logits):
+        t.fill_(float("nan"))  # what a read of the dropped entry would see
+    got, hit = _run(cached, first, "again")
+    assert hit == 0 and got == _run(plain, first, "again")[0]
+    assert cache.stats.host_hit_tokens == 0
+    _pools_settle(cached)
+
+
+def test_an_admission_that_evicts_its_own_hit_restores_it_from_the_host():
+    """The hit's device entry must give its blocks back for the admission: it goes to the host, and the sequence
+    restores it from there (into fresh blocks of its own) instead of prefilling the prefix again."""
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=4, blocks=24, prefix_host_entries=4)
+    head = _prompt(60, 17)  # 4 blocks: 3 full (shared by a device hit) and one partial
+    _run(cached, head, "head", max_tokens=1)
+    for i in range(2):
+        _run(cached, _prompt(40, 18 + i), f"fill-{i}", max_tokens=1)
+    long = head + _prompt(300, 20)  # 360 + 10 tokens: 24 blocks, the whole cache; 21 with the hit's 3 shared
+    got, hit = _run(cached, long, "long", max_tokens=10)
+    assert hit == 60 and cached.prefix_cache.stats.host_hit_tokens == 60
+    assert got == _run(plain, long, "long", max_tokens=10)[0]
+    _pools_settle(cached)
+
+
+def test_a_host_tier_without_the_prefix_cache_is_refused():
+    with pytest.raises(PrefixHostConfigError, match="3 entries needs the prefix cache on"):
+        make_engine(FAMILIES["kimi_linear"], prefix_host_entries=3)
