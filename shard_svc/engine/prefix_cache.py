@@ -79,16 +79,24 @@ class _LRUIndex:
             return entry
         return None
 
-    def add(self, key: tuple, entry) -> None:
+    def add(self, key: tuple, entry):
+        """Adds `entry` as the most recently used; returns the entry it displaced (other tokens under the same key:
+        a hash collision), now out of the index, for the caller to free, or None."""
+        displaced = self._remove(key) if key in self.entries else None
         self.entries[key] = entry
         self.lengths[entry.length] = self.lengths.get(entry.length, 0) + 1
+        return displaced
 
     def pop_oldest(self) -> tuple[tuple, CachedPrefix | HostPrefix]:
-        key, entry = self.entries.popitem(last=False)
+        key = next(iter(self.entries))
+        return key, self._remove(key)
+
+    def _remove(self, key: tuple):
+        entry = self.entries.pop(key)
         self.lengths[entry.length] -= 1
         if not self.lengths[entry.length]:
             del self.lengths[entry.length]
-        return key, entry
+        return entry
 
     def holds(self, entry) -> bool:
         return any(e is entry for e in self.entries.values())
@@ -224,8 +232,15 @@ class PrefixCache:
         entry_owner = self._next_owner()
         self.blocks.share(entry_owner, self.blocks.table(owner)[:self.blocks.blocks_for(len(tokens))], cache=True)
         entry = CachedPrefix(list(tokens), slot, entry_owner, logits.detach().float().clone())
-        self._device.add(self._full_key(tokens), entry)
+        displaced = self._device.add(self._full_key(tokens), entry)
+        if displaced is not None:
+            self._free(displaced)
         self.stats.inserted += 1
+
+    def _free(self, entry: CachedPrefix) -> None:
+        """A device entry already out of the index: its slot and blocks back to the pools."""
+        self.slots.free(entry.slot)
+        self.blocks.release(entry.owner)
 
     # -- eviction ----------------------------------------------------------------------------------------------------
     def evict_one(self) -> bool:
@@ -236,8 +251,7 @@ class PrefixCache:
         key, entry = self._device.pop_oldest()
         if self.host is not None:
             self._to_host(key, entry)
-        self.slots.free(entry.slot)
-        self.blocks.release(entry.owner)
+        self._free(entry)
         self.stats.evictions += 1
         return True
 
@@ -251,16 +265,16 @@ class PrefixCache:
             self.host.dropped(old)
             self.stats.host_evictions += 1
         saved = self.host.save(entry.tokens, entry.slot, self.blocks.table(entry.owner), entry.logits)
-        self._host.add(key, saved)
+        displaced = self._host.add(key, saved)
+        if displaced is not None:
+            self.host.dropped(displaced)
         log.debug("prefix moved to host", extra={"tokens": entry.length, "host_entries": len(self._host),
                                                  "host_bytes": self.host.nbytes})
 
     def clear(self) -> None:
         """Drops every entry of both tiers; nothing is copied."""
         while self._device:
-            _, entry = self._device.pop_oldest()
-            self.slots.free(entry.slot)
-            self.blocks.release(entry.owner)
+            self._free(self._device.pop_oldest()[1])
         while self._host:
             self.host.dropped(self._host.pop_oldest()[1])
 

@@ -232,3 +232,19 @@ def test_an_admission_that_evicts_its_own_hit_restores_it_from_the_host():
 def test_a_host_tier_without_the_prefix_cache_is_refused():
     with pytest.raises(PrefixHostConfigError, match="3 entries needs the prefix cache on"):
         make_engine(FAMILIES["kimi_linear"], prefix_host_entries=3)
+
+
+def test_a_hash_collision_displaces_the_old_entry_and_frees_its_slot_and_blocks(monkeypatch):
+    """Every block chain made to hash alike: two prompts of one length with the same tail share a key. The second
+    entry displaces the first (whose slot and blocks go back to the pools), and the first is never restored."""
+    import shard_svc.engine.prefix_cache as prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "hash", lambda _: 0, raising=False)
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=4)
+    first, second = _prompt(32, 21), _prompt(32, 22)  # two full blocks each, no tail: the same key
+    _run(cached, first, "first", max_tokens=1)
+    _run(cached, second, "second", max_tokens=1)
+    assert len(cached.prefix_cache) == 1 and cached.prefix_cache.lookup(first) is None
+    got, hit = _run(cached, first, "again", max_tokens=3)
+    assert hit == 0 and got == _run(plain, first, "again", max_tokens=3)[0]
+    _pools_settle(cached)
