@@ -3,16 +3,23 @@ families), at every boundary: a prefix equal to an entry, one token shorter or l
 on its edge, a whole prompt cached (max_tokens=1 too), interval snapshots inside a chunked prefill, the next turn of
 a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read. With the host
 tier: hits that come back from the host (as a prefix and whole), an entry dropped from the host (never read again),
-an admission that pushes its own hit to the host, and the host bytes accounted exactly."""
+an admission that pushes its own hit to the host, and the host bytes accounted exactly. Combined once each with
+K3's block attention residuals (FAMILIES), weight streaming and host KV offload."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
+from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
-from tests.engine.conftest import k3_config, linear_config, make_engine
+from shard_svc.ops import select_ops
+from shard_svc.streaming import HostKVProfile, StreamingMetrics
+from tests.engine.conftest import k3_config, linear_config, make_engine, random_model
+
+CPU = torch.device("cpu")
 
 BLOCK = 16
 FAMILIES = {"kimi_linear": linear_config(), "kimi_k3": k3_config(layers=5)}
@@ -248,3 +255,61 @@ def test_a_hash_collision_displaces_the_old_entry_and_frees_its_slot_and_blocks(
     got, hit = _run(cached, first, "again", max_tokens=3)
     assert hit == 0 and got == _run(plain, first, "again", max_tokens=3)[0]
     _pools_settle(cached)
+
+
+# -- with the other memory features: weight streaming, host KV offload (K3 is in FAMILIES above) --------------------
+
+def test_streamed_weights_with_the_cache_and_its_host_tier():
+    """Layers streamed from host memory through the device ring: hits from the host tier and from the device give
+    the tokens of resident weights without a cache."""
+    from shard_svc.streaming import StreamOptions, WeightStreamer
+    from shard_svc.streaming.host import HostWeights
+
+    raw = FAMILIES["kimi_linear"]
+    cfg, model = random_model(raw, seed=0)
+    engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU,
+                    EngineConfig(num_state_slots=4, num_kv_blocks=96, kv_block_size=BLOCK, prefill_token_budget=64,
+                                 prefix_cache_entries=1, prefix_host_entries=2))
+    streamer = WeightStreamer(cfg, model, HostWeights.from_model(cfg, model), CPU, StreamOptions(prefetch_depth=2))
+    streamer.attach(engine.runner)
+    plain = make_engine(raw, num_state_slots=4, num_kv_blocks=96, kv_block_size=BLOCK, prefill_token_budget=64)
+    a, b = _prompt(37, 23), _prompt(21, 24)
+    _run(engine, a, "a", max_tokens=1)
+    _run(engine, b, "b", max_tokens=1)  # `a` to the host
+    longer = a + _prompt(9, 25)
+    out, hit = _run(engine, longer, "longer")
+    assert (out, hit) == (_run(plain, longer, "longer")[0], 37)  # from the host tier
+    turn2 = longer + out + _prompt(5, 26)
+    assert _run(engine, turn2, "turn2") == (_run(plain, turn2, "turn2")[0], 46 + 6 - 1)  # the finished conversation
+    assert engine.prefix_cache.stats.host_hit_tokens == 37 and streamer.last_pass.bytes > 0
+    _pools_settle(engine)
+
+
+def test_host_kv_offload_with_prefix_hits_from_the_host_tier():
+    """A device KV cache of 12 blocks of 4 tokens and host pages for the rest: four sequences restoring one cached
+    prefix from the host tier (each into fresh blocks), run together while whole sequences' KV moves to the host
+    and back; tokens as a big cache without a prefix cache."""
+    bs = 4
+    cfg, model = random_model(FAMILIES["kimi_linear"], seed=1)
+    page = HostKVProfile.from_config(cfg).page_bytes(bs, torch.float32)
+    registry = CollectorRegistry()
+    engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU,
+                    EngineConfig(num_state_slots=4, num_kv_blocks=12, kv_block_size=bs, host_kv_bytes=23 * page,
+                                 prefix_cache_entries=1, prefix_host_entries=8),
+                    kv_metrics=StreamingMetrics(registry, "kv"))
+    plain = make_engine(FAMILIES["kimi_linear"], seed=1, num_state_slots=4, num_kv_blocks=64, kv_block_size=bs)
+    head = _prompt(10, 27)
+    _run(engine, head, "head", max_tokens=1)
+    _run(engine, _prompt(9, 28), "other", max_tokens=1)  # `head` to the host
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = {f"r{i}": head + _prompt(3 + i % 3, 30 + i) for i in range(4)}
+    seqs = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
+    while engine.has_work():
+        engine.step()
+    for rid, p in prompts.items():
+        assert (seqs[rid].output, seqs[rid].cached_tokens) == (_run(plain, p, rid, max_tokens=8)[0], 10), rid
+    offloaded = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
+    assert offloaded and offloaded == registry.get_sample_value("kimiserve_kv_pages_restored_total",
+                                                                {"shard": "kv", "rank": "0"})
+    assert engine.prefix_cache.stats.host_hit_tokens == 40
+    _pools_settle(engine)
