@@ -20,8 +20,9 @@ instead of dropped, within its own LRU bound, and a hit there is copied back int
 
 Lookup hashes the prompt block by block (a chain: each block's hash covers every block before it), then tries
 the entry lengths longest first (on the device, then on the host), comparing the whole token list on a hash hit:
-a collision can never restore another prompt's state. Every decision depends only on the token lists and counts,
-never on byte sizes or timing, so every rank of a shard group makes the same ones.
+a collision can never restore another prompt's state (two prompts under one key: the newer entry displaces the older,
+whose slot and blocks are freed). Every decision depends only on the token lists and counts, never on byte sizes or
+timing (and hash() of int tuples is not salted per process), so every rank of a shard group makes the same ones.
 """
 
 from __future__ import annotations
