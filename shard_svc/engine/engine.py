@@ -10,6 +10,7 @@ import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.prefix_cache import PrefixCache
+from shard_svc.engine.prefix_host import PrefixHostConfigError, PrefixHostTier
 from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
@@ -39,6 +40,9 @@ class EngineConfig:
     # plus shared KV blocks); 0: off. Interval: also snapshot a chunked prefill every this many tokens (0: never).
     prefix_cache_entries: int = 0
     prefix_state_interval: int = 0
+    # Host tier of the prefix cache (shard_svc/engine/prefix_host.py): entries evicted from the device kept in host
+    # memory, at most this many; 0: off (evicted entries are dropped).
+    prefix_host_entries: int = 0
 
 
 @dataclass(frozen=True)
@@ -91,9 +95,14 @@ class Engine:
         self.kv_offload = (HostKVOffload.for_budget(self.runner.kv_cache, cfg, engine_cfg.host_kv_bytes, kv_metrics)
                            if engine_cfg.host_kv_bytes else None)
         pools = self.runner
+        if engine_cfg.prefix_host_entries and not engine_cfg.prefix_cache_entries:
+            raise PrefixHostConfigError(f"a prefix cache host tier of {engine_cfg.prefix_host_entries} entries needs the prefix "
+                             "cache on (prefix_cache_entries > 0): only device entries are evicted to the host")
+        host = (PrefixHostTier(pools.kda_pool, pools.kv_cache, engine_cfg.prefix_host_entries)
+                if engine_cfg.prefix_host_entries else None)
         self.prefix_cache = (PrefixCache(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.prefix_cache_entries,
                                          engine_cfg.prefix_state_interval, pools.kda_pool.copy_slot,
-                                         pools.kv_cache.copy_block)
+                                         pools.kv_cache.copy_block, host)
                              if engine_cfg.prefix_cache_entries else None)
         self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots,
                                    engine_cfg.prefill_token_budget, self.kv_offload, self.prefix_cache)

@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from shard_svc.engine.prefix_cache import CachedPrefix, PrefixCache
+from shard_svc.engine.prefix_host import HostPrefix
 from shard_svc.engine.sequence import Sequence, SeqStatus
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
 
@@ -86,7 +87,8 @@ class Scheduler:
             need = self._need(seq, hit)
             while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
                     self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least recent first
-                hit = hit if hit is not None and self.prefix_cache.holds(hit) else None
+                if hit is not None and not self.prefix_cache.holds(hit):  # evicted: to the host tier, or gone
+                    hit = self.prefix_cache.lookup(seq.prompt)
                 need = self._need(seq, hit)
             if need > self.blocks.num_free - promised and not self._fits_with_host(seq):
                 break  # FIFO: a large request is not overtaken forever by small ones
@@ -99,21 +101,22 @@ class Scheduler:
             promised += need
             self.running.append(seq)
 
-    def _need(self, seq: Sequence, hit: CachedPrefix | None) -> int:
+    def _need(self, seq: Sequence, hit: CachedPrefix | HostPrefix | None) -> int:
         """New blocks the sequence's whole promise takes: a cached prefix's full blocks are shared, not taken."""
-        shared = hit.length // self.blocks.block_size if hit is not None else 0
+        shared = self.prefix_cache.shared_blocks(hit) if hit is not None else 0
         return self.blocks.blocks_for(seq.max_total_tokens) - shared
 
-    def _restore_prefix(self, seq: Sequence, hit: CachedPrefix | None) -> None:
+    def _restore_prefix(self, seq: Sequence, hit: CachedPrefix | HostPrefix | None) -> None:
         self.prefix_cache.count_query(len(seq.prompt), hit.length if hit is not None else 0)
         if hit is None:
             return
-        self.prefix_cache.restore(hit, seq.request_id, seq.slot)
+        logits = self.prefix_cache.restore(hit, seq.request_id, seq.slot)
         seq.num_computed = seq.cached_tokens = hit.length
         if hit.length == len(seq.prompt):
-            seq.cached_logits = hit.logits  # the whole prompt is cached: its first token needs no pass
+            seq.cached_logits = logits  # the whole prompt is cached: its first token needs no pass
         log.info("prefix restored", extra={"request_id": seq.request_id, "cached_tokens": hit.length,
-                                           "prompt_tokens": len(seq.prompt)})
+                                           "prompt_tokens": len(seq.prompt),
+                                           "tier": "host" if isinstance(hit, HostPrefix) else "device"})
 
     def _fits_with_host(self, seq: Sequence) -> bool:
         """Past the device's promise (host KV offload only): the bound that keeps room on the host for any

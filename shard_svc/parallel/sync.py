@@ -17,6 +17,7 @@ sequences and computes the same schedule. One step, on every rank:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -135,8 +136,11 @@ class StepSync:
 
 
 def _state(engine) -> tuple:
-    """What every rank must agree on after a step: each live sequence's progress, the queue and the free pools."""
-    seqs = tuple((rid, s.num_computed, len(s.output), s.output[-1] if s.output else -1, s.slot, s.status.value)
-                 for rid, s in engine.sequences.items())
-    s = engine.scheduler
-    return seqs, tuple(q.request_id for q in s.waiting), s.slots.num_free, s.blocks.num_free
+    """What every rank must agree on after a step: each live sequence's progress (its cached prompt tokens too), the
+    queue, the free pools, and the prefix cache's decisions (entries per tier, hits, evictions), each rank holding
+    its own shard of every entry's state."""
+    seqs = tuple((rid, s.num_computed, len(s.output), s.output[-1] if s.output else -1, s.slot, s.status.value,
+                  s.cached_tokens) for rid, s in engine.sequences.items())
+    s, cache = engine.scheduler, engine.prefix_cache
+    prefix = None if cache is None else (len(cache), cache.host_entries, dataclasses.astuple(cache.stats))
+    return seqs, tuple(q.request_id for q in s.waiting), s.slots.num_free, s.blocks.num_free, prefix

@@ -239,7 +239,9 @@ class EngineLoop:
                                    load.total_slots, load.total_blocks - load.free_blocks, load.total_blocks)
         cache = self.engine.prefix_cache
         if cache is not None:
-            self.metrics.set_prefix_cache(cache.stats, load.prefix_entries, cache.max_entries, load.prefix_blocks)
+            self.metrics.set_prefix_cache(cache.stats, load.prefix_entries, cache.max_entries, load.prefix_blocks,
+                                          cache.host_entries, cache.host.max_entries if cache.host else 0,
+                                          cache.host_bytes)
 
     def _fail(self, error: Exception) -> None:
         """Every live request ends with the failure and its usage so far; the fatal hooks stop the shard."""

@@ -85,6 +85,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also cache the state every this many tokens of a chunked prefill (at the first pass "
                         "boundary past each multiple), so prompts sharing only the start of a long one hit. "
                         "A multiple of 64; 0: only at prompt ends and finishes")
+    p.add_argument("--prefix-host-entries", type=int, default=0,
+                   help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
+                        "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "
+                        "most this many (least recently used dropped first), and a hit there is copied back before "
+                        "the request's prefill. Each holds a state slot's bytes plus its prefix's KV. 0 (default): off")
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
@@ -103,10 +108,15 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     if args.prefix_cache_entries < 0 or args.prefix_state_interval < 0 or args.prefix_state_interval % 64:
         raise SystemExit(f"--prefix-cache-entries must be >= 0 (got {args.prefix_cache_entries}) and "
                          f"--prefix-state-interval a multiple of 64 (got {args.prefix_state_interval})")
+    if args.prefix_host_entries < 0 or (args.prefix_host_entries and not args.prefix_cache_entries):
+        raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
+                         f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "
+                         "evicted from the device cache")
     engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
                           args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
                           prefix_cache_entries=args.prefix_cache_entries,
-                          prefix_state_interval=args.prefix_state_interval)
+                          prefix_state_interval=args.prefix_state_interval,
+                          prefix_host_entries=args.prefix_host_entries)
     return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
                              args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
                              args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,

@@ -78,8 +78,19 @@ class ShardMetrics:
                                           "Prefix cache entries the shard keeps at most", **kw)
         self.prefix_blocks = Gauge("kimiserve_shard_prefix_cache_kv_blocks",
                                    "KV blocks only the prefix cache holds (admissions reclaim them)", **kw)
+        self.prefix_host_hit = Counter("kimiserve_shard_prefix_cache_host_hit_tokens",
+                                       "Prompt tokens restored from the prefix cache's host tier (part of the hit "
+                                       "tokens)", **kw)
+        self.prefix_host_evictions = Counter("kimiserve_shard_prefix_cache_host_evictions",
+                                             "Entries dropped from the prefix cache's host tier (gone for good)", **kw)
+        self.prefix_host_entries = Gauge("kimiserve_shard_prefix_cache_host_entries",
+                                         "Prefix cache entries held in host memory", **kw)
+        self.prefix_host_entries_total = Gauge("kimiserve_shard_prefix_cache_host_entries_total",
+                                               "Prefix cache entries the host tier keeps at most (0: off)", **kw)
+        self.prefix_host_bytes = Gauge("kimiserve_shard_prefix_cache_host_bytes",
+                                       "Host memory the prefix cache's host entries hold", **kw)
         self.labels = {"shard": shard, "rank": str(rank)}
-        self._prefix_seen = (0, 0, 0)
+        self._prefix_seen = (0, 0, 0, 0, 0)
 
     def observe_pass(self, p: PassRecord, count_tokens: bool = True) -> None:
         """Under the rank that ran the pass. count_tokens: add to the token counters, which are group facts that
@@ -122,14 +133,19 @@ class ShardMetrics:
     def sequence_finished(self, reason: str) -> None:
         self.finished.labels(reason=reason, **self.labels).inc()
 
-    def set_prefix_cache(self, stats, entries: int, max_entries: int, blocks: int) -> None:
-        """stats: the cache's running totals (PrefixCacheStats); the counters advance by what is new since last."""
-        now = (stats.queried_tokens, stats.hit_tokens, stats.evictions)
-        for counter, new, old in zip((self.prefix_queried, self.prefix_hit, self.prefix_evictions), now,
-                                     self._prefix_seen):
+    def set_prefix_cache(self, stats, entries: int, max_entries: int, blocks: int, host_entries: int = 0,
+                         max_host_entries: int = 0, host_bytes: int = 0) -> None:
+        """stats: the cache's running totals (PrefixCacheStats); the counters advance by what is new since last.
+        The host tier's series are exported with the cache, at 0 while the tier is off."""
+        now = (stats.queried_tokens, stats.hit_tokens, stats.evictions, stats.host_hit_tokens, stats.host_evictions)
+        counters = (self.prefix_queried, self.prefix_hit, self.prefix_evictions, self.prefix_host_hit,
+                    self.prefix_host_evictions)
+        for counter, new, old in zip(counters, now, self._prefix_seen):
             # Touched even without an increase: with the cache on, no hit is a real 0 (the hit rate is 0, not absent).
             counter.labels(**self.labels).inc(new - old)
         self._prefix_seen = now
-        self.prefix_entries.labels(**self.labels).set(entries)
-        self.prefix_entries_total.labels(**self.labels).set(max_entries)
-        self.prefix_blocks.labels(**self.labels).set(blocks)
+        for gauge, value in ((self.prefix_entries, entries), (self.prefix_entries_total, max_entries),
+                             (self.prefix_blocks, blocks), (self.prefix_host_entries, host_entries),
+                             (self.prefix_host_entries_total, max_host_entries),
+                             (self.prefix_host_bytes, host_bytes)):
+            gauge.labels(**self.labels).set(value)

@@ -3,7 +3,8 @@ container's command as a local process (only addresses, ports and the Secret mou
 checks its gRPC probes the way kubelet runs them, sends traffic over TLS with an API key, and has a real Prometheus
 scrape the stack. Every dashboard panel expression must return data; every alert rule must evaluate without error.
 One shard runs the chart rendered with weight streaming and host KV offload (`shard.weights.*`, `shard.hostKvGb`), so
-the streaming panels and alerts are evaluated over a real streaming shard's series too.
+the streaming panels and alerts are evaluated over a real streaming shard's series too; the other shard runs a
+prefix cache with a host tier, so its panels are evaluated over entries that really moved to the host.
 
 Also over the running stack: API keys (missing / wrong → UNAUTHENTICATED, never logged, rotated live), TLS on the
 public port, mTLS between router, tokenizer and shards (no client cert or a rogue CA's → refused), and discovery
@@ -54,6 +55,9 @@ PROBES = ("startupProbe", "livenessProbe", "readinessProbe")
 # entries' blocks are evicted before any sequence is offloaded, which made whether this traffic ever offloads depend
 # on timing.
 STREAMING_SHARD = "shard-0"
+# The resident shard keeps 2 prefix cache entries on the device and 8 in its host tier, so the traffic's distinct
+# prompts push entries to the host and the host tier's panels are evaluated over real series.
+RESIDENT_VALUES = ("--set-json", 'shard.extraArgs=["--prefix-cache-entries", "2", "--prefix-host-entries", "8"]')
 STREAMING_VALUES = ("--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=2",
                     "--set", "shard.weights.slots=4", "--set-json", "shard.weights.pinnedMemoryGb=0.5",
                     "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4", "--set", "shard.numKvBlocks=18",
@@ -185,7 +189,7 @@ def stack(helm_bin, tmp_path_factory):
                 "tokenizer.metricsPort", "tokenizer.healthPort", "shard.port", "shard.metricsPort", "shard.healthPort"):
         values[key] = str(free_port())
     args = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
-    docs = helm_template(helm_bin, *args)
+    docs = helm_template(helm_bin, *args, *RESIDENT_VALUES)
     containers = {c: find(docs, kind, f"-{c}")["spec"]["template"]["spec"]["containers"][0]
                   for c, kind in (("router", "Deployment"), ("tokenizer", "Deployment"), ("shard", "StatefulSet"))}
     streaming = find(helm_template(helm_bin, *args, *STREAMING_VALUES), "StatefulSet", "-shard")
@@ -422,6 +426,16 @@ def test_the_streaming_shard_streams_weights_and_moves_kv_pages(traffic):
     assert _by_shard(url, "kimiserve_kv_pages_restored_total") == offloaded
     assert _by_shard(url, "kimiserve_kv_host_pages") == {STREAMING_SHARD: 0}
     assert set(_by_shard(url, "kimiserve_stream_copy_seconds_count")) == {STREAMING_SHARD}
+
+
+def test_the_resident_shard_moves_prefix_cache_entries_to_its_host_tier(traffic):
+    """The host tier panels' data is real: the resident shard evicted device entries into its host tier, which holds
+    them in host memory; the streaming shard (no prefix cache) exports none of the prefix cache series."""
+    url, resident = traffic.prometheus, "shard-1"
+    assert _by_shard(url, "kimiserve_shard_prefix_cache_host_entries_total") == {resident: 8}
+    assert _by_shard(url, "kimiserve_shard_prefix_cache_evictions_total")[resident] > 0
+    assert 0 < _by_shard(url, "kimiserve_shard_prefix_cache_host_entries")[resident] <= 8
+    assert _by_shard(url, "kimiserve_shard_prefix_cache_host_bytes")[resident] > 0
 
 
 def test_streaming_alert_measures_return_data(traffic):

@@ -1,15 +1,25 @@
 """The prefix cache is exact: every request gives the tokens an engine without a cache gives (float32, both model
 families), at every boundary: a prefix equal to an entry, one token shorter or longer, ending inside a KV block or
 on its edge, a whole prompt cached (max_tokens=1 too), interval snapshots inside a chunked prefill, the next turn of
-a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read."""
+a conversation, sequences sharing blocks while their entry is evicted; an evicted entry is never read. With the host
+tier: hits that come back from the host (as a prefix and whole), an entry dropped from the host (never read again),
+an admission that pushes its own hit to the host, and the host bytes accounted exactly. Combined once each with
+K3's block attention residuals (FAMILIES), weight streaming and host KV offload."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
-from tests.engine.conftest import k3_config, linear_config, make_engine
+from shard_svc.ops import select_ops
+from shard_svc.streaming import HostKVProfile, StreamingMetrics
+from tests.engine.conftest import k3_config, linear_config, make_engine, random_model
+
+CPU = torch.device("cpu")
 
 BLOCK = 16
 FAMILIES = {"kimi_linear": linear_config(), "kimi_k3": k3_config(layers=5)}
@@ -153,3 +163,153 @@ def test_a_snapshot_with_every_slot_taken_evicts_instead_of_failing():
         cached.step()
     for rid, p in prompts.items():
         assert seqs[rid].output == _run(plain, p, rid, max_tokens=5)[0], rid
+
+
+# -- host tier (--prefix-host-entries) ------------------------------------------------------------------------------
+
+def _host_bytes(engine, length: int) -> int:
+    """What one host entry of `length` tokens must hold: a state slot, every KV block of the prefix, a logits row."""
+    kv = engine.runner.kv_cache.kv
+    block = kv[:, 0].numel() * kv.element_size()
+    return (engine.runner.kda_pool.bytes_per_slot + -(-length // BLOCK) * block
+            + engine.cfg.vocab_size * 4)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hit_from_the_host_tier_equals_no_cache(family):
+    """One device entry, two on the host: an evicted prompt comes back from the host as a prefix (a longer prompt)
+    and whole (its first token drawn from the host logits row, greedy and seeded), tokens as without a cache."""
+    cached, plain = _engines(FAMILIES[family], entries=1, prefix_host_entries=2)
+    cache = cached.prefix_cache
+    a, b = _prompt(37, 11), _prompt(21, 12)
+    _run(cached, a, "a", max_tokens=1)  # max_tokens=1: the finish adds no entry (prompt-end entry covers it)
+    _run(cached, b, "b", max_tokens=1)  # `a` goes to the host
+    assert (len(cache), cache.host_entries) == (1, 1)
+    assert cache.host_bytes == _host_bytes(cached, 37)
+    longer = a + _prompt(9, 13)
+    got, hit = _run(cached, longer, "longer")
+    assert (got, hit) == (_run(plain, longer, "longer")[0], 37)
+    assert cache.stats.host_hit_tokens == 37
+    for rid, kw in (("whole-greedy", dict(max_tokens=1)), ("whole-seeded", dict(temperature=0.8, seed=5))):
+        c2, p2 = _engines(FAMILIES[family], entries=1, prefix_host_entries=2)
+        _run(c2, a, "a", max_tokens=1)
+        _run(c2, b, "b", max_tokens=1)
+        got, hit = _run(c2, a, rid, **kw)
+        assert (got, hit) == (_run(p2, a, rid, **kw)[0], 37), rid
+        assert c2.prefix_cache.stats.host_hit_tokens == 37
+        _pools_settle(c2)
+    _pools_settle(cached)
+    assert cache.host_entries == 0 and cache.host_bytes == 0
+
+
+def test_an_entry_dropped_from_the_host_tier_is_gone_for_good():
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=1, prefix_host_entries=1)
+    cache = cached.prefix_cache
+    first, second, third = _prompt(33, 14), _prompt(40, 15), _prompt(18, 16)
+    _run(cached, first, "first", max_tokens=1)
+    _run(cached, second, "second", max_tokens=1)  # `first` to the host
+    dropped = cache.lookup(first)
+    assert cache.host_entries == 1 and dropped is not None and not cache.shared_blocks(dropped)
+    _run(cached, third, "third", max_tokens=1)  # `second` to the host: `first` is dropped from it
+    assert cache.lookup(first) is None and cache.stats.host_evictions == 1 and cache.stats.evictions == 2
+    assert cache.host_entries == 1 and cache.host_bytes == _host_bytes(cached, 40)
+    for t in (dropped.recurrent, dropped.conv, dropped.kv, dropped.logits):
+        t.fill_(float("nan"))  # what a read of the dropped entry would see
+    got, hit = _run(cached, first, "again")
+    assert hit == 0 and got == _run(plain, first, "again")[0]
+    assert cache.stats.host_hit_tokens == 0
+    _pools_settle(cached)
+
+
+def test_an_admission_that_evicts_its_own_hit_restores_it_from_the_host():
+    """The hit's device entry must give its blocks back for the admission: it goes to the host, and the sequence
+    restores it from there (into fresh blocks of its own) instead of prefilling the prefix again."""
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=4, blocks=24, prefix_host_entries=4)
+    head = _prompt(60, 17)  # 4 blocks: 3 full (shared by a device hit) and one partial
+    _run(cached, head, "head", max_tokens=1)
+    for i in range(2):
+        _run(cached, _prompt(40, 18 + i), f"fill-{i}", max_tokens=1)
+    long = head + _prompt(300, 20)  # 360 + 10 tokens: 24 blocks, the whole cache; 21 with the hit's 3 shared
+    got, hit = _run(cached, long, "long", max_tokens=10)
+    assert hit == 60 and cached.prefix_cache.stats.host_hit_tokens == 60
+    assert got == _run(plain, long, "long", max_tokens=10)[0]
+    _pools_settle(cached)
+
+
+def test_a_host_tier_without_the_prefix_cache_is_refused():
+    with pytest.raises(PrefixHostConfigError, match="3 entries needs the prefix cache on"):
+        make_engine(FAMILIES["kimi_linear"], prefix_host_entries=3)
+
+
+def test_a_hash_collision_displaces_the_old_entry_and_frees_its_slot_and_blocks(monkeypatch):
+    """Every block chain made to hash alike: two prompts of one length with the same tail share a key. The second
+    entry displaces the first (whose slot and blocks go back to the pools), and the first is never restored."""
+    import shard_svc.engine.prefix_cache as prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "hash", lambda _: 0, raising=False)
+    cached, plain = _engines(FAMILIES["kimi_linear"], entries=4)
+    first, second = _prompt(32, 21), _prompt(32, 22)  # two full blocks each, no tail: the same key
+    _run(cached, first, "first", max_tokens=1)
+    _run(cached, second, "second", max_tokens=1)
+    assert len(cached.prefix_cache) == 1 and cached.prefix_cache.lookup(first) is None
+    got, hit = _run(cached, first, "again", max_tokens=3)
+    assert hit == 0 and got == _run(plain, first, "again", max_tokens=3)[0]
+    _pools_settle(cached)
+
+
+# -- with the other memory features: weight streaming, host KV offload (K3 is in FAMILIES above) --------------------
+
+def test_streamed_weights_with_the_cache_and_its_host_tier():
+    """Layers streamed from host memory through the device ring: hits from the host tier and from the device give
+    the tokens of resident weights without a cache."""
+    from shard_svc.streaming import StreamOptions, WeightStreamer
+    from shard_svc.streaming.host import HostWeights
+
+    raw = FAMILIES["kimi_linear"]
+    cfg, model = random_model(raw, seed=0)
+    engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU,
+                    EngineConfig(num_state_slots=4, num_kv_blocks=96, kv_block_size=BLOCK, prefill_token_budget=64,
+                                 prefix_cache_entries=1, prefix_host_entries=2))
+    streamer = WeightStreamer(cfg, model, HostWeights.from_model(cfg, model), CPU, StreamOptions(prefetch_depth=2))
+    streamer.attach(engine.runner)
+    plain = make_engine(raw, num_state_slots=4, num_kv_blocks=96, kv_block_size=BLOCK, prefill_token_budget=64)
+    a, b = _prompt(37, 23), _prompt(21, 24)
+    _run(engine, a, "a", max_tokens=1)
+    _run(engine, b, "b", max_tokens=1)  # `a` to the host
+    longer = a + _prompt(9, 25)
+    out, hit = _run(engine, longer, "longer")
+    assert (out, hit) == (_run(plain, longer, "longer")[0], 37)  # from the host tier
+    turn2 = longer + out + _prompt(5, 26)
+    assert _run(engine, turn2, "turn2") == (_run(plain, turn2, "turn2")[0], 46 + 6 - 1)  # the finished conversation
+    assert engine.prefix_cache.stats.host_hit_tokens == 37 and streamer.last_pass.bytes > 0
+    _pools_settle(engine)
+
+
+def test_host_kv_offload_with_prefix_hits_from_the_host_tier():
+    """A device KV cache of 12 blocks of 4 tokens and host pages for the rest: four sequences restoring one cached
+    prefix from the host tier (each into fresh blocks), run together while whole sequences' KV moves to the host
+    and back; tokens as a big cache without a prefix cache."""
+    bs = 4
+    cfg, model = random_model(FAMILIES["kimi_linear"], seed=1)
+    page = HostKVProfile.from_config(cfg).page_bytes(bs, torch.float32)
+    registry = CollectorRegistry()
+    engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU,
+                    EngineConfig(num_state_slots=4, num_kv_blocks=12, kv_block_size=bs, host_kv_bytes=23 * page,
+                                 prefix_cache_entries=1, prefix_host_entries=8),
+                    kv_metrics=StreamingMetrics(registry, "kv"))
+    plain = make_engine(FAMILIES["kimi_linear"], seed=1, num_state_slots=4, num_kv_blocks=64, kv_block_size=bs)
+    head = _prompt(10, 27)
+    _run(engine, head, "head", max_tokens=1)
+    _run(engine, _prompt(9, 28), "other", max_tokens=1)  # `head` to the host
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = {f"r{i}": head + _prompt(3 + i % 3, 30 + i) for i in range(4)}
+    seqs = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
+    while engine.has_work():
+        engine.step()
+    for rid, p in prompts.items():
+        assert (seqs[rid].output, seqs[rid].cached_tokens) == (_run(plain, p, rid, max_tokens=8)[0], 10), rid
+    offloaded = registry.get_sample_value("kimiserve_kv_pages_offloaded_total", {"shard": "kv", "rank": "0"})
+    assert offloaded and offloaded == registry.get_sample_value("kimiserve_kv_pages_restored_total",
+                                                                {"shard": "kv", "rank": "0"})
+    assert engine.prefix_cache.stats.host_hit_tokens == 40
+    _pools_settle(engine)

@@ -2,12 +2,14 @@
 
 A scenario is a list of requests (added at given steps) and cancels (at given steps), stepped to completion with
 the same step-indexed timing on both sides, so the group and the reference see the same schedule. Rank 0 returns
-both runs' outcomes (tokens, finish reason, usage from the final event, logits); followers return the logits they
-computed, to check every rank holds bitwise the same.
+both runs' outcomes (tokens, finish reason, usage and cached prompt tokens from the final event, logits); followers
+return the logits they computed, to check every rank holds bitwise the same. Every rank also returns its prefix cache's
+entry counts and running totals, which must be the same everywhere.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +40,7 @@ class Case:
     requests: tuple[Request, ...] = ()
     cancels: tuple[tuple[str, int], ...] = ()  # (request id, at step)
     engine: dict = field(default_factory=dict)  # EngineConfig overrides
+    reference_engine: dict | None = None  # EngineConfig overrides of the one-process reference (None: `engine`)
     follower_engine: dict | None = None  # different EngineConfig on followers: provokes a divergence
     load_format: str = "safetensors"  # "dummy": random weights per rank (no reference run)
 
@@ -99,6 +102,7 @@ def _drive(engine: Engine, case: Case) -> dict:
         step += 1
     return {rid: {"tokens": list(s.output), "finish": finals[rid].finish_reason,
                   "usage": (finals[rid].prompt_tokens, finals[rid].completion_tokens),
+                  "cached": finals[rid].cached_tokens,
                   "prompt_logits": torch.cat(s.prompt_logits) if s.prompt_logits else None,
                   "step_logits": torch.cat(s.step_logits) if s.step_logits else None}
             for rid, s in seqs.items()}
@@ -142,7 +146,8 @@ def run_cases(group, cases: list[Case]) -> dict:
         reference = None
         if group.rank == 0 and case.load_format == "safetensors":
             cfg, model = _model(case)
-            reference = _drive(Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(**case.engine)), case)
+            ref_kw = case.engine if case.reference_engine is None else case.reference_engine
+            reference = _drive(Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(**ref_kw)), case)
         cfg, model = _model(case, comm)
         engine_kw = case.engine if group.rank == 0 or case.follower_engine is None else case.follower_engine
         engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(**engine_kw),
@@ -156,5 +161,8 @@ def run_cases(group, cases: list[Case]) -> dict:
         except GroupError as e:
             result = {"error": (type(e).__name__, str(e))}
         result["replicated"] = _replicated_digest(model)
+        cache = engine.prefix_cache
+        result["prefix_cache"] = (None if cache is None else
+                                  (len(cache), cache.host_entries, dataclasses.astuple(cache.stats)))
         out[case.name] = result
     return out
