@@ -67,6 +67,16 @@ def test_native_finds_its_source_in_the_install(installed):
     assert found == site / NATIVE_FILES[2] and found.read_bytes() == (REPO / NATIVE_FILES[2]).read_bytes()
 
 
+def test_up_in_an_install_asks_for_a_model(installed):
+    """models/ belongs to a checkout, not to the image (the chart passes --model): `up` there says so in one line."""
+    _, site = installed
+    out = installed_python(site, "-m", "kimiserve.cli", "up", "--port", "0", "--http-port", "0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("kimiserve up: error: the default model") and "pass --model DIR" in line, line
+    assert str(site) in line  # it looked beside the installed package
+
+
 @pytest.mark.slow
 def test_the_images_prebuild_loads_read_only(installed, tmp_path):
     """The Dockerfile's prebuild command, run on the install; then the runtime's load writes nothing (~90 s: one
