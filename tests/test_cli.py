@@ -1,6 +1,7 @@
 """The `kimiserve` command as a user meets it: every subcommand's --help lists each flag with its default, global
 flags go before or after the subcommand, a user's mistake is one line and exit code 2 (a traceback only with
---debug), and logs are readable text on request and JSON otherwise."""
+--debug), logs are readable text on a terminal or on request and JSON otherwise, and a stack never shares a port
+or a batch database with another (the HTTP port: tests/http/test_up.py)."""
 
 from __future__ import annotations
 
@@ -160,20 +161,6 @@ def test_a_server_refuses_a_port_another_server_holds_even_with_so_reuseport(mod
         out = _cli("tokenizer", "--model", model_dirs["tiny"], "--port", str(port), timeout=60)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr and f"cannot serve on 127.0.0.1:{port}" in out.stderr
-
-
-def test_up_refuses_an_http_port_in_use_before_starting_anything():
-    import socket
-
-    from kimiserve.ports import free_port
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        http_port = taken.getsockname()[1]
-        out = _cli("up", "--port", str(free_port()), "--http-port", str(http_port), timeout=60)
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr and f"HTTP API port 127.0.0.1:{http_port} is not free" in out.stderr
 
 
 def test_two_stacks_get_their_own_state_dir_by_default(tmp_path, monkeypatch):
