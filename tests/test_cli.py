@@ -200,3 +200,16 @@ def test_logs_are_text_on_a_terminal_by_default(tmp_path):
     assert proc.returncode == 0
     last = seen.decode().strip().splitlines()[-1]
     assert " INFO " in last and "make-tiny:" in last and not last.startswith("{")
+
+
+def test_the_readme_puts_kimiserve_on_path_before_using_it():
+    """`make` installs kimiserve into .venv/bin, which is not on PATH: the README activates it before any bare
+    `kimiserve` command of its shell blocks."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shell = "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.S))
+    activate = shell.find(". .venv/bin/activate")
+    bare = re.search(r"(^|[\s(=])kimiserve (?!\S*/)", shell, flags=re.M)
+    assert bare is not None and 0 <= activate < bare.start(), (activate, bare and bare.group(0))
