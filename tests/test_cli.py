@@ -145,7 +145,7 @@ def test_user_mistakes_are_one_line_and_exit_2(model_dirs, args, says):
     assert out.returncode == 2, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     line = out.stderr.strip().splitlines()[-1]
-    assert line.startswith(f"kimiserve {args[0]}: error:") or line.startswith("kimiserve: "), line
+    assert line.startswith((f"kimiserve {args[0]}: error:", "kimiserve: ")), line
     assert says in line and path in line, line
 
 
@@ -209,7 +209,7 @@ def test_the_readme_puts_kimiserve_on_path_before_using_it():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    shell = "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.S))
+    shell = "\n".join(re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL))
     activate = shell.find(". .venv/bin/activate")
-    bare = re.search(r"(^|[\s(=])kimiserve (?!\S*/)", shell, flags=re.M)
+    bare = re.search(r"(^|[\s(=])kimiserve (?!\S*/)", shell, flags=re.MULTILINE)
     assert bare is not None and 0 <= activate < bare.start(), (activate, bare and bare.group(0))
