@@ -52,8 +52,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="batch_command", required=True)
     submit = sub.add_parser("submit", help="create a batch from an OpenAI-format JSONL file; prints its id")
     submit.add_argument("file", type=Path)
-    submit.add_argument("--completion-window", type=_window, default=0, help="e.g. 24h (default), 90m, 30s")
-    submit.add_argument("--max-concurrency", type=int, default=0, help="default: the router's")
+    submit.add_argument("--completion-window", type=_window, default=0,
+                        help="e.g. 24h, 90m, 30s; 0: the router's default (24h)")
+    submit.add_argument("--max-concurrency", type=int, default=0,
+                        help="requests of this batch in flight at once; 0: the router's default")
     submit.add_argument("--metadata", type=_pair, action="append", default=[], help="KEY=VALUE (repeatable)")
     status = sub.add_parser("status", help="print a batch as JSON")
     status.add_argument("batch_id")

@@ -74,19 +74,19 @@ class BenchArgs:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", default="127.0.0.1:50051", help="router address host:port")
     p.add_argument("--concurrency", default="1,16,64",
-                   help="comma-separated levels: requests (or conversations) in flight at once (default: 1,16,64)")
+                   help="comma-separated levels: requests (or conversations) in flight at once")
     p.add_argument("--request-rate", type=float, default=None,
                    help="instead of fixed concurrency: Poisson arrivals at this many requests/s (one level)")
     p.add_argument("--num-prompts", type=int, default=0,
-                   help="requests per level (default: 4x the level's concurrency, at least 8)")
-    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens (default: 1024)")
+                   help="requests per level; 0: 4x the level's concurrency, at least 8")
+    p.add_argument("--input-len", type=int, default=1024, help="prompt tokens")
     p.add_argument("--input-spread", type=float, default=0.0,
-                   help="prompt lengths uniform in input-len x [1 - s, 1 + s] (default: 0, all equal)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (default: 128)")
+                   help="prompt lengths uniform in input-len x [1 - s, 1 + s]; 0: all equal")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
     p.add_argument("--turns", type=int, default=1,
                    help="multi-turn replay: each conversation sends this many requests in order, each with the whole "
-                        "history (previous prompt + reply) plus --turn-len new tokens (default: 1)")
-    p.add_argument("--turn-len", type=int, default=300, help="new user tokens per later turn (default: 300)")
+                        "history (previous prompt + reply) plus --turn-len new tokens")
+    p.add_argument("--turn-len", type=int, default=300, help="new user tokens per later turn")
     p.add_argument("--warmup", type=int, default=2, help="requests sent and discarded before the first level")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request meets the SLO when TTFT <= it")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: ... and TPOT <= it")

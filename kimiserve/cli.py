@@ -20,15 +20,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "up": ("kimiserve.up", "add_args", "run", "start tokenizer, shards and router on localhost"),
     "router": ("router.main", "add_args", "run", "serve the public Router API"),
     "shard": ("shard_svc.server.main", "add_args", "run", "serve one model shard on one device"),
+    "tokenizer": ("tokenizer_svc.main", "add_args", "run", "serve a checkpoint's tokenizer"),
     "chat": ("kimiserve.client", "add_chat_args", "run_chat", "chat with a running router (streams the reply)"),
     "complete": ("kimiserve.client", "add_complete_args", "run_complete", "complete a prompt via the router"),
     "batch": ("kimiserve.batch_cli", "add_args", "run", "submit, inspect, fetch or cancel batch jobs on a router"),
     "bench": ("kimiserve.bench_serve", "add_args", "run",
               "load a running router: concurrency or request-rate sweep, TTFT / TPOT / ITL percentiles, JSON"),
-}
-# Commands that own their whole argument parser: `kimiserve tokenizer ARGS...` calls main(ARGS).
-PASSTHROUGH: dict[str, tuple[str, str]] = {
-    "tokenizer": ("tokenizer_svc.main", "serve a checkpoint's tokenizer"),
 }
 # Errors that mean the user asked for something that cannot be done (module -> class names). Only modules already
 # imported are looked at: an error class of a module the command never loaded cannot have been raised.
@@ -45,9 +42,10 @@ OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, Perm
 
 
 def _shows_default(action: argparse.Action) -> bool:
-    """An option with a default worth printing (0 and 0.0 are; None, a switch's False and SUPPRESS are not)."""
+    """An option with a default worth printing (0 and 0.0 are; None, "", a switch's False and SUPPRESS are not: the
+    help text says what leaving them unset means)."""
     return bool(action.option_strings) and not (action.default is None or action.default is False
-                                                or action.default == argparse.SUPPRESS)
+                                                or action.default in ("", argparse.SUPPRESS))
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
@@ -93,10 +91,18 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsFormatter)
         if name == chosen:
             getattr(importlib.import_module(module), adder)(p)
-            _global_flags(p, defaults=False)
-    for name, (_, help_text) in PASSTHROUGH.items():
-        sub.add_parser(name, help=help_text, add_help=False)
+            _finish(p)
     return parser
+
+
+def _finish(p: argparse.ArgumentParser) -> None:
+    """The global flags and the defaults in --help on a subcommand and on its own subcommands (`batch submit`)."""
+    p.formatter_class = DefaultsFormatter
+    _global_flags(p, defaults=False)
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _finish(nested)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
     follow_parent()  # a child of `kimiserve up` stops when up dies
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in PASSTHROUGH:
-        return importlib.import_module(PASSTHROUGH[argv[0]][0]).main(argv[1:])
     args = build_parser(argv).parse_args(argv)
     from kimiserve.logs import setup_logging
 

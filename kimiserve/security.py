@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from kimiserve.ports import SERVER_OPTIONS
+from kimiserve.ports import SERVER_OPTIONS, PortInUse
 
 log = logging.getLogger(__name__)
 AUTH_HEADER = "authorization"
@@ -82,10 +82,15 @@ def server_tls_from_args(a: argparse.Namespace) -> ServerTls | None:
 
 
 def bind(server, address: str, tls: ServerTls | None) -> int:
-    """Adds a TLS or plaintext port to a sync or aio server; returns the bound port, raising if binding failed."""
-    port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    """Adds a TLS or plaintext port to a sync or aio server; returns the bound port, raising PortInUse if binding
+    failed (grpc returns 0 or raises a bare RuntimeError, depending on its version)."""
+    try:
+        port = server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise OSError(f"cannot bind {address}")
+        raise PortInUse(f"cannot serve on {address}: the port is in use (another kimiserve server?) or the host is "
+                        "not an address of this machine; choose another with --port / --host")
     return port
 
 

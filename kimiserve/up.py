@@ -50,6 +50,10 @@ class DefaultModelMissing(FileNotFoundError):
     """`up` without --model, where the committed default model is not next to the package (e.g. a wheel install)."""
 
 
+class NotAServableModel(FileNotFoundError):
+    """--model is not a checkpoint directory the stack can serve (no config.json, no tokenizer files)."""
+
+
 @dataclass
 class Child:
     name: str  # tokenizer | shard-I | router
@@ -138,6 +142,18 @@ def ensure_default_model() -> Path:
             f"the default model {DEFAULT_MODEL_DIR} is not there (it comes with a source checkout of kimiserve); "
             "pass --model DIR, or write a random tiny one with `kimiserve make-tiny --family kimi_k3 --out DIR`")
     return DEFAULT_MODEL_DIR
+
+
+def check_model_dir(model: Path) -> None:
+    """Refuses, before any child starts, a --model that cannot be served, naming what is missing (a child's failure
+    would say the same only after the stack had half started)."""
+    from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer
+
+    if not (model / "config.json").is_file():
+        raise NotAServableModel(f"--model {model}: no config.json there, so it is not a checkpoint directory")
+    if not has_tokenizer(model):
+        raise NotAServableModel(f"--model {model}: neither {TOKENIZER_JSON} nor {TIKTOKEN_MODEL} is there, and the "
+                                "stack serves text (`kimiserve generate --prompt-ids` runs a checkpoint without them)")
 
 
 def _popen(cmd: list[str]) -> subprocess.Popen:
@@ -251,6 +267,7 @@ def run(args: argparse.Namespace) -> int:
     if args.http_port:
         check_http_port(args.host, args.http_port)
     model = args.model or ensure_default_model()
+    check_model_dir(model)
     state = state_dir(args)
     state.mkdir(parents=True, exist_ok=True)
     try:

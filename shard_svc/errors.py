@@ -30,6 +30,11 @@ class CheckpointFileError(CheckpointError):
     """A weights file or the index is missing, truncated, corrupt or ambiguous; the message names the file."""
 
 
+class CheckpointIndexConflict(CheckpointFileError):
+    """model.safetensors and model.safetensors.index.json in one directory describe different weights (other files,
+    other tensor names); the message lists the first differing names, their count and the files."""
+
+
 class CheckpointMismatch(CheckpointError):
     """The tensors in the files differ from what config.json implies.
 

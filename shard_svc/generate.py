@@ -1,4 +1,8 @@
-"""`kimiserve generate`: run the engine in-process on one prompt (no services), for checks and parity runs."""
+"""`kimiserve generate`: run the engine in-process on one prompt (no services), for checks and parity runs.
+
+A checkpoint without tokenizer files still generates from `--prompt-ids`: the reply is then its token ids. Whatever
+needs text (`--prompt`, `--output text`, `--json-schema`) is refused before the model loads, naming the missing files.
+"""
 
 from __future__ import annotations
 
@@ -42,6 +46,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (default on CUDA when every decode op is graph-safe)")
+    p.add_argument("--output", choices=["auto", "text", "ids"], default="auto",
+                   help="what stdout shows without --json: the reply's text or its comma-separated token ids; auto: "
+                        "text when the checkpoint has a tokenizer, else ids")
     p.add_argument("--dump-logits", type=Path, default=None,
                    help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
     from shard_svc.parallel.launch import add_group_args
@@ -50,7 +57,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
 
+def _check_tokenizer_needs(args: argparse.Namespace) -> None:
+    """Refuses, before the model loads, what needs text from a checkpoint without tokenizer files."""
+    from tokenizer_svc.errors import MissingTokenizer
+    from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer
+
+    needs = [why for why, asked in (("--prompt (text to encode)", args.prompt is not None),
+                                    ("--output text", args.output == "text"),
+                                    ("--json-schema (a grammar over token texts)", args.json_schema is not None))
+             if asked]
+    if needs and not has_tokenizer(args.model):
+        raise MissingTokenizer(f"{args.model} has no tokenizer (neither {TOKENIZER_JSON} nor {TIKTOKEN_MODEL}), "
+                               f"which {' and '.join(needs)} needs; pass --prompt-ids and read token ids instead")
+
+
 def run(args: argparse.Namespace) -> int:
+    _check_tokenizer_needs(args)
     device = torch.device(args.device)
     if args.weights == "stream" and max(args.tp, args.ep) > 1:  # -- weights hook: one process only, for now --
         raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
@@ -89,9 +111,9 @@ def _run_in_group(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, engine: Engine) -> int:
-    from tokenizer_svc.loading import load_tokenizer  # the same tokenizer the services use
+    from tokenizer_svc.loading import has_tokenizer, load_tokenizer  # the same tokenizer the services use
 
-    tokenizer = load_tokenizer(args.model) if args.prompt is not None or args.json else None
+    tokenizer = load_tokenizer(args.model) if has_tokenizer(args.model) else None  # None: ids only (checked in run)
     prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
     seq = engine.generate(prompt, sampling_from_args(args), keep_prompt_logits=args.dump_logits is not None)
     if args.dump_logits:
@@ -99,8 +121,14 @@ def _generate(args: argparse.Namespace, engine: Engine) -> int:
 
         save_file({"prompt_logits": torch.cat(seq.prompt_logits).float().contiguous(),
                    "step_logits": torch.cat(seq.step_logits).float().contiguous()}, str(args.dump_logits))
-    text = tokenizer.decode(seq.output) if tokenizer is not None else ""
+    text = tokenizer.decode(seq.output) if tokenizer is not None else None  # None: no tokenizer to decode with
     result = {"token_ids": seq.output, "text": text, "finish_reason": seq.finish_reason,
               "usage": {"prompt_tokens": len(seq.prompt), "completion_tokens": len(seq.output)}}
-    sys.stdout.write((json.dumps(result) if args.json else text) + "\n")
+    if args.json:
+        shown = json.dumps(result)
+    elif text is not None and args.output != "ids":
+        shown = text
+    else:
+        shown = ",".join(str(t) for t in seq.output)
+    sys.stdout.write(shown + "\n")
     return 0 if seq.finish_reason in ("stop", "length") else 1

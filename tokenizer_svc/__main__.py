@@ -1,8 +1,8 @@
-"""`python -m tokenizer_svc --model DIR --port P [--metrics-port M]`."""
+"""`python -m tokenizer_svc --model DIR --port P [--metrics-port M]`: the same as `kimiserve tokenizer ...`."""
 
 import sys
 
-from tokenizer_svc.main import main
+from kimiserve.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main(["tokenizer", *sys.argv[1:]]))

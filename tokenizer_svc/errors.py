@@ -9,6 +9,10 @@ class TokenizerLoadError(TokenizerServiceError):
     """Tokenizer files are missing, malformed, or in a format this service refuses."""
 
 
+class MissingTokenizer(TokenizerLoadError):
+    """Text was asked of a checkpoint without tokenizer files; the message names the files and what needed them."""
+
+
 class UnsupportedModelType(TokenizerServiceError):
     """No registered tokenizer loader for the checkpoint's model_type."""
 

@@ -113,6 +113,11 @@ def _token_bytes(hf: Tokenizer, specials: Mapping[int, str], model_dir: Path) ->
     return tuple(table)
 
 
+def has_tokenizer(model_dir: Path) -> bool:
+    """Whether `model_dir` holds tokenizer files (a checkpoint may ship weights alone: token ids still work)."""
+    return any((Path(model_dir) / f).is_file() for f in (TOKENIZER_JSON, TIKTOKEN_MODEL))
+
+
 def load_tokenizer(model_dir: Path) -> LoadedTokenizer:
     """Load the tokenizer of the checkpoint in `model_dir` (tokenizer.json, else tiktoken.model)."""
     start = time.perf_counter()

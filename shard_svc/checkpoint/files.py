@@ -1,6 +1,9 @@
 """The safetensors files of one checkpoint, opened memory-mapped, with every tensor's file, shape and dtype.
 
-A checkpoint is `model.safetensors`, or `model.safetensors.index.json` plus the shards its weight_map names.
+A checkpoint is `model.safetensors`, or `model.safetensors.index.json` plus the shards its weight_map names. Both
+in one directory (as some published checkpoints ship, and transformers loads) are accepted when they describe the same
+weights: the index lists `model.safetensors` alone and its weight_map names exactly the tensors stored there.
+Otherwise the directory holds two checkpoints and which one is current cannot be told: CheckpointIndexConflict.
 Every safetensors failure (truncated, corrupt, unreadable) becomes a CheckpointFileError naming the file.
 """
 
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from shard_svc.errors import CheckpointFileError
+from shard_svc.errors import CheckpointFileError, CheckpointIndexConflict
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,7 @@ class CheckpointFiles:
         self.dir = Path(model_dir)
         self.keep_prefix = keep_prefix
         self.source, self.index_map = _find(self.dir)
+        self.stored_names: dict[str, set[str]] = {}  # file -> every tensor in it, kept or skipped
         self.tensors: dict[str, StoredTensor] = {}
         self.problems: list[str] = []
         self.reads: Counter[str] = Counter()
@@ -59,6 +63,8 @@ class CheckpointFiles:
         try:
             for file in sorted(set(self.index_map.values())) if self.index_map else [SINGLE]:
                 self._open(file)
+            if self.index_map is not None and (self.dir / SINGLE).is_file():
+                _require_same_tensors(self.dir, self.index_map, self.stored_names[SINGLE])
             self._check_index()
         except BaseException:
             self._stack.close()
@@ -89,6 +95,7 @@ class CheckpointFiles:
         except (SafetensorError, OSError) as e:
             raise CheckpointFileError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
         self._handles[file] = handle
+        self.stored_names[file] = set(stored)
         skipped = [name for name in stored if not name.startswith(self.keep_prefix)]
         if skipped:
             log.info("skipping %d tensors outside %r in %s (e.g. %s)", len(skipped), self.keep_prefix, path,
@@ -113,16 +120,19 @@ class CheckpointFiles:
 def _find(model_dir: Path) -> tuple[str, dict[str, str] | None]:
     """(description of the weights' source, the index's weight_map or None for a single file)."""
     index, single = model_dir / INDEX, model_dir / SINGLE
-    if index.is_file() and single.is_file():
-        raise CheckpointFileError(f"{model_dir} holds both {SINGLE} and {INDEX}; refusing to guess which is current")
-    if single.is_file():
-        return SINGLE, None
     if not index.is_file():
+        if single.is_file():
+            return SINGLE, None
         raise CheckpointFileError(f"{model_dir} holds neither {SINGLE} nor {INDEX}")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointFileError(f"{index}: not a valid index (need a 'weight_map' object): {e!r}") from e
+    weight_map = _read_index(index)
+    files = sorted(set(weight_map.values()))
+    if single.is_file():
+        if files != [SINGLE]:
+            raise CheckpointIndexConflict(
+                f"{model_dir} holds {SINGLE} and {INDEX}, but the index places tensors in {len(files)} files "
+                f"({_first(files)}), not in {SINGLE} alone: two checkpoints in one directory; remove the one that is "
+                "not current")
+        return f"{SINGLE} (with its {INDEX})", weight_map
     absent: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         if not (model_dir / file).is_file():
@@ -130,4 +140,31 @@ def _find(model_dir: Path) -> tuple[str, dict[str, str] | None]:
     if absent:
         lines = [f"{file} (holds {len(names)} tensors, e.g. {names[0]})" for file, names in sorted(absent.items())]
         raise CheckpointFileError(f"{index} names shard files that do not exist in {model_dir}: " + "; ".join(lines))
-    return f"{INDEX} and its {len(set(weight_map.values()))} shards", weight_map
+    return f"{INDEX} and its {len(files)} shards", weight_map
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointFileError(f"{index}: not a valid index (need a 'weight_map' object): {e!r}") from e
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise CheckpointFileError(f"{index}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def _require_same_tensors(model_dir: Path, weight_map: dict[str, str], stored: set[str]) -> None:
+    """The index beside model.safetensors must name exactly the tensors stored in it."""
+    unstored, unindexed = sorted(weight_map.keys() - stored), sorted(stored - weight_map.keys())
+    if not (unstored or unindexed):
+        return
+    parts = [f"{len(names)} tensors {where} ({_first(names)})" for names, where in
+             ((unstored, f"in {INDEX}'s weight_map are not in {SINGLE}"),
+              (unindexed, f"in {SINGLE} are not in {INDEX}'s weight_map")) if names]
+    raise CheckpointIndexConflict(f"{model_dir} holds {SINGLE} and {INDEX}, which describe different weights: "
+                                  + "; ".join(parts) + ". Remove the one that is not current")
+
+
+def _first(names: list[str], count: int = 5) -> str:
+    """The first few names, and how many more."""
+    return ", ".join(names[:count]) + (f", ... {len(names) - count} more" if len(names) > count else "")

@@ -76,7 +76,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "With it, admission may promise more KV than the device's blocks hold (up to device + host "
                         "minus one sequence's promise); when a step's blocks run short, whole sequences' KV pages "
                         "move to the host, the most recently admitted first, and those sequences wait until blocks "
-                        "free up and their pages come back. 0 (default): off, every promise stays on the device")
+                        "free up and their pages come back. 0: off, every promise stays on the device")
     p.add_argument("--prefix-cache-entries", type=int, default=16,
                    help="cached prompt prefixes kept for reuse: each holds one KDA state slot (beside the "
                         "--num-state-slots of running sequences; about 41 MiB at the 48B shape) and shares the "

@@ -1,5 +1,5 @@
 """Models larger than the device: decoder layers streamed from host memory through a ring of device slots (native
-engine in native/), routed experts copied per step, and the MLA latent cache offloaded to host memory."""
+engine in native_src/), routed experts copied per step, and the MLA latent cache offloaded to host memory."""
 
 from shard_svc.streaming.kv_offload import HostKVOffload, HostKVProfile
 from shard_svc.streaming.metrics import StreamingMetrics

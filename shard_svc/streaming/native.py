@@ -1,12 +1,12 @@
-"""Loads the native engine built from the repository's `native/` directory, with its errors mapped to ours.
+"""Loads the native engine, built from the C++ source shipped inside this package (`native_src/`), with its errors
+mapped to ours.
 
-The build module (`native/build.py`) is imported by path: `native/` is a source directory beside the Python packages,
-not a package on sys.path.
+The source travels as package data, so an installed kimiserve (a wheel, the Docker image) builds the same engine as
+a checkout; the image prebuilds it (Dockerfile), and `native_src/build.py` loads that build without writing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import threading
 from pathlib import Path
@@ -17,30 +17,28 @@ from shard_svc.streaming.errors import NATIVE_KINDS, NativeBuildError
 
 log = logging.getLogger(__name__)
 
-NATIVE_DIR = Path(__file__).resolve().parents[2] / "native"
 _lock = threading.Lock()
-_build = None
 
 
-def _build_module():
-    global _build
-    if _build is not None:
-        return _build
-    path = NATIVE_DIR / "build.py"
-    if not path.is_file():
-        raise NativeBuildError(f"native sources not found: {path} (the streaming engine ships beside shard_svc)")
-    spec = importlib.util.spec_from_file_location("kimiserve_native_build", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    _build = module
-    return module
+def native_source() -> Path:
+    """The engine's C++ source inside the installed package; a named error where the install lacks it."""
+    # Imported here, not at the top: `python -m shard_svc.streaming.native_src.build` (the image's prebuild) must
+    # find its module not yet imported by the package.
+    from shard_svc.streaming.native_src import build
+
+    if not build.SOURCE.is_file():
+        raise NativeBuildError(f"native source not found: {build.SOURCE} (this install of kimiserve lacks the package "
+                               "data of shard_svc.streaming.native_src; reinstall it)")
+    return build.SOURCE
 
 
 def load_native(device: torch.device | str | None = None):
     """The native module for `device` (built on first use). A CUDA device needs the CUDA build; raises if absent."""
+    from shard_svc.streaming.native_src import build
+
     device = torch.device(device or "cpu")
     with _lock:
-        build = _build_module()
+        native_source()
         try:
             module = build.load()
         except build.NativeBuildFailed as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from shard_svc.checkpoint import loader as loader_module
 from shard_svc.checkpoint.names import tensor_specs
 from shard_svc.errors import (
     CheckpointFileError,
+    CheckpointIndexConflict,
     CheckpointMismatch,
     NaNScaleError,
     TensorValueError,
@@ -21,6 +23,7 @@ from shard_svc.errors import (
     UnsupportedQuantizationError,
 )
 from tests.model.conftest import copy_checkpoint, edit_file, file_holding
+from tests.model.test_loader import assert_loaded_as_written
 
 KV_B = "model.layers.3.self_attn.kv_b_proj.weight"
 Q = "model.layers.1.self_attn.q_proj.weight"
@@ -216,9 +219,42 @@ def test_k3_tensors_outside_the_text_model_are_skipped_and_logged(k3, caplog):
     assert "skipping 1 tensors outside 'language_model.'" in caplog.text and name in caplog.text
 
 
-def test_single_file_and_index_together_are_ambiguous(linear):
-    (linear / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
-    with pytest.raises(CheckpointFileError, match="holds both model.safetensors and model.safetensors.index.json"):
+def _write_index(ckpt, weight_map) -> None:
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def test_single_file_with_its_own_consistent_index_loads(linear):
+    """As some published checkpoints ship it (and transformers loads it): the index maps every tensor of
+    model.safetensors to that file."""
+    names = load_file(linear / "model.safetensors").keys()
+    _write_index(linear, {name: "model.safetensors" for name in names})
+    cfg, model = load_model(linear)
+    assert_loaded_as_written(linear, model, cfg)
+
+
+def test_single_file_and_an_index_that_disagree_name_the_differences(linear):
+    stored = sorted(load_file(linear / "model.safetensors").keys())
+    unindexed = stored[:7]  # more than the message lists by name
+    weight_map = {name: "model.safetensors" for name in stored[7:]} | {"model.extra.weight": "model.safetensors"}
+    _write_index(linear, weight_map)
+    with pytest.raises(CheckpointIndexConflict) as e:
+        load_model(linear)
+    message = str(e.value)
+    assert "holds model.safetensors and model.safetensors.index.json, which describe different weights" in message
+    assert "1 tensors in model.safetensors.index.json's weight_map are not in model.safetensors (model.extra.weight)" \
+        in message
+    assert ("7 tensors in model.safetensors are not in model.safetensors.index.json's weight_map ("
+            + ", ".join(unindexed[:5]) + ", ... 2 more)") in message
+    assert unindexed[5] not in message
+
+
+def test_single_file_beside_an_index_of_other_shards_is_refused(linear):
+    names = sorted(load_file(linear / "model.safetensors").keys())
+    shutil.copy(linear / "model.safetensors", linear / "model-00001-of-00001.safetensors")
+    _write_index(linear, {name: "model-00001-of-00001.safetensors" for name in names})
+    with pytest.raises(CheckpointIndexConflict, match=r"the index places tensors in 1 files "
+                                                      r"\(model-00001-of-00001.safetensors\), not in "
+                                                      r"model.safetensors alone: two checkpoints in one directory"):
         load_model(linear)
 
 

@@ -1,4 +1,5 @@
-"""Build and load the native weight-streaming engine (native/stream_engine.cpp) with torch's JIT extension builder.
+"""Build and load the native weight-streaming engine (stream_engine.cpp beside this file) with torch's JIT extension
+builder.
 
 One build serves the CPU and CUDA devices: the CUDA path calls the driver API resolved at run time from libcuda.so.1,
 so building needs only a C++ compiler and torch's headers (no CUDA toolkit, no nvcc). CI on a CPU machine therefore
@@ -6,11 +7,12 @@ compiles exactly the code a GPU machine runs. With ninja (test extra) torch's JI
 one direct compiler call with the same flags does.
 
 The shared object is cached under `cache_root()` in a directory named by torch and Python versions and a hash of the
-source and flags, so an edited source or a new torch rebuilds and an unchanged one loads in well under a second.
-Concurrent builds of one directory are serialised by a file lock. Prebuild (e.g. from the Makefile):
+source and flags, so an edited source or a new torch rebuilds and an unchanged one loads in well under a second. A
+direct build found there is loaded without writing anything, so a cache prebuilt into an image works read-only.
+Concurrent builds of one directory are serialised by a file lock. Prebuild (e.g. in the Dockerfile):
 
-    python native/build.py            # builds (or finds) the extension, prints where and how long it took
-    python native/build.py --direct   # the same without ninja
+    python -m shard_svc.streaming.native_src.build            # builds (or finds) it, prints where and how long
+    python -m shard_svc.streaming.native_src.build --direct   # the same without ninja
 
 Nothing here runs at import; `load()` is called the first time weights are streamed.
 """
@@ -69,13 +71,17 @@ def load(verbose: bool = False, use_ninja: bool | None = None):
     """The built module (compiling it on first use in this cache directory).
 
     With ninja (the test extra installs it) torch's JIT builder compiles it; without, one direct compiler call with
-    the same flags does (machines that cannot install packages, e.g. an offline GPU host). Either way it is logged."""
+    the same flags does (machines that cannot install packages, e.g. an offline GPU host). Either way it is logged.
+    `use_ninja` None: a direct build already in the cache, else ninja where there is one, else a direct build."""
     if "module" in _loaded:
         return _loaded["module"]
-    has_ninja = _ninja_on_path()
-    use_ninja = has_ninja if use_ninja is None else use_ninja
     tag = _tag()
     name = f"kimiserve_stream_{tag.rsplit('-', 1)[1]}"
+    if use_ninja is None:  # a direct build already there (the image's prebuild) is used as it is, ninja or not
+        prebuilt = (cache_root() / (tag + "-direct") / f"{name}.so").exists()
+        use_ninja = not prebuilt and _ninja_on_path()
+    elif use_ninja:
+        _ninja_on_path()  # torch's builder runs `ninja` from PATH
     build_dir = cache_root() / (tag if use_ninja else tag + "-direct")
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -113,19 +119,31 @@ def _build_ninja(name: str, build_dir: Path, verbose: bool):
 
 
 def _build_direct(name: str, build_dir: Path, verbose: bool):
-    """One `c++` call with torch's extension flags (no ninja); the .so is reused while it is newer than the source."""
-    import fcntl
+    """One `c++` call with torch's extension flags (no ninja); a .so already in `build_dir` is loaded as it is."""
     import importlib.util
+
+    out = build_dir / f"{name}.so"
+    # The directory's name pins the source, flags, torch and Python, and the .so appears by an atomic rename: one
+    # that exists is complete and current. Loading it takes no lock, so a prebuilt read-only cache (the image) works.
+    if not out.exists():
+        _compile_direct(name, build_dir, out, verbose)
+    spec = importlib.util.spec_from_file_location(name, out)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def _compile_direct(name: str, build_dir: Path, out: Path, verbose: bool) -> None:
+    import fcntl
     import subprocess
     import sysconfig
 
     import torch
     from torch.utils import cpp_extension
 
-    out = build_dir / f"{name}.so"
     with open(build_dir / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder per directory; the others wait and load its result
-        if not out.exists() or out.stat().st_mtime < SOURCE.stat().st_mtime:
+        if not out.exists():
             cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
             if cxx is None:
                 raise NativeBuildFailed("building the native streaming engine needs a C++ compiler (c++ / g++ / $CXX)")
@@ -142,10 +160,6 @@ def _build_direct(name: str, build_dir: Path, verbose: bool):
             if done.returncode != 0:
                 raise NativeBuildFailed(f"{' '.join(cmd[:2])} ... failed ({done.returncode}):\n{done.stderr[-4000:]}")
             os.replace(str(out) + ".tmp", out)
-    spec = importlib.util.spec_from_file_location(name, out)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
 
 
 def main() -> int:
