@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import socket
 
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.registry import REGISTRY
+
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
@@ -43,3 +46,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry = REGISTRY) -> None:
+    """Prometheus /metrics on host:port in a daemon thread; PortInUse (one line in the CLI) when it cannot bind."""
+    try:
+        start_http_server(port, addr=host, registry=registry)
+    except OSError as e:
+        raise PortInUse(f"cannot serve /metrics on {host}:{port}: {e.strerror or e}; choose another with "
+                        f"--metrics-port") from None

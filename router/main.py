@@ -12,12 +12,11 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from kimiserve import security, tracing
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
-from kimiserve.ports import SERVER_OPTIONS
+from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
 from router.batch.errors import BatchStoreError
@@ -149,7 +148,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     health_server = (security.health_only_server_aio(health_servicer, cfg.host, cfg.health_port)
                      if cfg.health_port is not None else None)
-    start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
+    serve_metrics(cfg.host, cfg.metrics_port, metrics.registry)
     await server.start()
     if http is not None:
         http.start()

@@ -163,6 +163,21 @@ def test_a_server_refuses_a_port_another_server_holds_even_with_so_reuseport(mod
     assert "Traceback" not in out.stderr and f"cannot serve on 127.0.0.1:{port}" in out.stderr
 
 
+def test_a_metrics_port_in_use_is_one_line_naming_it(model_dirs):
+    import socket
+
+    from kimiserve.ports import free_port
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        out = _cli("tokenizer", "--model", model_dirs["tiny"], "--port", str(free_port()), "--metrics-port",
+                   str(taken), timeout=60)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and f"cannot serve /metrics on 127.0.0.1:{taken}" in out.stderr
+
+
 def test_two_stacks_get_their_own_state_dir_by_default(tmp_path, monkeypatch):
     from kimiserve.up import add_args, state_dir
 

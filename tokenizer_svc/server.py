@@ -9,11 +9,10 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from kimiserve import security
 from kimiserve.decode_guard import AioDecodeGuard
-from kimiserve.ports import SERVER_OPTIONS
+from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import load_chat_template
 from tokenizer_svc.config import TokenizerServerConfig
@@ -93,5 +92,5 @@ def serve(cfg: TokenizerServerConfig) -> None:
     """Load, start /metrics, serve; blocks until a stop signal."""
     served = load_served(cfg)
     if cfg.metrics_port is not None:
-        start_http_server(cfg.metrics_port, addr=cfg.host)
+        serve_metrics(cfg.host, cfg.metrics_port)
     asyncio.run(serve_async(cfg, served))

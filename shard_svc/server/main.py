@@ -14,11 +14,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from kimiserve import security, tracing
 from kimiserve.decode_guard import DecodeGuard
-from kimiserve.ports import SERVER_OPTIONS
+from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
@@ -176,7 +175,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    start_http_server(cfg.metrics_port, addr=cfg.host, registry=metrics.registry)
+    serve_metrics(cfg.host, cfg.metrics_port, metrics.registry)
     security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
     return server, loop, health_servicer
 
