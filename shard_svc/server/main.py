@@ -88,7 +88,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
                         "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "
                         "most this many (least recently used dropped first), and a hit there is copied back before "
-                        "the request's prefill. Each holds a state slot's bytes plus its prefix's KV. 0 (default): off")
+                        "the request's prefill. Each holds a state slot's bytes plus its prefix's KV. 0: off")
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
