@@ -16,13 +16,13 @@ import torch
 
 from kimiserve.sampling_args import add_sampling_args
 from shard_svc.checkpoint import LOAD_FORMATS
-from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
+from shard_svc.engine.build import EngineOptions, build_engine
 from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.grammar import Grammars, ResponseFormat
+from shard_svc.engine.grammar import ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
-from shard_svc.ops import select_ops
-from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
-from shard_svc.streaming.mode import add_weights_args, load_for_serving, weights_args  # --weights hook
+from shard_svc.parallel.errors import GroupError
+from shard_svc.parallel.launch import add_group_args
+from shard_svc.streaming.mode import add_weights_args, weights_args
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "text when the checkpoint has a tokenizer, else ids")
     p.add_argument("--dump-logits", type=Path, default=None,
                    help="write prompt_logits [P, vocab] and step_logits [C, vocab] (float32) as safetensors")
-    from shard_svc.parallel.launch import add_group_args
-
     add_group_args(p)
     add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
@@ -71,42 +69,26 @@ def _check_tokenizer_needs(args: argparse.Namespace) -> None:
                                f"which {' and '.join(needs)} needs; pass --prompt-ids and read token ids instead")
 
 
+def options_from_args(args: argparse.Namespace) -> EngineOptions:
+    """One sequence at a time; the response_format vocabulary only when --json-schema asks for it."""
+    return EngineOptions(args.model, args.device, args.dtype, load_format=args.load_format,
+                         config=EngineConfig(num_state_slots=1), weights=weights_args(args),
+                         enforce_eager=args.enforce_eager, grammars=args.json_schema is not None, tp=args.tp,
+                         ep=args.ep, group_timeout_s=args.group_timeout)
+
+
 def run(args: argparse.Namespace) -> int:
     _check_tokenizer_needs(args)
-    device = torch.device(args.device)
-    if args.weights == "stream" and max(args.tp, args.ep) > 1:  # -- weights hook: one process only, for now --
-        raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
-    if max(args.tp, args.ep) > 1:  # a shard group: this process is rank 0 (shard_svc/parallel)
-        return _run_in_group(args)
-    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers in host memory --
-    cfg, model, streamer = load_for_serving(args.model, args.load_format, device, dtype, weights_args(args))
-    eager = args.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
-    grammars = Grammars.for_checkpoint(args.model, cfg.vocab_size, cfg.eos_token_ids) if args.json_schema else None
-    engine = Engine(cfg, model, select_ops(device), device,
-                    graph_engine_config(EngineConfig(num_state_slots=1), device, eager), grammars=grammars)
-    if not eager:
-        enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
-    if streamer is not None:
-        streamer.attach(engine.runner)
-    return _generate(args, engine)
-
-
-def _run_in_group(args: argparse.Namespace) -> int:
-    from shard_svc.parallel.errors import GroupError
-    from shard_svc.parallel.launch import spec_from_args, start_group
-
-    threads = max(1, torch.get_num_threads() // max(args.tp, args.ep))
-    leader = start_group(spec_from_args(args, EngineConfig(num_state_slots=1), threads), log_level=args.log_level)
+    built = build_engine(options_from_args(args))
     failed = True
     try:
-        code = _generate(args, leader.engine)
+        code = _generate(args, built.engine)
         failed = False
     except GroupError as e:
         log.error("generate failed: the shard group broke", extra={"error": str(e)})
         return 1
     finally:
-        leader.shutdown(failed=failed)
+        built.close(failed=failed)
     return code
 
 

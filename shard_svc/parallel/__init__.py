@@ -9,7 +9,6 @@
 """
 
 from shard_svc.parallel.errors import GroupDiverged, GroupError, ParallelConfigError
-from shard_svc.parallel.launch import GroupSpec, start_group
 from shard_svc.parallel.layout import ParallelLayout
 
-__all__ = ["GroupDiverged", "GroupError", "GroupSpec", "ParallelConfigError", "ParallelLayout", "start_group"]
+__all__ = ["GroupDiverged", "GroupError", "ParallelConfigError", "ParallelLayout"]

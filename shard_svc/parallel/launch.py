@@ -1,8 +1,9 @@
 """Rank 0 starts a shard group on one host: it hosts the rendezvous store, spawns one worker process per other
-rank (`python -m shard_svc.parallel.worker`), watches them, and sends every rank the same GroupSpec.
+rank (`python -m shard_svc.parallel.worker`), watches them, and sends every rank the same EngineOptions.
 
-`kimiserve generate --tp N --ep N` and `kimiserve shard --tp N --ep N` call `start_group`; the CLI process is rank 0
-and faces the user or the router. Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
+`build_engine` (shard_svc/engine/build.py) calls `start_group` for `kimiserve generate --tp N --ep N` and
+`kimiserve shard --tp N --ep N`; the CLI process is rank 0 and faces the user or the router. Every rank builds its
+engine with the same `assemble_engine`. Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -23,64 +23,24 @@ import torch
 import torch.distributed as dist
 
 from shard_svc.config import ModelConfig
-from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.grammar import Grammars
-from shard_svc.ops import select_ops
+from shard_svc.engine.assemble import EngineOptions, assemble_engine, rank_device
+from shard_svc.engine.engine import Engine
 from shard_svc.parallel.errors import GroupError
 from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
 from shard_svc.parallel.layout import ParallelLayout
-from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
-from shard_svc.parallel.sync import StepSync
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class GroupSpec:
-    """What every rank builds; rank 0 broadcasts it, so no rank can be started with different values."""
-
-    model_dir: str
-    tp: int
-    ep: int
-    device: str  # "cpu" | "cuda" | "cuda:N" (rank r: cuda:N+r)
-    dtype: str | None
-    engine: EngineConfig
-    op_backend: str = "auto"
-    timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer than this fails
-    load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
-    cpu_threads: int = 1  # torch intra-op threads per rank on a CPU device
-    load_format: str = "safetensors"  # or "dummy" (random weights, benchmarks)
-
-    @property
-    def world(self) -> int:
-        return max(self.tp, self.ep)
-
-
-def rank_device(device: str, rank: int) -> torch.device:
-    d = torch.device(device)
-    return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
-
-
-def resolve_dtype(spec: GroupSpec, device: torch.device) -> torch.dtype:
-    return getattr(torch, spec.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-
-
-def build_rank(group: ShardGroup, spec: GroupSpec) -> Engine:
+def build_rank(group: ShardGroup, opts: EngineOptions) -> Engine:
     """Every rank: its model slice and engine. Load errors are gathered, so rank 0 reports every rank's failure."""
-    layout = ParallelLayout(spec.tp, spec.ep, group.rank)
-    comm = group.model_comm(layout)
     engine, error = None, None
     try:
-        load = GROUP_LOAD_FORMATS[spec.load_format]
-        cfg, model = load(spec.model_dir, group.device, resolve_dtype(spec, group.device), comm)
-        # Every rank advances each sequence's response_format matcher, so all agree on where a sequence ends.
-        grammars = Grammars.for_checkpoint(Path(spec.model_dir), cfg.vocab_size, cfg.eos_token_ids)
-        engine = Engine(cfg, model, select_ops(group.device, spec.op_backend), group.device, spec.engine,
-                        sync=StepSync(group, layout, cfg), grammars=grammars)
+        engine = assemble_engine(opts, group.device, group=group)
     except Exception as e:  # noqa: BLE001 - reported below, with the other ranks' results
         log.exception("loading this rank's model slice failed", extra={"rank": group.rank})
         error = e
-    group.barrier(spec.load_timeout_s, "waiting for every rank to load its slice")
+    group.barrier(opts.load_timeout_s, "waiting for every rank to load its slice")
     results = group.all_gather_object(None if error is None else f"{type(error).__name__}: {error}",
                                       "gathering load results")
     failed = [f"rank {r}: {msg}" for r, msg in enumerate(results) if msg]
@@ -162,8 +122,8 @@ class Watchdog:
 class GroupLeader:
     """Rank 0 of a group it started: the engine (the one to step), the workers and their watchdog."""
 
-    def __init__(self, spec: GroupSpec, group: ShardGroup, procs: dict[int, subprocess.Popen], watchdog: Watchdog):
-        self.spec, self.group, self.procs, self.watchdog = spec, group, procs, watchdog
+    def __init__(self, opts: EngineOptions, group: ShardGroup, procs: dict[int, subprocess.Popen], watchdog: Watchdog):
+        self.opts, self.group, self.procs, self.watchdog = opts, group, procs, watchdog
         self.engine: Engine | None = None
 
     def shutdown(self, failed: bool = False, timeout_s: float = 30.0) -> None:
@@ -186,29 +146,30 @@ class GroupLeader:
         self.group.close()
 
 
-def start_group(spec: GroupSpec, log_level: str = "INFO") -> GroupLeader:
+def start_group(opts: EngineOptions) -> GroupLeader:
     """Rank 0: validates the layout against the checkpoint's config, spawns ranks 1..N-1, loads every slice."""
-    ParallelLayout(spec.tp, spec.ep).check(ModelConfig.from_dir(spec.model_dir))
-    device = rank_device(spec.device, 0)
-    if device.type == "cpu":
-        torch.set_num_threads(spec.cpu_threads)
-    timeout = datetime.timedelta(seconds=spec.timeout_s)
-    store = dist.TCPStore("127.0.0.1", 0, spec.world, is_master=True, timeout=timeout, wait_for_workers=False)
+    ParallelLayout(opts.tp, opts.ep).check(ModelConfig.from_dir(opts.model_dir))
+    device = rank_device(opts.device, 0)
+    if device.type == "cpu" and opts.cpu_threads is not None:
+        torch.set_num_threads(opts.cpu_threads)
+    timeout = datetime.timedelta(seconds=opts.group_timeout_s)
+    log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # the workers log as this process does
+    store = dist.TCPStore("127.0.0.1", 0, opts.world, is_master=True, timeout=timeout, wait_for_workers=False)
     procs = {}
-    for rank in range(1, spec.world):
+    for rank in range(1, opts.world):
         cmd = [sys.executable, "-m", "shard_svc.parallel.worker", "--rank", str(rank), "--world-size",
-               str(spec.world), "--store-port", str(store.port), "--device", str(rank_device(spec.device, rank)),
-               "--timeout-s", str(spec.timeout_s), "--log-level", log_level]
+               str(opts.world), "--store-port", str(store.port), "--device", str(rank_device(opts.device, rank)),
+               "--timeout-s", str(opts.group_timeout_s), "--log-level", log_level]
         procs[rank] = subprocess.Popen(cmd)
-        log.info("shard group rank started", extra={"rank": rank, "pid": procs[rank].pid, "world": spec.world})
-    watchdog = Watchdog(procs, grace_s=spec.timeout_s + 10.0)
+        log.info("shard group rank started", extra={"rank": rank, "pid": procs[rank].pid, "world": opts.world})
+    watchdog = Watchdog(procs, grace_s=opts.group_timeout_s + 10.0)
     watchdog.start()
     group = None
     try:
-        group = ShardGroup.join(0, spec.world, store, device, spec.timeout_s, failure_hint=watchdog.describe)
-        leader = GroupLeader(spec, group, procs, watchdog)
-        group.broadcast_object(spec, "sending the group spec")
-        leader.engine = build_rank(group, spec)
+        group = ShardGroup.join(0, opts.world, store, device, opts.group_timeout_s, failure_hint=watchdog.describe)
+        leader = GroupLeader(opts, group, procs, watchdog)
+        group.broadcast_object(opts, "sending the engine options")
+        leader.engine = build_rank(group, opts)
     except BaseException:
         watchdog.stop()
         for proc in procs.values():
@@ -217,8 +178,8 @@ def start_group(spec: GroupSpec, log_level: str = "INFO") -> GroupLeader:
         if group is not None:
             group.close()
         raise
-    log.info("shard group ready", extra={"world": spec.world, "tp": spec.tp, "ep": spec.ep,
-                                         "model": str(Path(spec.model_dir)), "pids": [p.pid for p in procs.values()]})
+    log.info("shard group ready", extra={"world": opts.world, "tp": opts.tp, "ep": opts.ep,
+                                         "model": str(Path(opts.model_dir)), "pids": [p.pid for p in procs.values()]})
     return leader
 
 
@@ -230,9 +191,3 @@ def add_group_args(p) -> None:
                    help="expert parallelism: routed experts split ep ways; the group has max(tp, ep) ranks")
     g.add_argument("--group-timeout", type=float, default=DEFAULT_TIMEOUT_S,
                    help="seconds a collective may wait for a silent rank before the group fails")
-
-
-def spec_from_args(args, engine: EngineConfig, cpu_threads: int) -> GroupSpec:
-    return GroupSpec(str(args.model), args.tp, args.ep, args.device, args.dtype, engine,
-                     op_backend=getattr(args, "op_backend", "auto"), timeout_s=args.group_timeout,
-                     cpu_threads=cpu_threads, load_format=args.load_format)

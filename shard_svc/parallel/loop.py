@@ -29,7 +29,7 @@ class GroupEngineLoop(EngineLoop):
     def __init__(self, leader: GroupLeader, metrics: ShardMetrics, heartbeat_s: float | None = None):
         super().__init__(leader.engine, metrics)
         self.leader = leader
-        self.heartbeat_s = heartbeat_s or max(0.5, min(5.0, leader.spec.timeout_s / 4))
+        self.heartbeat_s = heartbeat_s or max(0.5, min(5.0, leader.opts.group_timeout_s / 4))
         self._last_sent = time.monotonic()
         leader.watchdog.on_lost.append(self._rank_lost)
 

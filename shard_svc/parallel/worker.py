@@ -1,4 +1,4 @@
-"""A follower rank (1..N-1) of a shard group: joins, receives the GroupSpec, loads its slice, then runs every step
+"""A follower rank (1..N-1) of a shard group: joins, receives the EngineOptions, loads its slice, then runs every step
 rank 0 announces. It never sees the router; it exits 0 on rank 0's stop message and 1 when the group fails.
 
 Started by `shard_svc.parallel.launch.start_group`: `python -m shard_svc.parallel.worker --rank R ...`.
@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         store = dist.TCPStore(args.store_host, args.store_port, args.world_size, is_master=False,
                               timeout=datetime.timedelta(seconds=args.timeout_s))
         group = ShardGroup.join(args.rank, args.world_size, store, torch.device(args.device), args.timeout_s)
-        spec = group.broadcast_object(None, "receiving the group spec")
-        if group.device.type == "cpu":
-            torch.set_num_threads(spec.cpu_threads)
-        follow(build_rank(group, spec))
+        opts = group.broadcast_object(None, "receiving the engine options")
+        if group.device.type == "cpu" and opts.cpu_threads is not None:
+            torch.set_num_threads(opts.cpu_threads)
+        follow(build_rank(group, opts))
     except GroupError as e:
         log.error("shard group failed; this rank exits", extra={"rank": args.rank, "error": str(e)})
         return 1

@@ -20,17 +20,15 @@ from kimiserve.decode_guard import DecodeGuard
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
-from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
-from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.grammar import Grammars
-from shard_svc.engine.warmup import warm_up
-from shard_svc.ops import select_ops
+from shard_svc.engine.build import EngineOptions, build_engine
+from shard_svc.engine.engine import EngineConfig
+from shard_svc.parallel.launch import add_group_args
+from shard_svc.parallel.loop import GroupEngineLoop
 from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
 from shard_svc.server.service import ShardService
-from shard_svc.streaming.errors import StreamingConfigError  # --weights hook
 from shard_svc.streaming.metrics import StreamingMetrics  # --weights and --host-kv-gb
-from shard_svc.streaming.mode import WeightsArgs, add_weights_args, load_for_serving, weights_args  # --weights hook
+from shard_svc.streaming.mode import add_weights_args, weights_args
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = shard_pb2.DESCRIPTOR.services_by_name["Shard"].full_name
@@ -38,23 +36,13 @@ SERVICE_NAME = shard_pb2.DESCRIPTOR.services_by_name["Shard"].full_name
 
 @dataclass(frozen=True)
 class ShardServerConfig:
-    model_dir: Path
     shard_name: str
-    device: str
-    dtype: str | None
     host: str
     port: int
     metrics_port: int
-    engine: EngineConfig
-    op_backend: str = "auto"
+    engine: EngineOptions  # model, device, capacity, weights, shard group: what build_engine builds
     tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
-    load_format: str = "safetensors"
-    tp: int = 1  # shard group (shard_svc/parallel): attention heads split tp ways
-    ep: int = 1  # routed experts split ep ways; max(tp, ep) processes, this one is rank 0
-    group_timeout_s: float = 60.0
-    weights: WeightsArgs = WeightsArgs()  # --weights resident|stream|auto (shard_svc/streaming)
-    enforce_eager: bool = False  # no decode CUDA graphs (shard_svc/engine/cuda_graphs.py)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -97,8 +85,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
-    from shard_svc.parallel.launch import add_group_args
-
     add_group_args(p)
     add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
@@ -111,57 +97,33 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
         raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
                          f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "
                          "evicted from the device cache")
-    engine = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
-                          args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
-                          prefix_cache_entries=args.prefix_cache_entries,
-                          prefix_state_interval=args.prefix_state_interval,
-                          prefix_host_entries=args.prefix_host_entries)
-    return ShardServerConfig(args.model, args.shard_name, args.device, args.dtype, args.host, args.port,
-                             args.metrics_port, engine, args.op_backend, security.server_tls_from_args(args),
-                             args.health_port, load_format=args.load_format, tp=args.tp, ep=args.ep,
-                             group_timeout_s=args.group_timeout, weights=weights_args(args),
-                             enforce_eager=args.enforce_eager)
+    capacity = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
+                            args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
+                            prefix_cache_entries=args.prefix_cache_entries,
+                            prefix_state_interval=args.prefix_state_interval,
+                            prefix_host_entries=args.prefix_host_entries)
+    engine = EngineOptions(args.model, args.device, args.dtype, args.op_backend, args.load_format, capacity,
+                           weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
+                           group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)
+    return ShardServerConfig(args.shard_name, args.host, args.port, args.metrics_port, engine,
+                             security.server_tls_from_args(args), args.health_port)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
-    device = torch.device(cfg.device)
-    dtype = getattr(torch, cfg.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    device = torch.device(cfg.engine.device)
     metrics = ShardMetrics(cfg.shard_name)
-    if cfg.weights.mode == "stream" and max(cfg.tp, cfg.ep) > 1:  # -- weights hook: one process only, for now --
-        raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
-    if cfg.engine.host_kv_bytes and max(cfg.tp, cfg.ep) > 1:  # -- host KV offload: one process only, for now --
-        raise StreamingConfigError("--host-kv-gb runs in one process; it is not supported with --tp/--ep")
-    if max(cfg.tp, cfg.ep) > 1:  # a shard group: this process is rank 0 and faces the router (shard_svc/parallel)
-        from shard_svc.parallel.launch import GroupSpec, start_group
-        from shard_svc.parallel.loop import GroupEngineLoop
-
-        loop = GroupEngineLoop(start_group(GroupSpec(
-            str(cfg.model_dir), cfg.tp, cfg.ep, cfg.device, cfg.dtype, cfg.engine, cfg.op_backend, cfg.group_timeout_s,
-            cpu_threads=torch.get_num_threads(), load_format=cfg.load_format)), metrics)
-        engine, model_cfg = loop.engine, loop.engine.cfg
-    else:
-        # -- weights hook (shard_svc/streaming): resident loads exactly as before; stream keeps layers on the host --
-        stream_metrics = StreamingMetrics(metrics.registry, cfg.shard_name)  # weight streaming and host KV pages
-        model_cfg, model, streamer = load_for_serving(cfg.model_dir, cfg.load_format, device, dtype, cfg.weights,
-                                                      stream_metrics)
-        eager = cfg.enforce_eager or streamer is not None  # streamed layers are fetched during the pass: no graphs
-        grammars = Grammars.for_checkpoint(cfg.model_dir, model_cfg.vocab_size, model_cfg.eos_token_ids)
-        engine = Engine(model_cfg, model, select_ops(device, cfg.op_backend), device,
-                        graph_engine_config(cfg.engine, device, eager), kv_metrics=stream_metrics, grammars=grammars)
-        if not eager:
-            enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
-        if streamer is not None:
-            streamer.attach(engine.runner)
-        if device.type == "cuda":  # compile every kernel shape before SERVING (the CPU backends compile nothing)
-            warm_up(engine)
-        loop = EngineLoop(engine, metrics)
+    # Weight streaming and host KV pages report on the shard's registry (one process; a group streams nothing).
+    built = build_engine(cfg.engine, StreamingMetrics(metrics.registry, cfg.shard_name))
+    engine, model_cfg, capacity = built.engine, built.engine.cfg, cfg.engine.config
+    # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/parallel/loop.py).
+    loop = EngineLoop(engine, metrics) if built.leader is None else GroupEngineLoop(built.leader, metrics)
     info = shard_pb2.ShardInfoResponse(
-        model_name=cfg.model_dir.name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
+        model_name=Path(cfg.engine.model_dir).name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
         eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
         capacity=shard_pb2.ShardCapacity(
-            state_slots=cfg.engine.num_state_slots, kv_blocks=cfg.engine.num_kv_blocks,
-            kv_block_size=cfg.engine.kv_block_size, max_context_tokens=engine.max_model_len,
-            max_step_tokens=cfg.engine.prefill_token_budget + cfg.engine.num_state_slots))
+            state_slots=capacity.num_state_slots, kv_blocks=capacity.num_kv_blocks,
+            kv_block_size=capacity.kv_block_size, max_context_tokens=engine.max_model_len,
+            max_step_tokens=capacity.prefill_token_budget + capacity.num_state_slots))
     health_servicer = health.HealthServicer()
 
     def on_device_fault(detail: str) -> None:
@@ -186,8 +148,6 @@ def run(args: argparse.Namespace) -> int:
         tracing.setup("shard")  # on only when the OTEL_* environment asks for traces
     except tracing.TracingConfigError as e:
         raise SystemExit(f"shard: {e}") from e
-    if torch.device(cfg.device).type == "cpu":
-        torch.set_num_threads(args.cpu_threads)
     server, loop, health_servicer = build_server(cfg)
     loop.start()
     server.start()
@@ -198,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("shard serving", extra={"address": f"{cfg.host}:{cfg.port}", "shard": cfg.shard_name,
-                                     "device": cfg.device, "metrics_port": cfg.metrics_port,
+                                     "device": cfg.engine.device, "metrics_port": cfg.metrics_port,
                                      "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
                                      "health_port": cfg.health_port})
     stop = threading.Event()

@@ -213,11 +213,11 @@ def test_streaming_values_render_into_flags_the_shard_parses(helm_bin):
         assert args[0] == "shard"
         p = argparse.ArgumentParser()
         add_args(p)
-        return config_from_args(p.parse_args(args[1:]))
+        return config_from_args(p.parse_args(args[1:])).engine  # the EngineOptions build_engine takes
 
     default = parsed(_shard_args(helm_bin))
     assert (default.weights.mode, default.weights.prefetch_depth, default.weights.num_slots,
-            default.weights.pinned_memory_gb, default.engine.host_kv_bytes) == ("auto", 2, None, None, 0)
+            default.weights.pinned_memory_gb, default.config.host_kv_bytes) == ("auto", 2, None, None, 0)
     args = _shard_args(helm_bin, "--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=3",
                        "--set", "shard.weights.slots=5", "--set-json", "shard.weights.pinnedMemoryGb=40.5",
                        "--set-json", "shard.hostKvGb=1.5")
@@ -225,7 +225,7 @@ def test_streaming_values_render_into_flags_the_shard_parses(helm_bin):
         "--weights=stream", "--prefetch-depth=3", "--weight-slots=5", "--pinned-memory-gb=40.5", "--host-kv-gb=1.5"]
     cfg = parsed(args)
     assert (cfg.weights.mode, cfg.weights.prefetch_depth, cfg.weights.num_slots, cfg.weights.pinned_memory_gb,
-            cfg.engine.host_kv_bytes) == ("stream", 3, 5, 40.5, int(1.5 * (1 << 30)))
+            cfg.config.host_kv_bytes) == ("stream", 3, 5, 40.5, int(1.5 * (1 << 30)))
     # one value at a time: only its own flag; auto on a GPU may stream, so its ring settings are passed
     assert [a for a in _shard_args(helm_bin, "--set", "shard.weights.slots=4") if a.startswith(STREAMING_FLAGS)] == \
         ["--weight-slots=4"]
@@ -235,7 +235,7 @@ def test_streaming_values_render_into_flags_the_shard_parses(helm_bin):
     args = _shard_args(helm_bin, "--set", "shard.gpus=0", "--set", "shard.hostKvGb=100",
                        "--set", "shard.resources.limits=null")
     assert [a for a in args if a.startswith(STREAMING_FLAGS)] == ["--host-kv-gb=100"]
-    assert parsed(args).engine.host_kv_bytes == 100 << 30
+    assert parsed(args).config.host_kv_bytes == 100 << 30
     assert "--pinned-memory-gb=63" in _shard_args(helm_bin, "--set", "shard.weights.pinnedMemoryGb=63")  # < 64Gi
 
 

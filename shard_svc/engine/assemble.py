@@ -1,0 +1,95 @@
+"""What one process builds: the options every entry point fills in, and the one place an Engine is put together
+from them (the whole model on one device, or one rank's slice of a shard group).
+
+`shard_svc/engine/build.py` `build_engine` is what entry points call; it uses `assemble_engine` for a single
+process, and `shard_svc/parallel/launch.py` uses it on every rank of a group (rank 0 and the workers alike), so a
+shard server, `kimiserve generate` and a group's ranks build the same engine from the same options.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.grammar import Grammars
+from shard_svc.engine.warmup import warm_up
+from shard_svc.ops import select_ops
+from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
+from shard_svc.parallel.layout import ParallelLayout
+from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
+from shard_svc.parallel.sync import StepSync
+from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.streaming.mode import WeightsArgs, load_for_serving
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Everything an entry point decides about the engine it runs. A shard group's rank 0 sends this object whole
+    to every other rank, so no rank can be started with different values."""
+
+    model_dir: Path
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"; rank r of a group uses cuda:N+r
+    dtype: str | None = None  # "float32" | "bfloat16"; None: bfloat16 on CUDA, float32 on the CPU
+    op_backend: str = "auto"  # auto | eager | triton (shard_svc/ops)
+    load_format: str = "safetensors"  # or "dummy": random weights from config.json alone (benchmarks)
+    config: EngineConfig = field(default_factory=EngineConfig)  # capacity, host KV, prefix cache
+    weights: WeightsArgs = field(default_factory=WeightsArgs)  # resident | stream | auto (shard_svc/streaming)
+    enforce_eager: bool = False  # no decode CUDA graphs (shard_svc/engine/cuda_graphs.py)
+    grammars: bool = True  # load the checkpoint's vocabulary for response_format (False: such requests refused)
+    warm_up: bool = False  # on CUDA, run every kind of pass once before returning (shard_svc/engine/warmup.py)
+    tp: int = 1  # shard group: attention heads split tp ways (shard_svc/parallel)
+    ep: int = 1  # routed experts split ep ways; the group has max(tp, ep) ranks, one process each
+    group_timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer fails
+    load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
+    cpu_threads: int | None = None  # torch intra-op threads per process on a CPU device; None: leave torch's
+
+    @property
+    def world(self) -> int:
+        return max(self.tp, self.ep)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    d = torch.device(device)
+    return torch.device("cuda", (d.index or 0) + rank) if d.type == "cuda" else d
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    return getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+
+
+def assemble_engine(opts: EngineOptions, device: torch.device, metrics: StreamingMetrics | None = None,
+                    group: ShardGroup | None = None) -> Engine:
+    """The engine of this process: the whole model (group None), or this rank's slice of a shard group, stepping in
+    lockstep with the other ranks. metrics: where weight streaming and host KV offload report (None: nowhere)."""
+    dtype = resolve_dtype(opts.dtype, device)
+    sync, streamer = None, None
+    if group is None:  # resident loads the checkpoint as is; stream keeps decoder layers in host memory
+        cfg, model, streamer = load_for_serving(opts.model_dir, opts.load_format, device, dtype, opts.weights,
+                                                metrics)
+    else:
+        layout = ParallelLayout(opts.tp, opts.ep, group.rank)
+        cfg, model = GROUP_LOAD_FORMATS[opts.load_format](str(opts.model_dir), device, dtype,
+                                                          group.model_comm(layout))
+        sync = StepSync(group, layout, cfg)
+    # Streamed layers are fetched during the pass, and a group's steps are not captured: both run eager.
+    eager = opts.enforce_eager or streamer is not None or group is not None
+    # In a group every rank advances each sequence's response_format matcher, so all agree on where it ends.
+    grammars = (Grammars.for_checkpoint(Path(opts.model_dir), cfg.vocab_size, cfg.eos_token_ids)
+                if opts.grammars else None)
+    engine = Engine(cfg, model, select_ops(device, opts.op_backend), device,
+                    graph_engine_config(opts.config, device, eager), sync=sync, kv_metrics=metrics,
+                    grammars=grammars)
+    if not eager:
+        enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
+    if streamer is not None:
+        streamer.attach(engine.runner)
+    if opts.warm_up and group is None and device.type == "cuda":  # compile every kernel shape before serving
+        warm_up(engine)
+    return engine
