@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from shard_svc.engine.step_rows import StepRow, build_rows
 from shard_svc.errors import KimiServeError
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
 from shard_svc.ops import EAGER, Ops
@@ -72,14 +73,6 @@ def graph_engine_config(engine_cfg, device: torch.device, enforce_eager: bool):
 
 
 @dataclass(frozen=True)
-class DecodeRow:
-    token: int
-    ctx_len: int  # tokens cached before this step (the new token goes to this position)
-    slot: int  # KDA state slot
-    table: list[int]  # MLA cache blocks, already holding room for the new token
-
-
-@dataclass(frozen=True)
 class PaddedRows:
     """One decode step's rows padded to a bucket, as host lists."""
 
@@ -88,10 +81,10 @@ class PaddedRows:
     used: int  # columns in use: the longest table (at least 1)
 
 
-def pad_rows(rows: list[DecodeRow], bucket: int, width: int, block_size: int, pad_slot: int,
+def pad_rows(rows: list[StepRow], bucket: int, width: int, block_size: int, pad_slot: int,
              pad_block: int) -> PaddedRows:
-    """Real rows first, then padding rows (token 0, empty context, the padding slot and block). A table longer than
-    the captured `width` is refused."""
+    """Real rows (one token each) first, then padding rows (token 0, empty context, the padding slot and block). A
+    table longer than the captured `width` is refused."""
     if len(rows) > bucket:
         raise CudaGraphError(f"{len(rows)} decode rows do not fit the bucket of {bucket}")
     used = max([1] + [len(r.table) for r in rows])
@@ -99,10 +92,11 @@ def pad_rows(rows: list[DecodeRow], bucket: int, width: int, block_size: int, pa
         raise CudaGraphError(f"a block table of {used} blocks exceeds the captured width {width}")
     meta: list[list[int]] = [[], [], [], []]
     for r in rows:
+        if len(r.tokens) != 1:
+            raise CudaGraphError(f"decode graphs take one token per sequence; a row has {len(r.tokens)}")
         if r.ctx_len // block_size >= len(r.table):
             raise CudaGraphError(f"position {r.ctx_len} is past the sequence's {len(r.table)} blocks")
-        block = r.table[r.ctx_len // block_size]
-        for column, value in zip(meta, (r.token, r.ctx_len, r.slot, block * block_size + r.ctx_len % block_size)):
+        for column, value in zip(meta, (r.tokens[0], r.ctx_len, r.slot, *r.slot_mapping(block_size))):
             column.append(value)
     for _ in range(bucket - len(rows)):
         for column, value in zip(meta, (0, 0, pad_slot, pad_block * block_size)):
@@ -201,20 +195,14 @@ class CudaGraphRunner:
 
     def replay(self, work) -> torch.Tensor:
         """Run one decode step of `work` [(sequence, 1)]; returns hidden states [B, D] (valid until the next call).
-        Reserves cache room like the eager batch builder; advances nothing else."""
+        Its rows come from the eager runner's own builder (shard_svc/engine/step_rows.py); advances nothing."""
         bucket = pick_bucket(len(work), self.buckets)
         if bucket is None or bucket not in self._graphs:
             raise CudaGraphError(f"no captured graph for a decode batch of {len(work)} (buckets {self.buckets})")
-        kv = self.runner.kv_cache
-        rows = []
-        for seq, n in work:
-            if n != 1:
-                raise CudaGraphError(f"decode graphs take one token per sequence; {seq.request_id!r} has {n}")
-            start = seq.num_computed
-            kv.reserve(seq.request_id, start + 1)
-            p = len(seq.prompt)  # not seq.tokens: that copies the whole context
-            token = seq.prompt[start] if start < p else seq.output[start - p]
-            rows.append(DecodeRow(token, start, seq.slot, kv.blocks.table(seq.request_id)))
+        multi = [(seq.request_id, n) for seq, n in work if n != 1]
+        if multi:  # checked before build_rows reserves cache room for them
+            raise CudaGraphError(f"decode graphs take one token per sequence; {multi[0][0]!r} has {multi[0][1]}")
+        rows = build_rows(work, self.runner.kda_pool, self.runner.kv_cache)
         self._write(pad_rows(rows, bucket, self.width, self.block_size, self.pad_slot, self.pad_block))
         run, out = self._graphs[bucket]
         run()

@@ -8,6 +8,7 @@ import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.engine.sequence import Sequence
+from shard_svc.engine.step_rows import build_rows
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
 from shard_svc.model import KimiForCausalLM
 from shard_svc.model.kimi import pack_weights
@@ -37,31 +38,21 @@ class ModelRunner:
         self.chunk_tokens: list[int] = []
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
+        rows = build_rows(work, self.kda_pool, self.kv_cache)
         bs = self.kv_cache.block_size
-        ids: list[int] = []
-        cu, ctx, slots, slot_mapping, tables = [0], [], [], [], []
-        for seq, n in work:
-            if seq.num_computed == 0:
-                self.kda_pool.zero_slot(seq.slot)
-            start = seq.num_computed
-            self.kv_cache.reserve(seq.request_id, start + n)
-            table = self.kv_cache.blocks.table(seq.request_id)
-            # slices of prompt and output: `seq.tokens` would copy the whole context for every sequence, every step
-            ids.extend(seq.prompt[start:start + n] + seq.output[max(0, start - len(seq.prompt)):
-                                                                max(0, start + n - len(seq.prompt))])
-            cu.append(cu[-1] + n)
-            ctx.append(start)
-            slots.append(seq.slot)
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            tables.append(table)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+        ids, cu, slot_mapping = [], [0], []
+        for row in rows:
+            ids.extend(row.tokens)
+            cu.append(cu[-1] + len(row.tokens))
+            slot_mapping.extend(row.slot_mapping(bs))
+        width = max(len(row.table) for row in rows)
         dev = self.device
         batch = ForwardBatch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=dev),
-            ctx_lens=torch.tensor(ctx, dtype=torch.int64, device=dev),
-            state_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            ctx_lens=torch.tensor([row.ctx_len for row in rows], dtype=torch.int64, device=dev),
+            state_slots=torch.tensor([row.slot for row in rows], dtype=torch.int64, device=dev),
+            block_tables=torch.tensor([row.table + [0] * (width - len(row.table)) for row in rows],
+                                      dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             is_decode=is_decode,
         )

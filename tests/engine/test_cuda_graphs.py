@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from shard_svc.engine.cuda_graphs import (
-    PAD_OWNER, CudaGraphError, CudaGraphRunner, DecodeRow, TableStager, bucket_sizes, enable_cuda_graphs,
+    PAD_OWNER, CudaGraphError, CudaGraphRunner, TableStager, bucket_sizes, enable_cuda_graphs,
     graph_engine_config, pad_rows, pick_bucket, unsafe_decode_ops)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.step_rows import StepRow, build_rows
 from shard_svc.ops import EAGER, Ops, select_ops
 from tests.engine.conftest import k3_config, linear_config, make_engine
 
@@ -36,7 +37,7 @@ def test_pick_bucket():
 
 
 def test_pad_rows_real_rows_first_then_padding():
-    rows = [DecodeRow(token=11, ctx_len=5, slot=3, table=[7, 9]), DecodeRow(token=12, ctx_len=0, slot=1, table=[4])]
+    rows = [StepRow(tokens=[11], ctx_len=5, slot=3, table=[7, 9]), StepRow(tokens=[12], ctx_len=0, slot=1, table=[4])]
     padded = pad_rows(rows, bucket=4, width=8, block_size=4, pad_slot=0, pad_block=2)
     ids, ctx, slots, slot_mapping = padded.meta
     assert ids == [11, 12, 0, 0]
@@ -67,13 +68,16 @@ def test_table_stager_rewrites_only_changed_rows():
 
 
 def test_pad_rows_refusals():
-    row = DecodeRow(token=1, ctx_len=8, slot=0, table=[1, 2])
+    row = StepRow(tokens=[1], ctx_len=8, slot=0, table=[1, 2])
     with pytest.raises(CudaGraphError, match="bucket"):
         pad_rows([row] * 3, bucket=2, width=4, block_size=4, pad_slot=0, pad_block=0)
     with pytest.raises(CudaGraphError, match="captured width"):
         pad_rows([row], bucket=2, width=1, block_size=4, pad_slot=0, pad_block=0)
     with pytest.raises(CudaGraphError, match="past the sequence"):
         pad_rows([row], bucket=2, width=4, block_size=2, pad_slot=0, pad_block=0)
+    with pytest.raises(CudaGraphError, match="one token"):
+        pad_rows([StepRow(tokens=[1, 2], ctx_len=0, slot=0, table=[1])], bucket=1, width=4, block_size=4,
+                 pad_slot=0, pad_block=0)
 
 
 def test_graph_safety_declarations():
@@ -153,3 +157,23 @@ def test_replay_refuses_multi_token_rows():
     engine.scheduler.schedule()
     with pytest.raises(CudaGraphError, match="one token"):
         graphs.replay([(seq, 2)])
+
+
+def test_build_rows_prepares_the_pools_and_slices_prompt_then_output():
+    """The one row builder both paths use: a fresh sequence's slot is zeroed, cache room is reserved for exactly
+    the new tokens, and the token ids cross from the prompt into the output at the right position."""
+    engine = make_engine(linear_config(), num_state_slots=2, num_kv_blocks=16, kv_block_size=4)
+    runner = engine.runner
+    seq = engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.scheduler.schedule()
+    runner.kda_pool.recurrent[:, seq.slot].fill_(3.0)  # stale state a fresh sequence must not see
+    (row,) = build_rows([(seq, 3)], runner.kda_pool, runner.kv_cache)
+    assert (row.tokens, row.ctx_len, row.slot) == ([5, 6, 7], 0, seq.slot)
+    assert not runner.kda_pool.recurrent[:, seq.slot].any()
+    assert len(row.table) == 1 and row.slot_mapping(4) == [row.table[0] * 4 + i for i in range(3)]
+    seq.num_computed, seq.output = 5, [42, 43]  # prompt done, two tokens drawn: the next rows cross into output
+    runner.kda_pool.recurrent[:, seq.slot].fill_(3.0)
+    (row,) = build_rows([(seq, 2)], runner.kda_pool, runner.kv_cache)
+    assert (row.tokens, row.ctx_len) == ([42, 43], 5) and len(row.table) == 2  # positions 5, 6: the second block
+    assert row.slot_mapping(4) == [row.table[1] * 4 + 1, row.table[1] * 4 + 2]
+    assert runner.kda_pool.recurrent[:, seq.slot].eq(3.0).all(), "a running sequence's state is left alone"
