@@ -77,7 +77,7 @@ def kernel_parity(prompts: list[list[int]], graphs: bool = True) -> tuple[list[d
                             graph_engine_config(engine_cfg, cuda, enforce_eager=run != "triton+graphs"))
             if run == "triton+graphs" and enable_cuda_graphs(engine) is None:
                 raise RuntimeError("decode graphs did not start for the Triton backend (the log says why)")
-            seqs = [engine.add_request(f"p{i}", p, SamplingParams(max_tokens=16, ignore_eos=True),
+            seqs = [engine.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                                        keep_prompt_logits=True) for i, p in enumerate(prompts)]
             while engine.has_work():
                 engine.step()
@@ -192,7 +192,8 @@ def linear_flops_per_token(cfg: ModelConfig, model) -> float:
 def prefill_bench(engine: Engine, batch: int, length: int, profile: bool = False) -> tuple[float, dict | None]:
     def run():
         seqs = [engine.add_request(f"pf{i}", [1 + (i + t) % 1000 for t in range(length)],
-                                   SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(batch)]
+                                   SamplingParams(temperature=0.0, max_tokens=1,
+                                                  ignore_eos=True)) for i in range(batch)]
         engine.scheduler.schedule()  # admits: slots and KV promises
         engine.runner.forward([(s, length) for s in seqs], is_decode=False)
         for s in seqs:
@@ -202,7 +203,7 @@ def prefill_bench(engine: Engine, batch: int, length: int, profile: bool = False
 
 
 def decode_bench(engine: Engine, batch: int, context: int, profile: bool = False) -> dict:
-    seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(max_tokens=64, ignore_eos=True))
+    seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
             for i in range(batch)]
     engine.scheduler.schedule()  # admits: slots and KV promises
     pool, cache = engine.runner.kda_pool, engine.runner.kv_cache

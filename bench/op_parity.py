@@ -40,7 +40,7 @@ def dense_routing(model_dir: Path) -> None:
 
 def prompt_logits(cfg, model, ops) -> torch.Tensor:
     engine = Engine(cfg, model, ops, DEVICE, EngineConfig(num_state_slots=len(PROMPTS), num_kv_blocks=256))
-    seqs = [engine.add_request(f"p{i}", p, SamplingParams(max_tokens=1), keep_prompt_logits=True)
+    seqs = [engine.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=1), keep_prompt_logits=True)
             for i, p in enumerate(PROMPTS)]
     while engine.has_work():
         engine.step()

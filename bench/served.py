@@ -161,7 +161,7 @@ def in_process(args, result: dict, save) -> None:
     engine = Engine(cfg, dummy_model(cfg, "cuda", torch.bfloat16), select_ops(cuda), cuda,
                     graph_engine_config(engine_cfg, cuda, False))
     enable_cuda_graphs(engine)
-    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     prompt = lambda k: [(k * 7919 + i * 104729) % 400 + 1 for i in range(args.input_len)]  # noqa: E731
     for k in range(2):
         engine.generate(prompt(k), params, request_id=f"warm-{k}")

@@ -224,7 +224,8 @@ def prefill_and_decode(cfg, model, streamer, batch: int, length: int, decode_ste
     # 2 is followed by the decode steps; 3 starts from a cold ring, for comparison.
     for rep in range(4):
         prompts = [[1 + (i * 7919 + t) % (cfg.vocab_size - 1) for t in range(length)] for i in range(batch)]
-        seqs = [engine.add_request(f"pf{rep}-{i}", prompt, SamplingParams(max_tokens=decode_steps + 1, ignore_eos=True))
+        seqs = [engine.add_request(f"pf{rep}-{i}", prompt, SamplingParams(temperature=0.0, max_tokens=decode_steps + 1,
+                                                                          ignore_eos=True))
                 for i, prompt in enumerate(prompts)]
         engine.scheduler.schedule()  # admits: slots and KV promises
         if rep == 2 and decode_steps:

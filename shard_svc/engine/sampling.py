@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,11 +23,21 @@ from shard_svc.engine.grammar import ResponseFormat, apply_allowed
 from shard_svc.engine.penalties import TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
 
+if TYPE_CHECKING:
+    from kimiserve.v1 import common_pb2
+
+# SamplingParams fields that are `optional` on the wire: unset there means this dataclass's default, nothing else.
+OPTIONAL_WIRE_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+                        "repetition_penalty")
+
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """One sequence's sampling. The defaults are what an unset field means on the wire (common.proto), so an
+    engine caller and an API client who leave a field out get the same thing."""
+
     max_tokens: int = 16
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 1.0  # OpenAI's default; 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None  # same seed, same prompt, same model -> same tokens, whatever the batch
@@ -38,6 +49,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + output tokens
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
     response_format: ResponseFormat | None = None
+
+    @classmethod
+    def from_proto(cls, s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
+        """The one translation from the wire. max_tokens: the router's resolved budget (the shard's Submit carries
+        it; the proto field's own default is the router's to apply)."""
+        optional = {name: getattr(s, name) for name in OPTIONAL_WIRE_FIELDS if s.HasField(name)}
+        return cls(max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+                   logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                   response_format=_response_format_from_proto(s.response_format), **optional)
 
     @property
     def has_penalties(self) -> bool:
@@ -73,6 +93,18 @@ class SamplingParams:
             raise InvalidRequest("; ".join(problems))
         if self.response_format is not None:
             self.response_format.validate()
+
+
+def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat | None:
+    kind = f.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_schema":
+        return ResponseFormat("json_schema", f.json_schema.schema, f.json_schema.name)
+    if kind == "tool_calls":
+        return ResponseFormat("tool_calls", functions=tuple((fn.name, fn.parameters) for fn in f.tool_calls.functions),
+                              max_calls=f.tool_calls.max_calls)
+    return ResponseFormat(kind, f.regex if kind == "regex" else "")
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -45,7 +45,7 @@ def packed_rounds(engine: Engine) -> list[list[int]]:
 def warm_up(engine: Engine) -> dict:
     """Runs the warm-up requests to completion; returns what ran (for the log)."""
     start = time.perf_counter()
-    params = SamplingParams(max_tokens=OUTPUT_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     lengths = prompt_lengths(engine)
     for n in lengths:  # one at a time: single-sequence prefill (chunked where n > budget), decode at batch 1
         engine.generate([(7 * i) % 97 + 1 for i in range(n)], params, request_id=f"warmup-single-{n}")

@@ -82,7 +82,8 @@ def _speed(group, layout, args, model_dir: Path) -> dict:
     for batch, length in prefills:
         def prefill():
             seqs = [engine.add_request(f"pf{i}", [1 + (i + t) % 500 for t in range(length)],
-                                       SamplingParams(max_tokens=1, ignore_eos=True)) for i in range(batch)]
+                                       SamplingParams(temperature=0.0, max_tokens=1,
+                                                      ignore_eos=True)) for i in range(batch)]
             engine.scheduler.schedule()
             engine.runner.forward([(s, length) for s in seqs], is_decode=False)
             for s in seqs:
@@ -91,7 +92,8 @@ def _speed(group, layout, args, model_dir: Path) -> dict:
         s = _timed(prefill, dev)
         out["prefill"].append({"batch": batch, "length": length, "seconds": s, "tokens_per_s": batch * length / s})
     for batch in batches:
-        seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(max_tokens=64, ignore_eos=True))
+        seqs = [engine.add_request(f"dc{i}", [1] * context, SamplingParams(temperature=0.0, max_tokens=64,
+                                                                           ignore_eos=True))
                 for i in range(batch)]
         engine.scheduler.schedule()
         for s in seqs:
@@ -120,7 +122,7 @@ def _parity(group, layout, tiny: dict[str, str]) -> list[dict]:
     from shard_svc.parallel.worker import follow
 
     dev, dtype, out = group.device, (torch.bfloat16 if group.device.type == "cuda" else torch.float32), []
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for family, path in tiny.items():
         cfg, model = load_sharded_model(path, dev, dtype, group.model_comm(layout))
         engine = Engine(cfg, model, select_ops(dev), dev, EngineConfig(), sync=StepSync(group, layout, cfg))

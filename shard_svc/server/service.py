@@ -13,7 +13,6 @@ import torch
 
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
-from shard_svc.engine.grammar import ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.engine.sequence import SequenceTiming
 from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
@@ -34,37 +33,6 @@ def error_code(e: Exception) -> int:
     if isinstance(e, CapacityError | ShuttingDown):
         return shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED
     return shard_pb2.SHARD_ERROR_CODE_INTERNAL
-
-
-def response_format_from_pb(f: common_pb2.ResponseFormat) -> ResponseFormat | None:
-    kind = f.WhichOneof("kind")
-    if kind is None:
-        return None
-    if kind == "json_schema":
-        return ResponseFormat("json_schema", f.json_schema.schema, f.json_schema.name)
-    if kind == "tool_calls":
-        return ResponseFormat("tool_calls", functions=tuple((fn.name, fn.parameters) for fn in f.tool_calls.functions),
-                              max_calls=f.tool_calls.max_calls)
-    return ResponseFormat(kind, f.regex if kind == "regex" else "")
-
-
-def sampling_from_pb(submit: shard_pb2.ShardRequest.Submit) -> SamplingParams:
-    s = submit.sampling
-    return SamplingParams(
-        max_tokens=submit.max_tokens,
-        temperature=s.temperature if s.HasField("temperature") else 1.0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
-        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else 0.0,
-        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else 0.0,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        top_logprobs=s.top_logprobs,
-        response_format=response_format_from_pb(s.response_format),
-    )
 
 
 def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
@@ -146,8 +114,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                     raise DuplicateRequest(f"request id {sub.request_id!r} is already live on this stream")
                 live.add(sub.request_id)
             try:
-                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), sampling_from_pb(sub), sink,
-                                 sub.trace_context)
+                params = SamplingParams.from_proto(sub.sampling, sub.max_tokens)
+                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)

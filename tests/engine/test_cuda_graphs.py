@@ -117,7 +117,7 @@ PROMPTS = [(21, 5), (5, 3), (30, 7)]  # (prompt length, tokens to generate): the
 def run(engine, seed=0):
     gen = torch.Generator().manual_seed(seed)
     seqs = [engine.add_request(f"r{i}", torch.randint(0, 255, (n,), generator=gen).tolist(),
-                               SamplingParams(max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
+                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
             for i, (n, m) in enumerate(PROMPTS)]
     while engine.has_work():
         engine.step()
@@ -153,7 +153,7 @@ def test_replay_refuses_multi_token_rows():
     engine = make_engine(linear_config(), num_state_slots=2, num_kv_blocks=16, kv_block_size=4)
     graphs = CudaGraphRunner(engine.runner, buckets=(1,), max_blocks_per_seq=4, capture=False)
     graphs.capture()
-    seq = engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))
+    seq = engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
     engine.scheduler.schedule()
     with pytest.raises(CudaGraphError, match="one token"):
         graphs.replay([(seq, 2)])
@@ -164,7 +164,7 @@ def test_build_rows_prepares_the_pools_and_slices_prompt_then_output():
     the new tokens, and the token ids cross from the prompt into the output at the right position."""
     engine = make_engine(linear_config(), num_state_slots=2, num_kv_blocks=16, kv_block_size=4)
     runner = engine.runner
-    seq = engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(max_tokens=4, ignore_eos=True))
+    seq = engine.add_request("a", [5, 6, 7, 8, 9], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     engine.scheduler.schedule()
     runner.kda_pool.recurrent[:, seq.slot].fill_(3.0)  # stale state a fresh sequence must not see
     (row,) = build_rows([(seq, 3)], runner.kda_pool, runner.kv_cache)

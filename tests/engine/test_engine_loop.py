@@ -16,7 +16,7 @@ from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
 from shard_svc.server.metrics import ShardMetrics
 from tests.engine.conftest import linear_config, make_engine
 
-GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
 
 class Events:
@@ -134,7 +134,7 @@ def test_a_step_that_raises_fails_every_live_request_and_runs_the_fatal_hooks():
 def test_duplicate_live_id_is_refused_and_the_first_request_is_untouched():
     loop, _ = _loop()
     first, second = Events(), Events()
-    loop.submit("same", [1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True), first.sink)
+    loop.submit("same", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), first.sink)
     with pytest.raises(DuplicateRequest):
         loop.submit("same", [9, 9], GREEDY, second.sink)
     done = first.finish()
@@ -159,7 +159,7 @@ def test_cancel_frees_the_slot_and_the_gauges_show_it_without_another_pass():
 
     loop.engine.runner.forward = slow_forward
     ev = Events()
-    loop.submit("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), ev.sink)
+    loop.submit("long", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), ev.sink)
     assert decoding.wait(30)
     assert loop.cancel("long")
     assert ev.finish().finish_reason == "cancelled"
@@ -188,7 +188,7 @@ def test_warm_up_leaves_no_trace_in_pools_or_outputs():
     s = warmed.scheduler
     assert not warmed.sequences and not s.running and not s.waiting
     assert s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     assert warmed.generate([3, 1, 4, 1, 5], params, "after").output == fresh.generate([3, 1, 4, 1, 5], params,
                                                                                         "after").output
 

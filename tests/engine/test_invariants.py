@@ -10,7 +10,7 @@ CONFIGS = {"linear": linear_config(), "linear-mla-first": linear_config(
     linear_attn_config={"num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4, "kda_layers": [2, 3, 4],
                         "full_attn_layers": [1]}), "k3-26": k3_config(26)}
 F64 = torch.float64
-GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 def assert_logits_close(actual, expected, rel=1e-9):
@@ -25,7 +25,8 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def prompt_logits(engine, ids, rid="r", **kw):
-    seq = engine.generate(ids, SamplingParams(max_tokens=1, ignore_eos=True), rid, keep_prompt_logits=True)
+    seq = engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=1,
+                                              ignore_eos=True), rid, keep_prompt_logits=True)
     return torch.cat(seq.prompt_logits)
 
 
@@ -90,7 +91,7 @@ def test_unused_slots_and_blocks_stay_untouched(name):
 
 
 def test_max_tokens_one_finishes_at_prefill(linear_engine):
-    linear_engine.add_request("one", prompt(10), SamplingParams(max_tokens=1))
+    linear_engine.add_request("one", prompt(10), SamplingParams(temperature=0.0, max_tokens=1))
     result = linear_engine.step()
     assert [p.kind for p in result.passes] == ["prefill"]
     (event,) = result.events
@@ -99,7 +100,7 @@ def test_max_tokens_one_finishes_at_prefill(linear_engine):
 
 
 def test_cancel_returns_slot_and_blocks(linear_engine):
-    linear_engine.add_request("c", prompt(20), SamplingParams(max_tokens=50, ignore_eos=True))
+    linear_engine.add_request("c", prompt(20), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
     linear_engine.step()
     assert linear_engine.scheduler.slots.num_free == 15
     event = linear_engine.cancel("c")
@@ -120,7 +121,7 @@ def test_slot_exhaustion_queues_instead_of_failing():
 
 def test_kv_promise_admits_only_what_fits():
     engine = make_engine(linear_config(), num_state_slots=8, num_kv_blocks=10, kv_block_size=16)
-    big = SamplingParams(max_tokens=60, ignore_eos=True)  # 20 + 60 tokens -> 5 blocks each
+    big = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)  # 20 + 60 tokens -> 5 blocks each
     seqs = [engine.add_request(f"k{i}", prompt(20, seed=i), big) for i in range(3)]
     engine.step()
     assert len(engine.scheduler.running) == 2

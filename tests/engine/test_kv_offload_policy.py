@@ -52,7 +52,7 @@ def scheduler(num_blocks: int, host_pages: int, budget: int = 64, slots: int = 8
 
 def running(s: Scheduler, rid: str, prompt: int, computed: int, max_tokens: int = 8) -> Sequence:
     """A sequence already admitted with `computed` tokens in its cache (as if earlier steps had run)."""
-    seq = Sequence(rid, list(range(prompt)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    seq = Sequence(rid, list(range(prompt)), SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     seq.slot = s.slots.allocate(rid)
     seq.num_computed = computed
     seq.output = [0] * max(0, computed - prompt + 1) if computed >= prompt else []
@@ -89,7 +89,7 @@ def test_offloaded_sequences_come_back_oldest_first_before_anything_new():
     for seq in s.running[:2]:  # the step ran: a and b took their third block
         s.blocks.reserve(seq.request_id, 9)
         seq.num_computed = 9
-    s.add(Sequence("new", [1, 2], SamplingParams(max_tokens=1)))
+    s.add(Sequence("new", [1, 2], SamplingParams(temperature=0.0, max_tokens=1)))
     assert ids(s.schedule()) == ([], ["a", "b"])  # c's 3 blocks do not fit in the 2 free: it waits, so does "new"
     assert s.offloaded == {"c": 2} and s.num_waiting == 1
     s.finish(s.running[0])  # a finishes: 3 blocks free
@@ -115,7 +115,7 @@ def test_admission_promises_at_most_device_plus_host_minus_one_promise(host_page
     blocks = BlockAllocator(10, BS)
     s = Scheduler(SlotAllocator(4), blocks, 4, 64, FakeHost(blocks, host_pages) if host_pages else None)
     for i in range(4):
-        s.add(Sequence(f"r{i}", list(range(8)), SamplingParams(max_tokens=12)))
+        s.add(Sequence(f"r{i}", list(range(8)), SamplingParams(temperature=0.0, max_tokens=12)))
     s.schedule()
     assert len(s.running) == admitted
 
@@ -124,7 +124,7 @@ def test_admission_promises_at_most_device_plus_host_minus_one_promise(host_page
 
 CONFIGS = {"linear": linear_config(), "k3-93": k3_config(93)}
 PROMPTS = [list(range(3, 12)), [40, 41, 42, 43, 44], list(range(100, 113)), [7, 9, 11, 13, 15, 17, 19]]
-GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 def run(raw: dict, num_kv_blocks: int, host_pages: int = 0, registry: CollectorRegistry | None = None):
@@ -176,7 +176,8 @@ def test_cached_prefixes_give_their_blocks_back_before_a_sequence_is_offloaded_o
                     EngineConfig(num_state_slots=4, num_kv_blocks=12, kv_block_size=BS, host_kv_bytes=23 * page,
                                  prefix_cache_entries=4))
     for i in range(2):
-        engine.generate(list(range(30 + i, 47 + i)), SamplingParams(max_tokens=3, ignore_eos=True), f"fill-{i}")
+        engine.generate(list(range(30 + i, 47 + i)), SamplingParams(temperature=0.0, max_tokens=3,
+                                                                    ignore_eos=True), f"fill-{i}")
     assert engine.prefix_cache.blocks_held >= 8
     seqs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
     steps = 0

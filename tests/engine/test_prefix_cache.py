@@ -38,8 +38,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1, 250, (n,), generator=g).tolist()
 
 
-def _run(engine, prompt, rid, max_tokens=6, **sampling):
-    seq = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling), rid)
+def _run(engine, prompt, rid, max_tokens=6, temperature=0.0, **sampling):
+    seq = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
+                                                 **sampling), rid)
     return seq.output, seq.cached_tokens
 
 
@@ -105,7 +106,7 @@ def test_sequences_sharing_blocks_survive_the_eviction_of_their_entry():
     cached, plain = _engines(FAMILIES["kimi_linear"], entries=1)
     shared = _prompt(48, 8)
     _run(cached, shared, "seed", max_tokens=1)
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = {f"s{i}": shared + _prompt(5 + i, 20 + i) for i in range(2)}
     seqs = {rid: cached.add_request(rid, p, params) for rid, p in prompts.items()}
     cached.step()  # both admitted and restored from the entry of `shared`
@@ -156,7 +157,7 @@ def test_a_snapshot_with_every_slot_taken_evicts_instead_of_failing():
     cached.runner.kda_pool.slots.allocate("<held elsewhere>")
     for i in range(2):
         _run(cached, _prompt(20, 60 + i), f"fill-{i}", max_tokens=1)
-    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     prompts = {f"r{i}": _prompt(24, 70 + i) for i in range(4)}  # 4 running + 2 entries + 1 held: one slot free
     seqs = {rid: cached.add_request(rid, p, params) for rid, p in prompts.items()}
     while cached.has_work():

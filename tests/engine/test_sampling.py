@@ -41,7 +41,7 @@ def test_greedy_rows_are_argmax_with_lowest_id_ties_and_logprobs():
     g = _gen(0)
     rows = torch.randn(5, 50, generator=g)
     rows[2, 7] = rows[2, 31] = rows[2].max() + 1.0  # a tie: the lower id wins
-    params = [SamplingParams(logprobs=i % 2 == 0) for i in range(5)]
+    params = [SamplingParams(temperature=0.0, logprobs=i % 2 == 0) for i in range(5)]
     got = [(d.token, d.logprob) for d in sample_all([SampleRow(rows[i], params[i]) for i in range(5)])]
     for i, (token, lp) in enumerate(got):
         expect = max(range(50), key=lambda t: (float(rows[i, t]), -t))
@@ -71,7 +71,7 @@ def test_sampled_rows_draw_from_their_distribution_and_ignore_neighbours():
         if p.logprobs:
             assert all(abs(lp - float(torch.log(ref[t]))) < 1e-4 for t, lp in alone)
         # the same generator state gives the same token whatever else the pass holds
-        mixed = sample_all([SampleRow(torch.randn(40, generator=g), SamplingParams()),
+        mixed = sample_all([SampleRow(torch.randn(40, generator=g), SamplingParams(temperature=0.0)),
                             SampleRow(logits, p, _gen(p.seed)),
                             SampleRow(torch.randn(40, generator=g), SamplingParams(temperature=1.0, seed=9), _gen(9))])
         assert _pair(mixed[1]) == alone[0]
@@ -101,9 +101,9 @@ def test_non_finite_rows_are_reported_without_touching_neighbours():
     masked = good.clone()
     masked[:10] = float("-inf")  # -inf entries are a mask, not a fault
     sampled = SamplingParams(temperature=0.8, seed=1)
-    rows = [SampleRow(good, SamplingParams()), SampleRow(nan_row, sampled, _gen(1)),
-            SampleRow(inf_row, SamplingParams()), SampleRow(masked, sampled, _gen(1)),
-            SampleRow(nan_row, SamplingParams(logprobs=True))]
+    rows = [SampleRow(good, SamplingParams(temperature=0.0)), SampleRow(nan_row, sampled, _gen(1)),
+            SampleRow(inf_row, SamplingParams(temperature=0.0)), SampleRow(masked, sampled, _gen(1)),
+            SampleRow(nan_row, SamplingParams(temperature=0.0, logprobs=True))]
     got = [_pair(d) for d in sample_all(rows)]
     assert got[0] == _pair(sample_all([rows[0]])[0])
     assert got[1][0] == NONFINITE_ROW and got[2][0] == NONFINITE_ROW and got[4][0] == NONFINITE_ROW
@@ -140,12 +140,13 @@ def _counts_with(history: dict[int, tuple[list[int], list[int]]], vocab: int, sl
     return counts
 
 
-PENALTIES = [SamplingParams(presence_penalty=1.5, logprobs=True, top_logprobs=5),
-             SamplingParams(frequency_penalty=0.7, logprobs=True, top_logprobs=3),
-             SamplingParams(repetition_penalty=1.8, logprobs=True, top_logprobs=4),
-             SamplingParams(repetition_penalty=0.6, presence_penalty=-1.0, frequency_penalty=2.0, logprobs=True,
-                            top_logprobs=20),
-             SamplingParams(presence_penalty=-2.0, frequency_penalty=-0.5, logprobs=True, top_logprobs=1)]
+PENALTIES = [SamplingParams(temperature=0.0, presence_penalty=1.5, logprobs=True, top_logprobs=5),
+             SamplingParams(temperature=0.0, frequency_penalty=0.7, logprobs=True, top_logprobs=3),
+             SamplingParams(temperature=0.0, repetition_penalty=1.8, logprobs=True, top_logprobs=4),
+             SamplingParams(temperature=0.0, repetition_penalty=0.6, presence_penalty=-1.0, frequency_penalty=2.0,
+                            logprobs=True, top_logprobs=20),
+             SamplingParams(temperature=0.0, presence_penalty=-2.0, frequency_penalty=-0.5, logprobs=True,
+                            top_logprobs=1)]
 
 
 def test_greedy_penalties_logprobs_and_top_logprobs_follow_the_definitions():
@@ -195,7 +196,7 @@ def test_greedy_penalty_steps_count_their_own_tokens_on_the_device():
     frequency penalty walks down the ranking exactly as the loop reference does."""
     g = _gen(12)
     logits = torch.randn(16, generator=g)
-    p = SamplingParams(frequency_penalty=0.9, presence_penalty=0.2, repetition_penalty=1.3)
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.9, presence_penalty=0.2, repetition_penalty=1.3)
     prompt = [0, 1]
     counts = _counts_with({2: (prompt, [])}, 16)
     got, output = [], []
@@ -212,14 +213,16 @@ def test_rows_with_penalties_masks_and_top_logprobs_ignore_their_neighbours():
     hist = {1: ([3, 4, 4], [7, 7, 8]), 5: ([9], [9, 9, 9, 1]), 6: ([2, 2], [])}
     allowed = {3, 6, 7, 28, 29, 31, 35}  # 31: the sign bit of the first int32 word
     mask = _bitmask(allowed, 2)
-    rows = [SampleRow(torch.randn(vocab, generator=g), SamplingParams(), None),
-            SampleRow(torch.randn(vocab, generator=g), SamplingParams(frequency_penalty=1.1, logprobs=True,
+    rows = [SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=0.0), None),
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=0.0, frequency_penalty=1.1,
+                                                                      logprobs=True,
                                                                       top_logprobs=4), slot=1),
             SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=0.9, seed=4, repetition_penalty=1.7,
                                                                       logprobs=True, top_logprobs=6), _gen(4), 5),
             SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=1.1, seed=5, logprobs=True,
                                                                       top_logprobs=20), _gen(5), allowed=mask),
-            SampleRow(torch.randn(vocab, generator=g), SamplingParams(presence_penalty=1.0), slot=6, allowed=mask)]
+            SampleRow(torch.randn(vocab, generator=g), SamplingParams(temperature=0.0,
+                                                                      presence_penalty=1.0), slot=6, allowed=mask)]
     together = sample_all(rows, _counts_with(hist, vocab))
     for i, row in enumerate(rows):
         # rebuilt from scratch: a fresh generator and counts holding only this row's history
@@ -235,14 +238,15 @@ def test_a_mask_that_allows_nothing_is_not_sampled():
     logits = torch.randn(40, generator=_gen(14))
     none = torch.zeros(2, dtype=torch.int32)
     got = sample_all([SampleRow(logits, SamplingParams(temperature=1.0), _gen(1), allowed=none),
-                      SampleRow(logits, SamplingParams(), allowed=none), SampleRow(logits, SamplingParams())])
+                      SampleRow(logits, SamplingParams(temperature=0.0), allowed=none),
+                      SampleRow(logits, SamplingParams(temperature=0.0))])
     assert got[0].token == NONFINITE_ROW and got[1].token == NONFINITE_ROW
     assert got[2].token == int(torch.argmax(logits))
 
 
 def test_penalties_need_counts():
     with pytest.raises(ValueError, match="need TokenCounts and each its state slot"):
-        sample_all([SampleRow(torch.zeros(8), SamplingParams(presence_penalty=1.0), slot=0)])
+        sample_all([SampleRow(torch.zeros(8), SamplingParams(temperature=0.0, presence_penalty=1.0), slot=0)])
 
 
 @pytest.mark.parametrize("field,value,message", [
@@ -257,10 +261,28 @@ def test_out_of_range_fields_are_refused(field, value, message):
 
 def test_top_logprobs_needs_logprobs_and_a_format_refuses_ignore_eos():
     with pytest.raises(InvalidRequest, match="top_logprobs=3 needs logprobs"):
-        SamplingParams(top_logprobs=3).validate(100)
+        SamplingParams(temperature=0.0, top_logprobs=3).validate(100)
     with pytest.raises(InvalidRequest, match="ignore_eos cannot be combined with response_format"):
-        SamplingParams(ignore_eos=True, response_format=ResponseFormat("json_object")).validate(100)
+        SamplingParams(temperature=0.0, ignore_eos=True, response_format=ResponseFormat("json_object")).validate(100)
     with pytest.raises(InvalidRequest, match="not JSON"):
-        SamplingParams(response_format=ResponseFormat("json_schema", "{nope")).validate(100)
+        SamplingParams(temperature=0.0, response_format=ResponseFormat("json_schema", "{nope")).validate(100)
     with pytest.raises(InvalidRequest, match="must be a JSON object"):
-        SamplingParams(response_format=ResponseFormat("json_schema", "[1]")).validate(100)
+        SamplingParams(temperature=0.0, response_format=ResponseFormat("json_schema", "[1]")).validate(100)
+
+
+def test_from_proto_unset_fields_take_the_engine_defaults_and_set_ones_carry_over():
+    """One translation from the wire: an unset optional field means exactly the engine's default (temperature 1.0,
+    OpenAI's), and a set one, 0 included, is taken as sent."""
+    from kimiserve.v1 import common_pb2
+
+    assert SamplingParams.from_proto(common_pb2.SamplingParams(), max_tokens=7) == SamplingParams(max_tokens=7)
+    assert SamplingParams().temperature == 1.0
+    wire = common_pb2.SamplingParams(
+        temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=[4, 5], ignore_eos=True, logprobs=True,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, top_logprobs=2,
+        response_format=common_pb2.ResponseFormat(regex="[ab]+"))
+    got = SamplingParams.from_proto(wire, max_tokens=3)
+    assert got == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=(4, 5),
+                                 ignore_eos=True, logprobs=True, presence_penalty=0.5, frequency_penalty=-0.5,
+                                 repetition_penalty=1.25, top_logprobs=2,
+                                 response_format=ResponseFormat("regex", "[ab]+"))

@@ -57,9 +57,11 @@ PROMPT = [5, 9, 9, 17, 33, 5, 70, 71]
 
 
 @pytest.mark.parametrize("params", [
-    SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5, logprobs=True,
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5,
+                   logprobs=True,
                    top_logprobs=5),
-    SamplingParams(max_tokens=12, ignore_eos=True, repetition_penalty=1.9, logprobs=True, top_logprobs=3),
+    SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.9, logprobs=True,
+                   top_logprobs=3),
 ])
 def test_greedy_penalties_over_the_sequence_history(params):
     seq, events = run(make_engine(CONFIG), {"a": (PROMPT, params)}, keep_logits=True)["a"]
@@ -73,7 +75,8 @@ def test_greedy_penalties_over_the_sequence_history(params):
         want = torch.topk(ref_lp, params.top_logprobs)
         assert [t for t, _ in event.top_logprobs] == want.indices.tolist()
         assert [lp for _, lp in event.top_logprobs] == pytest.approx(want.values.tolist(), abs=1e-5)
-    plain = run(make_engine(CONFIG), {"a": (PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))})["a"][0]
+    plain = run(make_engine(CONFIG), {"a": (PROMPT, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                   ignore_eos=True))})["a"][0]
     assert plain.output != seq.output, "the penalties changed the greedy output"
 
 
@@ -82,11 +85,11 @@ def test_penalised_sequences_do_not_depend_on_batch_neighbours():
                              repetition_penalty=1.4, logprobs=True, top_logprobs=4)
     alone = run(make_engine(CONFIG), {"a": (PROMPT, sampled)})["a"]
     crowd = run(make_engine(CONFIG), {
-        "x": ([1, 2, 3], SamplingParams(max_tokens=6, ignore_eos=True, presence_penalty=2.0)),
+        "x": ([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, presence_penalty=2.0)),
         "a": (PROMPT, sampled),
         "y": ([7] * 20, SamplingParams(max_tokens=14, ignore_eos=True, temperature=1.0, seed=1,
                                        repetition_penalty=0.5)),
-        "z": ([40, 41], SamplingParams(max_tokens=3, ignore_eos=True))})["a"]
+        "z": ([40, 41], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))})["a"]
     assert crowd[0].output == alone[0].output
     # The model's fp32 logits move in the last bits with the batch (the sampler itself is exact per row:
     # test_sampling.py); the reported values agree to that precision.
@@ -98,7 +101,7 @@ def test_penalised_sequences_do_not_depend_on_batch_neighbours():
 
 def test_a_reused_slot_starts_with_fresh_counts():
     """The second sequence takes the first one's state slot: its penalties must see only its own history."""
-    p = SamplingParams(max_tokens=8, ignore_eos=True, frequency_penalty=2.0)
+    p = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, frequency_penalty=2.0)
     fresh = run(make_engine(CONFIG), {"b": (PROMPT, p)})["b"][0].output
     engine = make_engine(CONFIG, num_state_slots=1)
     run(engine, {"a": ([3, 4], p)})
@@ -126,7 +129,7 @@ def test_json_schema_output_parses_and_validates(schema, grammars, tokenizer_dir
     engine = make_engine(CONFIG, grammars=grammars)
     fmt = ResponseFormat("json_schema", json.dumps(schema), "test")
     prompt = tok.encode("Reply in JSON:")
-    for rid, params in [("greedy", SamplingParams(max_tokens=150, response_format=fmt)),
+    for rid, params in [("greedy", SamplingParams(temperature=0.0, max_tokens=150, response_format=fmt)),
                         ("sampled", SamplingParams(max_tokens=150, temperature=1.0, seed=3, response_format=fmt,
                                                    presence_penalty=0.5, logprobs=True, top_logprobs=5))]:
         seq, events = run(engine, {rid: (prompt, params)})[rid]
@@ -150,7 +153,8 @@ def test_json_object_and_regex_formats(grammars, tokenizer_dir):
     obj = ResponseFormat("json_object")
     # A random model writes free-form keys until max_tokens as often as not, so the test takes runs that end and
     # checks that every run that ended holds an object (fixed model, prompts and seeds: the same runs each time).
-    runs = run(engine, {"greedy": (tok.encode("Reply in JSON:"), SamplingParams(max_tokens=60, response_format=obj)),
+    runs = run(engine, {"greedy": (tok.encode("Reply in JSON:"), SamplingParams(temperature=0.0, max_tokens=60,
+                                                                                response_format=obj)),
                         **{f"s{seed}": (tok.encode("Hello there"), SamplingParams(
                             max_tokens=60, temperature=0.5, seed=seed, response_format=obj)) for seed in (1, 2)}})
     ended = [seq for seq, _ in runs.values() if seq.finish_reason == "stop"]
@@ -176,13 +180,14 @@ def test_json_object_and_regex_formats(grammars, tokenizer_dir):
 def test_a_format_the_grammar_engine_cannot_enforce_is_refused_at_submit(fmt, message, grammars):
     engine = make_engine(CONFIG, grammars=grammars)
     with pytest.raises(InvalidRequest, match=message):
-        engine.check_request("bad", [1, 2], SamplingParams(response_format=fmt))
+        engine.check_request("bad", [1, 2], SamplingParams(temperature=0.0, response_format=fmt))
     assert not engine.has_work()
 
 
 def test_an_engine_without_a_tokenizer_refuses_formats():
     with pytest.raises(InvalidRequest, match="needs the checkpoint's tokenizer"):
-        make_engine(CONFIG).check_request("r", [1], SamplingParams(response_format=ResponseFormat("json_object")))
+        make_engine(CONFIG).check_request("r", [1], SamplingParams(temperature=0.0,
+                                                                   response_format=ResponseFormat("json_object")))
 
 
 def test_a_prompt_restored_from_the_prefix_cache_samples_as_a_fresh_one(grammars, tokenizer_dir):
@@ -191,11 +196,13 @@ def test_a_prompt_restored_from_the_prefix_cache_samples_as_a_fresh_one(grammars
     tok = load_tokenizer(tokenizer_dir)
     fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[2]))
     prompt = tok.encode("Reply in JSON:")
-    params = SamplingParams(max_tokens=20, repetition_penalty=1.7, frequency_penalty=1.0, logprobs=True,
+    params = SamplingParams(temperature=0.0, max_tokens=20, repetition_penalty=1.7, frequency_penalty=1.0,
+                            logprobs=True,
                             top_logprobs=3, response_format=fmt)
     fresh_seq, fresh_events = run(make_engine(CONFIG, grammars=grammars), {"a": (prompt, params)})["a"]
     engine = make_engine(CONFIG, grammars=grammars, prefix_cache_entries=2)
-    run(engine, {"warm": (prompt, SamplingParams(max_tokens=3, ignore_eos=True, presence_penalty=2.0))})
+    run(engine, {"warm": (prompt, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                 presence_penalty=2.0))})
     seq, events = run(engine, {"a": (prompt, params)})["a"]
     assert seq.cached_tokens == len(prompt), "the second run restored the whole prompt"
     assert seq.output == fresh_seq.output and seq.finish_reason == fresh_seq.finish_reason == "stop"

@@ -83,7 +83,8 @@ def generate(cfg, model, packed: bool, calls: list | None = None):
     if not packed:
         unpack(model)
     assert all(is_packed(g) == packed for g in groups(model))
-    seqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=6, ignore_eos=True), keep_prompt_logits=True)
+    seqs = [engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6,
+                                                          ignore_eos=True), keep_prompt_logits=True)
             for i, p in enumerate(PROMPTS)]
     while engine.has_work():
         engine.step()

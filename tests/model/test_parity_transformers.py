@@ -121,7 +121,7 @@ def test_checkpoint_uses_published_names(pair):
 def test_prompt_logits_match_transformers(pair):
     case, hf, engine, prompt, _ = pair
     ref = hf_logits(hf, prompt)
-    seq = engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True), f"{case}-prompt",
+    seq = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), f"{case}-prompt",
                           keep_prompt_logits=True)
     ours = torch.cat(seq.prompt_logits)
     assert ours.shape == ref.shape
@@ -134,7 +134,8 @@ def test_greedy_tokens_match_transformers(pair):
     """12 greedy tokens: our prefill + decode (carried KDA state and MLA cache) vs transformers' full forward
     over the whole sequence at every step; the logits each token was drawn from must agree too."""
     case, hf, engine, prompt, _ = pair
-    seq = engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), f"{case}-greedy",
+    seq = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                                                 ignore_eos=True), f"{case}-greedy",
                           keep_prompt_logits=True)
     ids, ref_tokens, ref_rows = list(prompt), [], []
     for _ in range(NEW_TOKENS):
@@ -164,7 +165,7 @@ def test_parity_sees_the_routing_convention(pair, monkeypatch):
 
     assert engine.runner.ops.moe_route is eager.moe_route
     monkeypatch.setattr(engine.runner, "ops", dataclasses.replace(engine.runner.ops, moe_route=biased_weights))
-    seq = engine.generate(prompt, SamplingParams(max_tokens=1, ignore_eos=True), f"{case}-biased",
+    seq = engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), f"{case}-biased",
                           keep_prompt_logits=True)
     err = rel_err(torch.cat(seq.prompt_logits), hf_logits(hf, prompt))
     assert err > 100 * REL, f"{case}: bias-included routing weights stay within {err:.1e} of transformers"

@@ -53,17 +53,18 @@ def concurrent_requests(vocab: int = 255) -> tuple[Request, ...]:
     """Chunked prefill, max_tokens 1 (finishes at prefill), a stop-token finish, seeded sampling with penalties and
     logprobs (drawn on rank 0 only, its penalty counts held there), a late arrival, and a request cancelled
     mid-decode."""
-    greedy = SamplingParams(max_tokens=7, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     return (
         Request("long-prefill", prompt(90, 1, vocab), greedy),
-        Request("one-token", prompt(12, 2, vocab), SamplingParams(max_tokens=1, ignore_eos=True)),
+        Request("one-token", prompt(12, 2, vocab), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)),
         Request("stops-early", prompt(20, 3, vocab),
-                SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=tuple(range(0, vocab, 3)))),
+                SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                               stop_token_ids=tuple(range(0, vocab, 3)))),
         Request("sampled", prompt(17, 4, vocab),
                 SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=7, logprobs=True, ignore_eos=True,
                                frequency_penalty=0.8, repetition_penalty=1.3, top_logprobs=2)),
         Request("late", prompt(25, 5, vocab), greedy, at_step=2),
-        Request("cancelled", prompt(8, 6, vocab), SamplingParams(max_tokens=40, ignore_eos=True)),
+        Request("cancelled", prompt(8, 6, vocab), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
     )
 
 

@@ -53,7 +53,7 @@ def request(ids: list[int], max_tokens: int) -> router_pb2.GenerateRequest:
 def one_process_tokens(model: Path) -> dict[str, list[int]]:
     cfg, m = load_model(model, "cpu", torch.float32)
     engine = Engine(cfg, m, select_ops(torch.device("cpu"), "eager"), torch.device("cpu"), EngineConfig())
-    return {rid: engine.generate(ids, SamplingParams(max_tokens=n, ignore_eos=True), rid).output
+    return {rid: engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), rid).output
             for rid, (ids, n) in PROMPTS.items()}
 
 

@@ -97,7 +97,8 @@ def drive(cfg, model, streamer=None, schedule=((("a", list(range(5, 13)), 6),),)
     seqs, step = [], 0
     while step < len(schedule) or engine.has_work():
         for rid, prompt, max_tokens in (schedule[step] if step < len(schedule) else ()):
-            seqs.append(engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            seqs.append(engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                       ignore_eos=True),
                                            keep_prompt_logits=True))
         engine.step()
         step += 1
@@ -109,7 +110,7 @@ def test_the_next_pass_starts_with_its_first_layers_fetched():
     (resident,) = drive(*random_model(RAW, seed=3))
     engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(num_state_slots=1, num_kv_blocks=16))
     streamer.attach(engine.runner)
-    seq = engine.add_request("a", list(range(5, 13)), SamplingParams(max_tokens=6, ignore_eos=True),
+    seq = engine.add_request("a", list(range(5, 13)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
                              keep_prompt_logits=True)
     engine.step()  # the prefill pass
     held = {layer: state for layer, state in streamer.engine.slots_state() if layer >= 0}
@@ -199,7 +200,7 @@ def test_a_failed_pass_drops_what_was_fetched_ahead_and_the_next_starts_cold(mon
     cfg, model, streamer, stats = streamed(prefetch_depth=2)
     engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(num_state_slots=2, num_kv_blocks=32))
     streamer.attach(engine.runner)
-    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     engine.add_request("a", [1, 2, 3], params)
     engine.step()
     assert streamer.engine.occupancy() == 2
@@ -222,7 +223,7 @@ def test_a_pass_that_skips_a_streamed_layer_is_a_named_error(monkeypatch, caplog
     engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(num_state_slots=1, num_kv_blocks=16))
     streamer.attach(engine.runner)
     monkeypatch.setattr(model.model.layers[7], "forward", lambda h, ctx: h)  # the last layer never runs
-    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     (event,) = engine.step().events
     assert event.finish_reason == "error"
     assert "UnusedPrefetchError" in event.error and "[7] fetched for it but never run" in _logged_failure(caplog)

@@ -26,7 +26,7 @@ def run(cfg, model, streamer=None, prompts=PROMPTS, max_tokens=4):
                     EngineConfig(num_state_slots=len(prompts), num_kv_blocks=64, prefill_token_budget=64))
     if streamer is not None:
         streamer.attach(engine.runner)
-    seqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    seqs = [engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
                                keep_prompt_logits=True) for i, p in enumerate(prompts)]
     passes = []
     while engine.has_work():
@@ -106,7 +106,7 @@ def test_a_skipped_fetch_is_a_named_error_not_stale_weights(k3_streamer, monkeyp
     monkeypatch.setattr(streamer, "_fetch", lambda layer, routed: None if layer == 40 else fetch(layer, routed))
     engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(num_state_slots=1, num_kv_blocks=16))
     streamer.attach(engine.runner)
-    engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("x", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     result = engine.step()
     assert result.events[0].finish_reason == "error"
     assert "MissingSlotError" in result.events[0].error  # the client sees the class; the shard's log the detail

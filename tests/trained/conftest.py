@@ -59,7 +59,8 @@ class Run:
 
 def generate(engine: Engine, prompts: list[list[int]], tokens: int) -> Run:
     """Greedy, EOS ignored, all prompts in one batch: every sequence gives exactly `tokens` tokens."""
-    seqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=tokens, ignore_eos=True), keep_prompt_logits=True)
+    seqs = [engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                          ignore_eos=True), keep_prompt_logits=True)
             for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()

@@ -24,7 +24,7 @@ def engine_logits(raw: dict, prompts: torch.Tensor) -> torch.Tensor:
     engine = Engine(cfg, model, select_ops(torch.device("cpu"), "eager"), torch.device("cpu"),
                     EngineConfig(num_state_slots=len(prompts), num_kv_blocks=64, kv_block_size=16,
                                  prefill_token_budget=4096))
-    seqs = [engine.add_request(f"r{i}", p.tolist(), SamplingParams(max_tokens=1, ignore_eos=True),
+    seqs = [engine.add_request(f"r{i}", p.tolist(), SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                                keep_prompt_logits=True) for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()
