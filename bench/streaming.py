@@ -62,10 +62,10 @@ def _median(xs: list[float]) -> float:
 
 def pinned_copy_peak(sizes=(256 << 20, 1 << 30, 4 << 30), reps: int = 8) -> dict:
     """Median host-to-device GB/s per size from one page-locked buffer (cudaHostRegister, as the arenas)."""
-    from shard_svc.streaming.host import _alloc
+    from shard_svc.host_memory import alloc_host
 
     biggest = max(sizes)
-    host, registered = _alloc(biggest, pinned=True)
+    host, registered = alloc_host(biggest, pinned=True)
     host.fill_(1)
     dev = torch.empty(biggest, dtype=torch.uint8, device="cuda")
     out = {}
@@ -98,7 +98,7 @@ def layer_bytes(layers: int) -> list[int]:
 
 
 def choose_layers(requested: int | None, pinned_fraction: float, depth: int) -> tuple[int, dict]:
-    from shard_svc.streaming.host import host_available_bytes
+    from shard_svc.host_memory import host_available_bytes
 
     available = host_available_bytes() or 0
     budget = int(pinned_fraction * available)

@@ -20,7 +20,7 @@ from shard_svc.engine.sequence import Sequence, SequenceTiming
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
-from shard_svc.streaming.kv_offload import HostKVOffload
+from shard_svc.state.kv_offload import HostKVOffload
 from shard_svc.streaming.metrics import StreamingMetrics
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ class StepPlan:
 
 
 class KVOffloader(Protocol):
-    """A host pool for whole sequences' KV pages (shard_svc/streaming/kv_offload.py HostKVOffload)."""
+    """A host pool for whole sequences' KV pages (shard_svc/state/kv_offload.py HostKVOffload)."""
 
     @property
     def num_pages(self) -> int: ...

@@ -1,6 +1,6 @@
 """Named errors of weight streaming and host KV offload. The native engine raises these same classes (by kind)."""
 
-from shard_svc.errors import CapacityError, KimiServeError
+from shard_svc.errors import KimiServeError
 
 
 class StreamingError(KimiServeError):
@@ -45,10 +45,6 @@ class NativeBuildError(StreamingError):
 
 class DeviceCopyError(StreamingError):
     """A CUDA driver call of the copy engine failed; the message names the call and the CUDA error."""
-
-
-class HostMemoryError(CapacityError, StreamingError):
-    """Host (pinned) memory is too small for what was asked; the message names the sizes."""
 
 
 class StreamingConfigError(StreamingError):

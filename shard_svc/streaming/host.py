@@ -8,61 +8,15 @@ budget and against the host's available memory before anything is allocated, and
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.errors import UnfilledParameterError
-from shard_svc.streaming.errors import HostMemoryError
+from shard_svc.host_memory import GiB, alloc_host, check_host_memory
 from shard_svc.streaming.plan import ExpertFormat, LayerPlan, Member, plan_layers
 
 log = logging.getLogger(__name__)
-
-GiB = float(1 << 30)
-
-
-def host_available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def check_host_memory(need: int, budget: int | None, what: str) -> None:
-    """Raises HostMemoryError when `need` bytes exceed the pinned budget or the host's available memory."""
-    available = host_available_bytes()
-    if budget is not None and need > budget:
-        raise HostMemoryError(f"{what} needs {need / GiB:.2f} GiB of pinned host memory; the pinned-memory budget is "
-                              f"{budget / GiB:.2f} GiB (host has {_gib(available)} available)")
-    if available is not None and need > available:
-        raise HostMemoryError(f"{what} needs {need / GiB:.2f} GiB of host memory; the host has {available / GiB:.2f} "
-                              f"GiB available")
-
-
-def _gib(n: int | None) -> str:
-    return "unknown" if n is None else f"{n / GiB:.2f} GiB"
-
-
-def _alloc(nbytes: int, pinned: bool) -> tuple[torch.Tensor, bool]:
-    """(uint8 buffer, registered with CUDA). Pinned: page-locked in place, exact size."""
-    buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    if not pinned:
-        return buf, False
-    register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
-    if register is None:  # an old binding: torch's pinned allocator (rounds sizes up to a power of two)
-        log.warning("torch.cuda.cudart() has no cudaHostRegister; pinning %.2f GiB with torch's pinned allocator",
-                    nbytes / GiB)
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True), False
-    rc = register(buf.data_ptr(), buf.numel(), 0)
-    if int(rc) != 0:
-        raise HostMemoryError(f"cannot page-lock {nbytes / GiB:.2f} GiB of host memory (cudaHostRegister returned "
-                              f"{rc}); lower the pinned-memory budget or the number of streamed layers")
-    return buf, True
 
 
 class HostWeights:
@@ -79,7 +33,7 @@ class HostWeights:
         self._filled: dict[int, set[str]] = {layer: set() for layer in plans}
         try:
             for layer, plan in plans.items():
-                self.arenas[layer], registered = _alloc(plan.nbytes, pinned)
+                self.arenas[layer], registered = alloc_host(plan.nbytes, pinned)
                 if registered:
                     self._registered.append(self.arenas[layer].data_ptr())
         except BaseException:

@@ -16,7 +16,8 @@ from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
-from shard_svc.streaming import HostKVProfile, StreamingMetrics
+from shard_svc.state.kv_offload import HostKVProfile
+from shard_svc.streaming.metrics import StreamingMetrics
 from tests.engine.conftest import k3_config, linear_config, make_engine, random_model
 
 CPU = torch.device("cpu")

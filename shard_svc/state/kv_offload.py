@@ -1,4 +1,5 @@
-"""Host KV offload for the MLA latent cache: a sequence's pages move to (pinned) host memory and back.
+"""Host KV offload for the MLA latent cache: a sequence's pages move to (pinned) host memory and back. Part of the
+KV manager (beside `pools.py`); the scheduler decides when (shard_svc/engine/scheduler.py).
 
 Sizing follows the model's own layer map (docs/lessons.md#memory-profiles-per-model): the host pool is laid
 out `[num_mla, pages, block_size, latent]` like the device cache and indexed by MLA cache index, never by engine
@@ -16,10 +17,10 @@ import torch
 
 from shard_svc.config import ModelConfig
 from shard_svc.errors import KVBlocksExhausted
+from shard_svc.host_memory import HostMemoryError, alloc_host, check_host_memory
 from shard_svc.state.allocators import BlockAllocator
 from shard_svc.state.pools import MLAKVCache
-from shard_svc.streaming.errors import ByteSizeMismatchError, HostMemoryError, StreamingConfigError, StreamingError
-from shard_svc.streaming.host import _alloc, check_host_memory
+from shard_svc.streaming.errors import ByteSizeMismatchError, StreamingConfigError, StreamingError
 from shard_svc.streaming.metrics import StreamingMetrics
 
 
@@ -90,7 +91,7 @@ class HostKVOffload:
         shape = (profile.num_mla, host_pages, cache.block_size, profile.latent_dim)
         nbytes = host_pages * profile.page_bytes(cache.block_size, cache.kv.dtype)
         check_host_memory(nbytes, None, f"a host KV pool of {host_pages} pages")
-        raw, self._registered = _alloc(nbytes, pinned=self.cuda)
+        raw, self._registered = alloc_host(nbytes, pinned=self.cuda)
         self.host = raw[:nbytes].view(cache.kv.dtype).view(shape)
         self.pages = BlockAllocator(host_pages, cache.block_size)
         self._blocks: dict[str, int] = {}  # owner -> number of pages offloaded
