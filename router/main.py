@@ -19,8 +19,8 @@ from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 from router.admission import Admission
+from router.batch.config import BatchConfig  # batch jobs (router/batch)
 from router.batch.errors import BatchStoreError
-from router.batch.runner import BatchConfig  # batch jobs (router/batch)
 from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
 from router.generation import Generation

@@ -16,19 +16,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from kimiserve.v1 import router_pb2
 from router.admission import BATCH, PRIORITY
 from router.batch import states
-from router.batch.execute import RequestFailed
+from router.batch.config import BatchConfig
+from router.batch.execute import BatchExecutor, RequestFailed
+from router.batch.metrics import BatchMetrics
 from router.batch.parse import BatchIssue, ParsedRequest, parse_inline, parse_jsonl
-from router.batch.store import BatchRow, NewResult, RequestRow
+from router.batch.store import BatchRow, BatchStore, NewResult, RequestRow
 from router.errors import AlreadyExists, Overloaded, RouterError, ShardUnavailable
 from router.request_ids import batch_request_id
-
-if TYPE_CHECKING:
-    from router.batch.runner import BatchRunner
 
 log = logging.getLogger(__name__)
 CANCEL, EXPIRE, SHUTDOWN, ERROR = "cancel", "expire", "shutdown", "error"
@@ -46,9 +46,22 @@ def error_result(custom_id: str, code: str, message: str, request_id: str = "") 
                                   error=router_pb2.BatchRequestError(code=code, message=message))
 
 
+@dataclass(frozen=True)
+class JobContext:
+    """What a job uses of the runner that owns it, handed in (so this module never imports the runner, which
+    creates jobs): the store, the executor, metrics, settings, and the runner's two callbacks."""
+
+    store: BatchStore
+    executor: BatchExecutor
+    metrics: BatchMetrics
+    cfg: BatchConfig
+    notify: Callable[[str], None]  # the batch's stored state changed (wakes its watchers)
+    job_ended: Callable[[BatchJob], None]  # the job's task is over, whatever the reason
+
+
 class BatchJob:
-    def __init__(self, runner: "BatchRunner", batch_id: str):
-        self.runner, self.store, self.id = runner, runner.store, batch_id
+    def __init__(self, ctx: JobContext, batch_id: str):
+        self.ctx, self.store, self.id = ctx, ctx.store, batch_id
         self.inflight: dict[int, asyncio.Task] = {}
         self.queued = 0  # requests without a result that are not running
         self.reason: str | None = None
@@ -83,7 +96,7 @@ class BatchJob:
             log.exception("batch failed internally", extra={"batch_id": self.id})
             self._fail_internal(e)
         finally:
-            self.runner.job_ended(self)
+            self.ctx.job_ended(self)
 
     async def _validate(self, row: BatchRow) -> None:
         if now_ms() >= row.expires_at_ms:
@@ -111,12 +124,12 @@ class BatchJob:
         if self.store.start(self.id, parsed.requests, invalid_payload, now_ms()):
             invalid = [r for r in parsed.requests if r.error]
             for r in invalid:
-                self.runner.metrics.request_finished(False, r.error[0], 0, 0, None)
+                self.ctx.metrics.request_finished(False, r.error[0], 0, 0, None)
                 log.info("batch request invalid", extra={"batch_id": self.id, "custom_id": r.custom_id,
                                                          "line": r.line, "code": r.error[0], "error": r.error[1]})
             log.info("batch in progress", extra={"batch_id": self.id, "requests": len(parsed.requests),
                                                  "invalid_requests": len(invalid)})
-            self.runner.notify(self.id)
+            self.ctx.notify(self.id)
 
     async def _execute(self, row: BatchRow) -> None:
         delay_s = max(0.0, (row.expires_at_ms - now_ms()) / 1000)
@@ -200,14 +213,14 @@ class BatchJob:
     async def _one(self, req: RequestRow) -> None:
         PRIORITY.set(BATCH)  # this task's context only: admission serves interactive requests first
         started = time.monotonic()
-        cfg = self.runner.cfg
+        cfg = self.ctx.cfg
         for attempt_here in range(1, cfg.max_attempts + 1):
             attempt = self.store.begin_attempt(self.id, req.idx)
             request_id = batch_request_id(self.id, req.custom_id, attempt)
             log.info("batch request started", extra={"batch_id": self.id, "custom_id": req.custom_id,
                                                      "request_id": request_id, "attempt": attempt})
             try:
-                response = await self.runner.executor.run(req.kind, req.payload, request_id)
+                response = await self.ctx.executor.run(req.kind, req.payload, request_id)
                 result = router_pb2.BatchResult(custom_id=req.custom_id, request_id=request_id, response=response)
             except RETRYABLE as e:
                 if attempt_here < cfg.max_attempts:
@@ -240,7 +253,7 @@ class BatchJob:
         seq, = self.store.record(self.id, [NewResult(idx, ok, usage.prompt_tokens, usage.completion_tokens,
                                                      payload)])
         code = "ok" if ok else result.error.code
-        self.runner.metrics.request_finished(ok, code, usage.prompt_tokens, usage.completion_tokens, seconds)
+        self.ctx.metrics.request_finished(ok, code, usage.prompt_tokens, usage.completion_tokens, seconds)
         extra = {"batch_id": self.id, "custom_id": result.custom_id, "request_id": result.request_id, "seq": seq,
                  "outcome": "completed" if ok else "failed", "code": code}
         if ok:
@@ -248,7 +261,7 @@ class BatchJob:
         else:
             extra["error"] = result.error.message
         log.info("batch request finished", extra=extra)
-        self.runner.notify(self.id)
+        self.ctx.notify(self.id)
 
     # ---- closing ----------------------------------------------------------------------------------------------
     def _close(self, old: str, new: str, code: str, message: str) -> None:
@@ -263,7 +276,7 @@ class BatchJob:
         if results:
             self.store.record(self.id, results)
             for _ in results:
-                self.runner.metrics.request_finished(False, code, 0, 0, None)
+                self.ctx.metrics.request_finished(False, code, 0, 0, None)
         self._transition({old}, new)
         log.info("batch closed", extra={"batch_id": self.id, "status": new, "closed_requests": len(results),
                                         "closed_custom_ids": [c for _, c in open_requests]})
@@ -290,7 +303,7 @@ class BatchJob:
     def _transition(self, old: set[str], new: str, errors: list[BatchIssue] = ()) -> None:
         if self.store.transition(self.id, old, new, now_ms(), errors=errors):
             log.info("batch status", extra={"batch_id": self.id, "status": new})
-            self.runner.notify(self.id)
+            self.ctx.notify(self.id)
 
 
 def _parse(kind: str, data: bytes):

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass
-from pathlib import Path
 from typing import AsyncIterator
 
 from kimiserve.v1 import router_pb2
 from router.admission import BATCH, Admission
 from router.batch import states
+from router.batch.config import BatchConfig
 from router.batch.errors import BatchNotFound, BatchStateError, BatchStoreError, InvalidArgument
 from router.batch.execute import BatchExecutor
-from router.batch.jobs import CANCEL, SHUTDOWN, BatchJob, now_ms
+from router.batch.jobs import CANCEL, SHUTDOWN, BatchJob, JobContext, now_ms
 from router.batch.metrics import BatchMetrics
 from router.batch.parse import MAX_METADATA_PAIRS
 from router.batch.store import BatchRow, BatchStore
@@ -25,19 +24,6 @@ log = logging.getLogger(__name__)
 RESULTS_PAGE = 500
 MAX_WINDOW_S = 7 * 86_400
 MAX_PAGE_SIZE = 100
-
-
-@dataclass(frozen=True)
-class BatchConfig:
-    db_path: Path
-    owner: str = ""  # name this router runs batches under; routers sharing db_path need distinct names
-    default_max_concurrency: int = 64
-    max_concurrency_limit: int = 4096
-    default_window_s: int = 86_400
-    lease_s: float = 30.0
-    tick_s: float = 0.5
-    max_attempts: int = 5  # runs of a request whose shard was unavailable before it fails with "unavailable"
-    retry_backoff_s: float = 0.5
 
 
 class BatchRunner:
@@ -50,6 +36,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        self._job_context = JobContext(store, executor, metrics, cfg, self.notify, self.job_ended)
 
     # ---- lifecycle --------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,7 +93,7 @@ class BatchRunner:
         for batch_id in self.store.claimable(self.cfg.owner, now):
             if batch_id not in self._jobs and self.store.claim(batch_id, self.cfg.owner, now, lease_until):
                 log.info("batch claimed", extra={"batch_id": batch_id, "owner": self.cfg.owner})
-                self._jobs[batch_id] = BatchJob(self, batch_id)
+                self._jobs[batch_id] = BatchJob(self._job_context, batch_id)
         for job in list(self._jobs.values()):
             row = self.store.get(job.id)
             if row.status == states.CANCELLING and job.reason is None:  # cancelled through another router

@@ -7,10 +7,11 @@ import argparse
 import os
 from pathlib import Path
 
+from router.batch.config import BatchConfig
 from router.batch.execute import BatchExecutor
 from router.batch.files import FileStore
 from router.batch.metrics import BatchMetrics
-from router.batch.runner import BatchConfig, BatchRunner
+from router.batch.runner import BatchRunner
 from router.batch.service import BatchService
 from router.batch.store import BatchStore
 from router.generation import Generation

@@ -7,12 +7,18 @@ pass's tokens with one indexed add of the device token tensor, so no count ever 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
-if TYPE_CHECKING:
-    from shard_svc.engine.sampling import SamplingParams
+
+class Penalties(NamedTuple):
+    """One row's penalty values, as SamplingParams holds them (taken apart here so this module needs nothing of
+    the sampler's, which imports it)."""
+
+    repetition: float
+    presence: float
+    frequency: float
 
 
 class TokenCounts:
@@ -49,7 +55,7 @@ class TokenCounts:
 
 
 def apply_penalties(logits: torch.Tensor, counts: TokenCounts, slots: torch.Tensor,
-                    params: list[SamplingParams]) -> torch.Tensor:
+                    penalties: list[Penalties]) -> torch.Tensor:
     """logits [rows, vocab] of sequences in `slots` with their penalties applied (vLLM's order and definitions):
     repetition over prompt + output tokens (positive logits divided by it, negative multiplied), then
     presence * [count > 0] + frequency * count subtracted, counts over the output only."""
@@ -57,8 +63,7 @@ def apply_penalties(logits: torch.Tensor, counts: TokenCounts, slots: torch.Tens
     out = counts.output[slots]
     present = out > 0
     seen = present | counts.prompt[slots]
-    values = torch.tensor([[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in params],
-                          dtype=logits.dtype, device=logits.device)
+    values = torch.tensor(penalties, dtype=logits.dtype, device=logits.device)
     rep, presence, frequency = values[:, 0:1], values[:, 1:2], values[:, 2:3]
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
     return logits - frequency * out - presence * present

@@ -20,7 +20,7 @@ import torch
 
 from kimiserve.limits import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
 from shard_svc.engine.grammar import ResponseFormat, apply_allowed
-from shard_svc.engine.penalties import TokenCounts, apply_penalties
+from shard_svc.engine.penalties import Penalties, TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -58,6 +58,10 @@ class SamplingParams:
         return cls(max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                    logprobs=s.logprobs, top_logprobs=s.top_logprobs,
                    response_format=_response_format_from_proto(s.response_format), **optional)
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.presence_penalty, self.frequency_penalty)
 
     @property
     def has_penalties(self) -> bool:
@@ -162,7 +166,8 @@ def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list
     if penalised:
         pen_index = torch.tensor(penalised, device=device)
         slots = torch.tensor([rows[i].slot for i in penalised], device=device)
-        stacked[pen_index] = apply_penalties(stacked[pen_index], counts, slots, [rows[i].params for i in penalised])
+        stacked[pen_index] = apply_penalties(stacked[pen_index], counts, slots,
+                                             [rows[i].params.penalties for i in penalised])
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if masked:
         bits = torch.stack([rows[i].allowed for i in masked]).to(device, non_blocking=True)

@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry
 
 from kimiserve.v1 import common_pb2, router_pb2
 from router.batch import states
+from router.batch.config import BatchConfig
 from router.batch.metrics import BatchMetrics
-from router.batch.runner import BatchConfig, BatchRunner
+from router.batch.runner import BatchRunner
 from router.batch.store import BatchStore
 from router.errors import InvalidArgument, ShardUnavailable
 
