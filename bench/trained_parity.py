@@ -68,7 +68,7 @@ def build(path: Path, backend: str, dtype: torch.dtype, device: torch.device, sl
 
 
 def run(engine: Engine, prompts: list[list[int]], tokens: int, keep_prompt_logits: bool):
-    seqs = [engine.add_request(f"r{i}", p, SamplingParams(max_tokens=tokens, ignore_eos=True),
+    seqs = [engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
                                keep_prompt_logits=keep_prompt_logits) for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()
