@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.services.helpers import generate, scrape, total
+from tests.services.helpers import generate, scrape, shard_load, total, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +101,43 @@ def test_per_request_and_prefill_series_move_by_what_the_requests_did(stack):
 def test_tokenizer_metrics_after_traffic(after_traffic):
     series = scrape(after_traffic.children["tokenizer"].metrics_url)
     assert total(series, "kimiserve_tokenizer_requests_total") > 0
+
+
+def test_requests_the_client_ends_are_counted_once_by_status(stack):
+    """A stream the client cancels after its first chunk counts as CANCELLED, one cut by its deadline as
+    DEADLINE_EXCEEDED (Generate and Chat alike), each exactly once, in the same series as OK and the error statuses;
+    the shards get their sequences back."""
+    from kimiserve.v1 import common_pb2, router_pb2
+
+    url = stack.children["router"].metrics_url
+    key = 'kimiserve_router_requests_total{{method="{}",status="{}"}}'
+    outcomes = [("Generate", "CANCELLED"), ("Chat", "CANCELLED"), ("Generate", "DEADLINE_EXCEEDED")]
+    before = scrape(url)
+    long = common_pb2.SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)  # minutes of decoding
+    generate_req = router_pb2.GenerateRequest(sampling=long)
+    generate_req.prompt_token_ids.ids.extend([5, 6, 7, 8])
+    chat_req = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content="Hello")], sampling=long)
+    for call in (stack.stub.Generate(generate_req, timeout=120), stack.stub.Chat(chat_req, timeout=120)):
+        next(call)  # the request is running on a shard
+        call.cancel()
+    with pytest.raises(grpc.RpcError) as cut:
+        for _ in stack.stub.Generate(generate_req, timeout=1.0):
+            pass
+    assert cut.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def moved(after, method, status):
+        return after.get(key.format(method, status), 0) - before.get(key.format(method, status), 0)
+
+    wait_until(lambda: all(moved(scrape(url), m, st) >= 1 for m, st in outcomes), what="the ended requests counted")
+    after = scrape(url)
+    assert [moved(after, m, st) for m, st in outcomes] == [1, 1, 1]
+    assert moved(after, "Generate", "OK") == 0 and moved(after, "Chat", "OK") == 0
+    def idle(address: str) -> bool:
+        load = shard_load(address)
+        return load.running_seqs + load.queued_seqs == 0
+
+    wait_until(lambda: idle(stack.shard(0).address) and idle(stack.shard(1).address),
+               what="the shards to drop the ended sequences")
 
 
 @pytest.mark.parametrize("service", ["router", "shard-0", "tokenizer"])
