@@ -12,6 +12,8 @@ import argparse
 import importlib
 import sys
 
+from kimiserve.logs import LOG_FORMATS
+
 # subcommand -> (module, function adding its flags, function running it and returning an exit code, help)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "generate": ("shard_svc.generate", "add_args", "run", "run the engine in-process on one prompt"),
@@ -67,7 +69,7 @@ def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
     """--log-level, --log-format and --debug, before or after the subcommand (after wins)."""
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
     p.add_argument("--log-level", default=d("INFO"), help="DEBUG, INFO, WARNING or ERROR")
-    p.add_argument("--log-format", choices=("auto", "json", "text"), default=d("auto"),
+    p.add_argument("--log-format", choices=LOG_FORMATS, default=d("auto"),
                    help="auto: readable text on a terminal, JSON lines otherwise")
     p.add_argument("--debug", action="store_true", default=d(False),
                    help="show the traceback of an error instead of one line")

@@ -1,4 +1,4 @@
-"""Proto <-> domain conversion for chat messages, tools and tool calls (the router uses these too)."""
+"""Proto -> domain conversion for chat messages (with their tool calls) and tools."""
 
 from __future__ import annotations
 
@@ -36,7 +36,3 @@ def tools_from_pb(tools: Iterable[common_pb2.Tool]) -> list[dict[str, Any]]:
         else:
             raise RenderError(f"tools[{i}]: neither `function` nor `json` is set")
     return out
-
-
-def tool_calls_to_pb(calls: Iterable[ToolCall]) -> list[common_pb2.ToolCall]:
-    return [common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]

@@ -21,7 +21,6 @@ from tokenizer_svc.kimi_format import KIMI_PAT_STR
 from tokenizer_svc.write import write_kimi_tokenizer
 
 NUM_MERGES = 256
-NUM_BASE_TOKENS = 256 + NUM_MERGES
 
 TRAINING_TEXT = """\
 The river town woke early. Before the sun cleared the hills, the baker had lit his ovens and the ferry had made

@@ -167,8 +167,3 @@ def _check_size(out: ParsedInput) -> None:
         _issue(out, "empty_input", "the input holds no requests")
     if len(out.requests) > MAX_REQUESTS:
         _issue(out, "too_many_requests", f"{len(out.requests)} requests; a batch holds at most {MAX_REQUESTS}")
-
-
-def check_metadata(metadata: dict[str, str]) -> None:
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise ValueError(f"metadata has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}")

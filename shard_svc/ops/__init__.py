@@ -7,7 +7,7 @@ the rest stay eager. Which backend serves each op is logged once at startup, so 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -78,7 +78,3 @@ def select_ops(device: torch.device, backend: str = "auto") -> Ops:
     ops = Ops(**impls, backends=tuple(sorted(served.items())))
     log.info("op backends selected", extra={"device": str(device), "ops": dict(ops.backends)})
     return ops
-
-
-def op_names() -> list[str]:
-    return [f.name for f in fields(Ops) if f.name != "backends"]

@@ -21,7 +21,6 @@ ALIGN = 256
 ExpertFormat = Literal["mxfp4", "dense"]
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 EXPERT_PARAMS = ("w1", "w3", "w2")
-MXFP4_PARTS = ("weight_packed", "weight_scale")
 
 
 def align(n: int) -> int:
