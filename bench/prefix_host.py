@@ -28,7 +28,7 @@ from shard_svc.ops import select_ops
 
 BLOCK = 16
 NEW = 16  # tokens past the cached prefix in the end-to-end request
-ONE = SamplingParams(max_tokens=1, ignore_eos=True)
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 def _sync(device: torch.device) -> None:

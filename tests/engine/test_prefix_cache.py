@@ -303,7 +303,7 @@ def test_host_kv_offload_with_prefix_hits_from_the_host_tier():
     head = _prompt(10, 27)
     _run(engine, head, "head", max_tokens=1)
     _run(engine, _prompt(9, 28), "other", max_tokens=1)  # `head` to the host
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = {f"r{i}": head + _prompt(3 + i % 3, 30 + i) for i in range(4)}
     seqs = {rid: engine.add_request(rid, p, params) for rid, p in prompts.items()}
     while engine.has_work():

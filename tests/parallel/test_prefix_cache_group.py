@@ -11,8 +11,9 @@ from tests.engine.conftest import linear_config
 from tests.parallel.harness import run_group
 from tests.parallel.scenarios import Case, Request, prompt, run_cases
 
-GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
-ONE = SamplingParams(max_tokens=1, ignore_eos=True)  # finishing at prefill: the finish adds no second entry
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+# finishing at prefill: the finish adds no second entry
+ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 A, B, C = prompt(37, 1), prompt(21, 2), prompt(26, 3)
 # One device entry and two on the host. Each request is admitted after the one before it finished.
 REQUESTS = (
