@@ -50,15 +50,6 @@ class Backends:
 
 
 @pytest.fixture(scope="session")
-def tiny_linear(tmp_path_factory) -> Path:
-    from shard_svc.make_tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("batch_models") / "tiny-linear"
-    make_tiny("kimi_linear", out, seed=0)
-    return out
-
-
-@pytest.fixture(scope="session")
 def backends(tiny_linear, tmp_path_factory) -> Backends:
     logs = tmp_path_factory.mktemp("batch_backend_logs")
     tok_port = free_port()
