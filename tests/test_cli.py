@@ -1,7 +1,7 @@
 """The `kimiserve` command as a user meets it: every subcommand's --help lists each flag with its default, global
 flags go before or after the subcommand, a user's mistake is one line and exit code 2 (a traceback only with
 --debug), logs are readable text on a terminal or on request and JSON otherwise, and a stack never shares a port
-or a batch database with another (the HTTP port: tests/http/test_up.py)."""
+or a batch database with another (the HTTP port: tests/router/http/test_up.py)."""
 
 from __future__ import annotations
 

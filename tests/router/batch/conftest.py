@@ -18,7 +18,7 @@ from kimiserve.health import wait_serving
 from kimiserve.ports import free_port
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # 16 state slots per shard; a 256-token context so an over-long prompt is easy to write.
 SHARD_ARGS = ("--num-state-slots", "16", "--num-kv-blocks", "512", "--max-model-len", "256")
 TERMINAL = {router_pb2.BATCH_STATUS_COMPLETED, router_pb2.BATCH_STATUS_FAILED, router_pb2.BATCH_STATUS_EXPIRED,
