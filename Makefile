@@ -25,7 +25,8 @@ test: $(STAMP)
 # The inner loop, under 2 minutes on CI's machine: router logic, the tokenizer, engine invariants on tiny in-memory
 # models, model pieces and the loader, Triton kernels in the interpreter; no process stacks beyond the tokenizer's
 # own, and none of the tests marked slow (93-layer runs, kernels inside a whole model).
-FAST_TESTS := tests/router tests/tokenizer tests/engine tests/kernels tests/model tests/test_docs.py \
+# tests/router/http and tests/router/batch start stacks: only the router's own test files.
+FAST_TESTS := tests/router/test_*.py tests/tokenizer tests/engine tests/kernels tests/model tests/test_docs.py \
 	tests/test_protos_fresh.py tests/test_tracing_config.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -m "not slow" $(FAST_TESTS)
