@@ -15,15 +15,16 @@ under the same names for the loader tests; inside tests/model they win.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported here or in a child process
+import pytest
 
-from pathlib import Path  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch before this file
+# torch reads it when first imported, in this process (after this file: no plugin here imports torch) and in every
+# child. A run that sets it itself keeps its own value.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")
