@@ -1,10 +1,11 @@
-# `make up` serves the built-in tiny model; `make test` runs the whole suite; `make soak` loads a stack with a random
-# mix of good, invalid, cancelled and disconnected requests for SOAK_MINUTES (5) and reports leaks. All build .venv.
+# `make up` serves the built-in tiny model; `make test` runs the whole suite, `make test-fast` the inner loop; `make soak`
+# loads a stack with a random mix of good, invalid, cancelled and disconnected requests for SOAK_MINUTES (5) and
+# reports leaks. All build .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test soak venv protos clean bench-gpu train-gpu
+.PHONY: up test test-fast soak venv protos clean bench-gpu train-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -20,6 +21,15 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
+
+# The inner loop, under 2 minutes on CI's machine: router logic, the tokenizer, engine invariants on tiny in-memory
+# models, model pieces and the loader, Triton kernels in the interpreter; no process stacks beyond the tokenizer's
+# own, and none of the tests marked slow (93-layer runs, kernels inside a whole model).
+# tests/router/http and tests/router/batch start stacks: only the router's own test files.
+FAST_TESTS := tests/router/test_*.py tests/tokenizer tests/engine tests/kernels tests/model tests/test_docs.py \
+	tests/test_protos_fresh.py tests/test_tracing_config.py
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow" $(FAST_TESTS)
 
 # Not part of `make test`. Exit 1 if a slot or KV block leaked or a request ended other than its kind allows;
 # the report goes to SOAK_OUT (soak-report.json). Knobs: SOAK_MINUTES, SOAK_CONCURRENCY, SOAK_FAMILY, SOAK_SEED.

@@ -1,7 +1,7 @@
 """The `kimiserve` command as a user meets it: every subcommand's --help lists each flag with its default, global
 flags go before or after the subcommand, a user's mistake is one line and exit code 2 (a traceback only with
 --debug), logs are readable text on a terminal or on request and JSON otherwise, and a stack never shares a port
-or a batch database with another (the HTTP port: tests/http/test_up.py)."""
+or a batch database with another (the HTTP port: tests/router/http/test_up.py)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_up_refuses_a_router_port_in_use_before_starting_anything():
     assert "Traceback" not in out.stderr and f"127.0.0.1:{port} is in use" in out.stderr
 
 
-def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tmp_path):
+def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tiny_linear, tmp_path):
     import signal
     import time
 
@@ -92,12 +92,10 @@ def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tmp_path):
 
     from kimiserve.ports import free_port
     from kimiserve.v1 import router_pb2, router_pb2_grpc
-    from shard_svc.make_tiny import make_tiny
 
-    model = make_tiny("kimi_linear", tmp_path / "model", seed=0)
     port, state = free_port(), tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--port", str(port),
-                             "--num-kv-blocks", "8", "--kv-block-size", "16", "--state-dir", str(state)],
+    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(tiny_linear), "--port",
+                             str(port), "--num-kv-blocks", "8", "--kv-block-size", "16", "--state-dir", str(state)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert "kimiserve is up" in proc.stdout.readline()

@@ -1,4 +1,4 @@
-"""Batch input -> requests. Pure Python (no I/O), unit-tested in tests/batch/test_parse.py.
+"""Batch input -> requests. Pure Python (no I/O), unit-tested in tests/router/batch/test_parse.py.
 
 Two levels of failure, as the proto documents:
 - the batch fails (BatchIssue) when the input cannot be split into identified requests: a line that is not a JSON

@@ -170,12 +170,9 @@ def stop(procs: list[Proc]) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(helm_bin, tmp_path_factory):
-    from shard_svc.make_tiny import make_tiny
-
+def stack(helm_bin, tiny_linear, tmp_path_factory):
     root = tmp_path_factory.mktemp("stack")
-    model = root / "models"
-    make_tiny("kimi_linear", model, seed=0)
+    model = tiny_linear
     etc = root / "etc"
     secret_paths = write_secret_dirs(etc, INTERNAL_NAME, f"# test keys\n{GOOD_KEY}\n")
     values = {

@@ -31,6 +31,7 @@ def test_48b_decode_linears_from_the_model():
     assert sum(c for _, _, c in uses.values()) == 20 * 5 + 7 * 2 + 26 * 2 + 2 + 1
 
 
+@pytest.mark.slow  # every benchmark piece in the interpreter: out of `make test-fast`
 @pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
 def test_bench_pieces_run_on_cpu(monkeypatch):
     linear_module()

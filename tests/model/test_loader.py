@@ -77,6 +77,7 @@ def test_kimi_linear_round_trip(tiny_linear):
     assert_loaded_as_written(tiny_linear, model, cfg)
 
 
+@pytest.mark.slow  # the 93-layer checkpoint: out of `make test-fast`
 def test_kimi_k3_round_trip_93_layers_sharded_mxfp4(tiny_k3):
     index = json.loads((tiny_k3 / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) == 4
@@ -158,7 +159,7 @@ def prefill_logits(cfg: ModelConfig, model, ids: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden, ops)
 
 
-@pytest.mark.parametrize("family", ["tiny_linear", "tiny_k3"])
+@pytest.mark.parametrize("family", ["tiny_linear", pytest.param("tiny_k3", marks=pytest.mark.slow)])
 def test_tiny_forward_is_sane(family, request):
     cfg, model = load_model(request.getfixturevalue(family), dtype="float32")
     ids = torch.randint(0, 512, (20,), generator=torch.Generator().manual_seed(0))

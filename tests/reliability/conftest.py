@@ -29,15 +29,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SHARD_GAUGES = ("kimiserve_shard_state_slots_used", "kimiserve_shard_kv_blocks_used")
 
 
-@pytest.fixture(scope="session")
-def tiny_linear_model(tmp_path_factory) -> Path:
-    from shard_svc.make_tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("reliability_models") / "tiny-linear"
-    make_tiny("kimi_linear", out, seed=0)
-    return out
-
-
 @dataclass
 class ChildInfo:
     name: str
@@ -184,20 +175,20 @@ def alive(pids) -> set[int]:
 
 
 @pytest.fixture(scope="module")
-def up_stack(tiny_linear_model, tmp_path_factory) -> UpStack:
+def up_stack(tiny_linear, tmp_path_factory) -> UpStack:
     """One supervised 2-shard stack for a module's tests; each test must leave it serving with every shard idle."""
-    stack = UpStack(tiny_linear_model, tmp_path_factory.mktemp("up_stack")).wait_up()
+    stack = UpStack(tiny_linear, tmp_path_factory.mktemp("up_stack")).wait_up()
     yield stack
     stack.close()
 
 
 @pytest.fixture
-def make_up(tiny_linear_model, tmp_path):
+def make_up(tiny_linear, tmp_path):
     """Stacks of a test's own (tests that stop or break `up` itself)."""
     stacks: list[UpStack] = []
 
     def make(*extra_args: str, shards: int = 2, model: Path | None = None) -> UpStack:
-        stack = UpStack(model or tiny_linear_model, tmp_path / f"up-{len(stacks)}", shards, extra_args)
+        stack = UpStack(model or tiny_linear, tmp_path / f"up-{len(stacks)}", shards, extra_args)
         stacks.append(stack)
         return stack
 

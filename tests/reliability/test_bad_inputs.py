@@ -54,12 +54,9 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from shard_svc.make_tiny import make_tiny
-
+def stack(tiny_linear, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-inputs")
-    make_tiny("kimi_linear", tmp / "tiny-linear", seed=0)
-    children = start_stack(tmp / "tiny-linear", 2, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS,
+    children = start_stack(tiny_linear, 2, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS,
                            router_args=("--batch-db", str(tmp / "batches.sqlite")))
     by_name = {c.name: c for c in children}
     keys_file = tmp / "api-keys"

@@ -21,13 +21,9 @@ SHARD_ARGS = ("--num-state-slots", "4", "--num-kv-blocks", "16", "--kv-block-siz
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from shard_svc.make_tiny import make_tiny
-
-    model = tmp_path_factory.mktemp("defects") / "tiny-linear"
-    make_tiny("kimi_linear", model, seed=0)
+def stack(tiny_linear, tmp_path_factory):
     db = tmp_path_factory.mktemp("defects-db") / "batches.sqlite"
-    children = start_stack(model, 2, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS,
+    children = start_stack(tiny_linear, 2, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS,
                            router_args=("--batch-db", str(db)))
     channel = grpc.insecure_channel(children[-1].address)
     yield router_pb2_grpc.RouterStub(channel), children

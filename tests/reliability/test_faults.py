@@ -9,7 +9,7 @@ What each test proves:
 - a killed tokenizer fails new requests cleanly (UNAVAILABLE naming the tokenizer, no hang) and in-flight streams
   UNAVAILABLE or finished with exact usage, until `up` has restarted it; then requests succeed;
 - a router SIGKILLed mid-batch is restarted by `up` on the same port and database and the batch completes with every
-  line exactly once (the store-level checks of this are in tests/batch/test_durability.py);
+  line exactly once (the store-level checks of this are in tests/router/batch/test_durability.py);
 - the batch database on a disk that fills up mid-batch: writes refused RESOURCE_EXHAUSTED naming the file, reads and
   interactive requests go on, and once space is freed the batch completes with every line once and the database
   passes SQLite's integrity check; on a read-only disk a router does not start (exit 2, one log line naming the
@@ -33,8 +33,8 @@ import pytest
 
 from kimiserve.v1 import router_pb2
 from router.shard_client import PROBE_TIMEOUT_S, PROBES_TO_FAIL
-from tests.batch.conftest import Backends, RouterProc
-from tests.batch.lines import assert_each_once, slow_lines
+from tests.router.batch.conftest import Backends, RouterProc
+from tests.router.batch.lines import assert_each_once, slow_lines
 from tests.reliability.conftest import stream_many
 from tests.services.helpers import generate, scrape, shard_load, total, wait_until
 

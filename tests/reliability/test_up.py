@@ -59,9 +59,9 @@ def test_sigkilled_up_takes_its_children_with_it(make_up):
     wait_gone(pids, 30, "children of a SIGKILLed `up` (PR_SET_PDEATHSIG)")
 
 
-def test_a_child_failing_at_every_restart_stops_the_stack_with_exit_1(make_up, tiny_linear_model, tmp_path):
+def test_a_child_failing_at_every_restart_stops_the_stack_with_exit_1(make_up, tiny_linear, tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(tiny_linear_model, model)
+    shutil.copytree(tiny_linear, model)
     stack = make_up("--max-restarts", "3", model=model).wait_up()
     shutil.rmtree(model)  # every restart of the tokenizer now fails at once: nothing to load
     tokenizer = stack.signal("tokenizer", signal.SIGKILL)

@@ -1,4 +1,5 @@
-"""A real stack on localhost, started as a user starts it: tokenizer, shards and router as separate processes."""
+"""A real stack on localhost, started as a user starts it: tokenizer, shards and router as separate processes
+(tiny_k3 comes from tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,6 @@ from kimiserve.v1 import router_pb2_grpc
 
 # Small pools and context so capacity and context-length paths are reachable in tests.
 SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512")
-
-
-@pytest.fixture(scope="session")
-def tiny_k3(tmp_path_factory) -> Path:
-    from shard_svc.make_tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("models") / "tiny-k3"
-    make_tiny("kimi_k3", out, seed=0)
-    return out
 
 
 class Stack:

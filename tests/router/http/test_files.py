@@ -11,7 +11,7 @@ import secrets
 import openai
 import pytest
 
-from tests.http.test_batches import wait_terminal
+from tests.router.http.test_batches import wait_terminal
 
 
 def upload(client, name: str, lines: list[dict] | None = None):

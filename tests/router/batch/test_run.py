@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from kimiserve.v1 import common_pb2, router_pb2
-from tests.batch.lines import (assert_each_once, line, metric_sum, mixed_spec, run_singles, scrape, single_request,
+from tests.router.batch.lines import (assert_each_once, line, metric_sum, mixed_spec, run_singles, scrape, single_request,
                                slow_lines)
 
 N = 500

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 
 from kimiserve.v1 import router_pb2
-from tests.batch.lines import assert_each_once, slow_lines
+from tests.router.batch.lines import assert_each_once, slow_lines
 
 
 def stored_results(db, batch_id) -> dict[int, bytes]:

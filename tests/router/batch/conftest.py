@@ -18,7 +18,7 @@ from kimiserve.health import wait_serving
 from kimiserve.ports import free_port
 from kimiserve.v1 import router_pb2, router_pb2_grpc
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 # 16 state slots per shard; a 256-token context so an over-long prompt is easy to write.
 SHARD_ARGS = ("--num-state-slots", "16", "--num-kv-blocks", "512", "--max-model-len", "256")
 TERMINAL = {router_pb2.BATCH_STATUS_COMPLETED, router_pb2.BATCH_STATUS_FAILED, router_pb2.BATCH_STATUS_EXPIRED,
@@ -47,15 +47,6 @@ class Backends:
     shards: list[str]
     shard_metrics: list[str]
     procs: list[subprocess.Popen] = field(default_factory=list)
-
-
-@pytest.fixture(scope="session")
-def tiny_linear(tmp_path_factory) -> Path:
-    from shard_svc.make_tiny import make_tiny
-
-    out = tmp_path_factory.mktemp("batch_models") / "tiny-linear"
-    make_tiny("kimi_linear", out, seed=0)
-    return out
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from tests.batch.conftest import REPO_ROOT
-from tests.batch.lines import CHAT, line, slow_lines
+from tests.router.batch.conftest import REPO_ROOT
+from tests.router.batch.lines import CHAT, line, slow_lines
 
 
 def kimiserve(*args: str, ok: bool = True) -> subprocess.CompletedProcess:

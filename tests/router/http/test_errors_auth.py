@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.http.conftest import API_KEY, MAX_BODY
+from tests.router.http.conftest import API_KEY, MAX_BODY
 
 HELLO = [{"role": "user", "content": "Hello"}]
 

@@ -4,7 +4,7 @@ of them. Checked on the ORDER of the router's admission log lines, not on timing
 from __future__ import annotations
 
 from kimiserve.v1 import common_pb2, router_pb2
-from tests.batch.lines import slow_lines
+from tests.router.batch.lines import slow_lines
 
 PROBE = "interactive-probe-0001"
 

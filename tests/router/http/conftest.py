@@ -12,7 +12,6 @@ from openai import OpenAI
 from kimiserve.ports import free_port
 from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import router_pb2_grpc
-from tests.services.conftest import tiny_k3  # noqa: F401 - the session's tiny checkpoint, built once
 
 API_KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
@@ -39,7 +38,7 @@ class HttpStack:
 
 
 @pytest.fixture(scope="session")
-def http_stack(tiny_k3, tmp_path_factory) -> HttpStack:  # noqa: F811
+def http_stack(tiny_k3, tmp_path_factory) -> HttpStack:
     state = tmp_path_factory.mktemp("http-state")
     keys = state / "keys.txt"
     keys.write_text(API_KEY + "\n")

@@ -10,7 +10,7 @@ import subprocess
 import httpx
 import pytest
 
-from tests.http.conftest import API_KEY
+from tests.router.http.conftest import API_KEY
 from tests.services.helpers import scrape, total, wait_until
 
 LONG = {"model": "", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}

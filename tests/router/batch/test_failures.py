@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kimiserve.v1 import router_pb2, shard_pb2, shard_pb2_grpc
-from tests.batch.lines import CHAT, assert_each_once, line, slow_lines
+from tests.router.batch.lines import CHAT, assert_each_once, line, slow_lines
 
 
 def shards_idle(backends) -> bool:

@@ -12,7 +12,6 @@ import time
 import httpx
 
 from kimiserve.ports import free_port
-from tests.services.conftest import tiny_k3  # noqa: F401
 
 
 def up(model, *args: str) -> subprocess.Popen:
@@ -20,7 +19,7 @@ def up(model, *args: str) -> subprocess.Popen:
                              str(free_port()), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def test_up_refuses_a_taken_http_port(tiny_k3):  # noqa: F811
+def test_up_refuses_a_taken_http_port(tiny_k3):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(tiny_k3), "--port",
@@ -29,7 +28,7 @@ def test_up_refuses_a_taken_http_port(tiny_k3):  # noqa: F811
     assert f"127.0.0.1:{port} is not free" in out.stderr and "--http-port 0" in out.stderr
 
 
-def test_up_serves_and_prints_the_http_api(tiny_k3):  # noqa: F811
+def test_up_serves_and_prints_the_http_api(tiny_k3):
     port = free_port()
     proc = up(tiny_k3, "--http-port", str(port))
     try:
