@@ -193,7 +193,9 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     if "top_k" in body:
         s.top_k = _int(body["top_k"], "top_k", -(1 << 31), (1 << 31) - 1)
     if "seed" in body:
-        s.seed = _int(body["seed"], "seed", 0, (1 << 64) - 1)
+        # OpenAI documents an int64 seed and clients send -1; the wire's seed is uint64: a negative seed is its
+        # two's complement there (-1 and 2**64 - 1 are one seed), so every int64 and every uint64 is a seed.
+        s.seed = _int(body["seed"], "seed", -(1 << 63), (1 << 64) - 1) & ((1 << 64) - 1)
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):

@@ -86,7 +86,7 @@ REFUSED_CHAT = {
     "min_p": dict(extra_body={"min_p": 0.1}),  # a vendor sampling field not implemented
     "frobnicate": dict(extra_body={"frobnicate": 1}),
     "stop": dict(extra_body={"stop": 5}),
-    "seed": dict(seed=-1),
+    "seed": dict(seed=-(1 << 63) - 1),  # below int64
     "n": dict(n=0),
     "stream_options": dict(stream=True, stream_options={"include_usage": True, "chunk_size": 4}),
     "response_format": dict(response_format={"type": "json_schema", "json_schema": {
@@ -101,6 +101,15 @@ def test_chat_fields_that_would_change_the_reply_are_400_naming_them(http_stack,
     error = refused.value.body
     assert error["param"] == field and field in error["message"], error
     assert error["code"] == "invalid_argument"
+
+
+def test_a_negative_int64_seed_is_its_uint64_twos_complement(http_stack):
+    def text(seed: int) -> str:
+        return http_stack.client.completions.create(model="", prompt="Once upon a time", max_tokens=8, temperature=1.0,
+                                                    seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+
+    assert text(-1) == text((1 << 64) - 1)
+    assert text(-(1 << 63)) == text(1 << 63)
 
 
 def test_developer_role_is_the_system_role(http_stack):
