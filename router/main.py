@@ -143,6 +143,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                        cfg.host, cfg.http_port, cfg.tls, cfg.drain_timeout_s) if cfg.http_port else None)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
+    # grpcio's servicer answers SERVING for "" from birth: until a shard is in rotation every request would be
+    # refused UNAVAILABLE, so the router says NOT_SERVING first (up, probes and clients waiting on health see it).
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     security.bind(server, f"{cfg.host}:{cfg.port}", cfg.tls)
@@ -154,10 +158,12 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
         http.start()
     if health_server is not None:
         await health_server.start()
-    while not any(s.view.healthy for s in shards):  # SERVING only once a request could be served
+    # SERVING only once a request could be served; a stop while waiting (no shard ever healthy) still stops.
+    while not any(s.view.healthy for s in shards) and not stop.is_set():
         await asyncio.sleep(0.1)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    if not stop.is_set():
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     batches.start()  # resumes the batches left unfinished by an earlier run
     log.info("router serving", extra={"address": f"{cfg.host}:{cfg.port}", "shards": discovery.addresses,
                                       "shards_dns": cfg.shards_dns, "tokenizer": cfg.tokenizer,
