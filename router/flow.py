@@ -44,6 +44,9 @@ class Piece:
     def final(self) -> bool:
         return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
+    def tool_call_protos(self) -> list[common_pb2.ToolCall]:
+        return [common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in self.tool_calls]
+
 
 @dataclass
 class Reply(Piece):

@@ -132,8 +132,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,
                     finish_reason=p.finish_reason, usage=p.usage, error_message=p.error_message,
                     token_logprobs=p.logprobs, top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
-                    tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                for c in p.tool_calls])
+                    tool_calls=p.tool_call_protos())
             ended = True
             self._count("Chat", "OK")
         except Exception as e:  # noqa: BLE001

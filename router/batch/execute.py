@@ -49,4 +49,4 @@ def _finish(reply: flow.Reply, request_id: str) -> router_pb2.BatchResponse:
     return router_pb2.BatchResponse(
         text=reply.text, reasoning_text=reply.reasoning, token_ids=reply.token_ids,
         finish_reason=reply.finish_reason, usage=reply.usage,
-        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in reply.tool_calls])
+        tool_calls=reply.tool_call_protos())

@@ -59,14 +59,7 @@ class ResponseFormat:
             raise InvalidRequest(f"response_format json_schema name is {len(self.name)} characters; at most "
                                  f"{MAX_SCHEMA_NAME_CHARS}")
         if self.kind == "json_schema":
-            try:
-                schema = loads_json(self.text)
-            except (json.JSONDecodeError, JsonTooDeep) as e:
-                raise InvalidRequest(f"response_format json_schema.schema is not JSON of at most {MAX_JSON_DEPTH} "
-                                     f"levels: {e}") from e
-            if not isinstance(schema, dict):
-                raise InvalidRequest(f"response_format json_schema.schema must be a JSON object, got "
-                                     f"{type(schema).__name__}")
+            _object_schema(self.text, "json_schema.schema")
         if self.kind == "regex" and not self.text:
             raise InvalidRequest("response_format regex is empty")
 
@@ -84,14 +77,19 @@ def _validate_tool_calls(functions: tuple[tuple[str, str], ...], max_calls: int)
     if "" in names or len(set(names)) != len(names):
         raise InvalidRequest(f"response_format tool_calls: function names must be non-empty and unique, got {names}")
     for name, parameters in functions:
-        try:
-            schema = loads_json(parameters) if parameters else {}
-        except (json.JSONDecodeError, JsonTooDeep) as e:
-            raise InvalidRequest(f"response_format tool_calls: function {name!r} parameters are not JSON of at most "
-                                 f"{MAX_JSON_DEPTH} levels: {e}") from e
-        if not isinstance(schema, dict):
-            raise InvalidRequest(f"response_format tool_calls: function {name!r} parameters must be a JSON object "
-                                 f"schema, got {type(schema).__name__}")
+        if parameters:
+            _object_schema(parameters, f"tool_calls: function {name!r} parameters")
+
+
+def _object_schema(text: str, field: str) -> dict:
+    """The JSON schema in `text`, which must be an object; `field` names it in the error."""
+    try:
+        schema = loads_json(text)
+    except (json.JSONDecodeError, JsonTooDeep) as e:
+        raise InvalidRequest(f"response_format {field}: not JSON of at most {MAX_JSON_DEPTH} levels: {e}") from e
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"response_format {field}: must be a JSON object schema, got {type(schema).__name__}")
+    return schema
 
 
 def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -> str:

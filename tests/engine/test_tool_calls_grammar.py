@@ -90,7 +90,7 @@ def test_markers_are_the_special_tokens_not_their_spelling(grammars):
     ((("f", ""),), 17, "max_calls must be in [1, 16]"),
     ((("f", ""), ("f", "")), 1, "non-empty and unique"),
     ((("", ""),), 1, "non-empty and unique"),
-    ((("f", "{nope"),), 1, "function 'f' parameters are not JSON"),
+    ((("f", "{nope"),), 1, "function 'f' parameters: not JSON"),
     ((("f", "[1]"),), 1, "must be a JSON object schema, got list"),
 ])
 def test_unusable_tool_calls_are_refused_by_name(grammars, functions, max_calls, needle):
