@@ -19,8 +19,10 @@ venv: $(STAMP)
 up: $(STAMP)
 	$(VENV)/bin/kimiserve up
 
+# Two workers (TEST_WORKERS=N for more cores), each taking whole files, longest first (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The inner loop, under 2 minutes on CI's machine: router logic, the tokenizer, engine invariants on tiny in-memory
 # models, model pieces and the loader, Triton kernels in the interpreter; no process stacks beyond the tokenizer's

@@ -27,6 +27,36 @@ if "torch" in sys.modules:
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# The longest test files, longest first (serial wall seconds on the idle 2-core machine, 2026-12-03). `make test`
+# hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder); starting
+# these first keeps the run from ending on one worker still busy with a long file while the other idles.
+LONGEST_FIRST = (
+    "tests/parallel/test_group_parity.py",  # 48
+    "tests/deploy/test_stack.py",  # 47
+    "tests/reliability/test_faults.py",  # 45
+    "tests/test_cli_generate.py",  # 44
+    "tests/services/test_generation.py",  # 44
+    "tests/router/http/test_chat.py",  # 44
+    "tests/parallel/test_cli.py",  # 42
+    "tests/router/http/test_openai_compat.py",  # 41
+    "tests/deploy/test_image_package.py",  # 33
+    "tests/services/test_resilience.py",  # 33
+    "tests/test_cli.py",  # 31
+    "tests/trained/test_parity.py",  # 31
+    "tests/services/test_choices_and_tools.py",  # 30
+    "tests/reliability/test_up.py",  # 29
+    "tests/services/test_sampling_surface.py",  # 23
+    "tests/reliability/test_bad_inputs.py",  # 21
+    "tests/parallel/test_serving.py",  # 20
+    "tests/kernels/test_short_conv.py",  # 19
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session")
 def tiny_linear(tmp_path_factory) -> Path:
     """`kimiserve make-tiny kimi_linear` (4 layers, seed 0) plus its tokenizer."""
