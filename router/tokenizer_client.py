@@ -18,6 +18,9 @@ from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailab
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
            grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
 ENDED_STATUS_WAIT_S = 5.0  # a call whose write failed has ended; its status arrives at once
+# What grpc's core, not the tokenizer, says when the connection under a streaming call breaks mid-write (the
+# tokenizer process died): INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
+BROKEN_CONNECTION = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 
 
 def _translate(e: grpc.aio.AioRpcError) -> RouterError:
@@ -123,6 +126,8 @@ class StreamingDetokenizer:
             details = await self._call.details()
         except asyncio.TimeoutError:
             code, details = grpc.StatusCode.UNAVAILABLE, "the call ended without a status"
+        if (code, details) == BROKEN_CONNECTION:
+            code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke ({details})"
         return _STATUS.get(code, RouterError)(f"tokenizer service: DetokenizeStream ended with {code.name}: "
                                               f"{details}")
 

@@ -57,9 +57,9 @@ class UpStack:
 
     # -- what `up` logged ----------------------------------------------------------------------------------------
     def events(self, msg: str | None = None, service: str = "up") -> list[dict]:
-        lines = self.log_path.read_bytes().decode(errors="replace").splitlines()
+        text = self.log_path.read_bytes().decode(errors="replace")
         out = []
-        for line in lines:
+        for line in text[:text.rfind("\n") + 1].splitlines():  # a line still being written is not read yet
             if line.startswith("{"):
                 entry = json.loads(line)
                 if entry.get("service") == service and (msg is None or entry.get("msg") == msg):
