@@ -31,7 +31,7 @@ test: $(STAMP)
 FAST_TESTS := tests/router/test_*.py tests/tokenizer tests/engine tests/kernels tests/model tests/test_docs.py \
 	tests/test_protos_fresh.py tests/test_tracing_config.py
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow" $(FAST_TESTS)
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(FAST_TESTS)
 
 # Not part of `make test`. Exit 1 if a slot or KV block leaked or a request ended other than its kind allows;
 # the report goes to SOAK_OUT (soak-report.json). Knobs: SOAK_MINUTES, SOAK_CONCURRENCY, SOAK_FAMILY, SOAK_SEED.
