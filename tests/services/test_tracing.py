@@ -117,8 +117,9 @@ def test_one_chat_request_is_one_trace_across_the_three_services(traced_stack, r
 
 def test_a_request_without_client_context_starts_its_own_trace(traced_stack, receiver):
     rid = f"traced-gen-{secrets.token_hex(4)}"
+    sampling = common_pb2.SamplingParams(max_tokens=1, ignore_eos=True)  # sampled: EOS first would end it "stop"
     chunks = list(traced_stack.stub.Generate(router_pb2.GenerateRequest(
-        request_id=rid, text="hello there", sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=120))
+        request_id=rid, text="hello there", sampling=sampling), timeout=120))
     assert chunks[-1].usage.completion_tokens == 1
 
     wanted = {"router.Generate", "tokenize", "tokenizer.Tokenize", "shard.sequence", "prefill"}
