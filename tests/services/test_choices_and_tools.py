@@ -113,7 +113,7 @@ def test_n_in_an_inline_batch_request_is_refused_at_validation(stack):
     batch = stack.stub.CreateBatch(router_pb2.CreateBatchRequest(inline=router_pb2.BatchInlineRequests(requests=[
         router_pb2.BatchRequestItem(custom_id="three", generate=router_pb2.GenerateRequest(text=PROMPT, n=3)),
         router_pb2.BatchRequestItem(custom_id="one", generate=router_pb2.GenerateRequest(
-            text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=2)))])), timeout=30)
+            text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=2, ignore_eos=True)))])), timeout=30)
     terminal = (router_pb2.BATCH_STATUS_COMPLETED, router_pb2.BATCH_STATUS_FAILED)
     wait_until(lambda: stack.stub.GetBatch(router_pb2.GetBatchRequest(batch_id=batch.id)).status in terminal,
                timeout=120, what="the batch to finish")
