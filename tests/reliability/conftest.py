@@ -206,6 +206,7 @@ class Outcome:
     code: grpc.StatusCode | None  # None: finished
     details: str = ""
     failed_after_s: float | None = None  # seconds from `since` (the fault) to the failure
+    ended_at: float = 0.0  # time.monotonic() when the stream ended either way
 
 
 def stream_many(stub, n: int, max_tokens: int, timeout: float = 150
@@ -224,10 +225,11 @@ def stream_many(stub, n: int, max_tokens: int, timeout: float = 150
             for chunk in stub.Generate(req, timeout=timeout):
                 streamed += len(chunk.token_ids)
                 last = chunk
-            outcomes[i] = Outcome(i, streamed, last.usage.completion_tokens, None)
+            outcomes[i] = Outcome(i, streamed, last.usage.completion_tokens, None, ended_at=time.monotonic())
         except grpc.RpcError as e:
-            after = time.monotonic() - fault_at[0] if fault_at else None
-            outcomes[i] = Outcome(i, streamed, None, e.code(), e.details(), after)
+            now = time.monotonic()
+            after = now - fault_at[0] if fault_at else None
+            outcomes[i] = Outcome(i, streamed, None, e.code(), e.details(), after, ended_at=now)
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
     for t in threads:

@@ -68,13 +68,20 @@ def faulted_streams(stack, victim_name: str, sig: signal.Signals, join_s: float 
     for t in threads:
         t.join(join_s)
     assert len(outcomes) == STREAMS, f"{STREAMS - len(outcomes)} streams neither finished nor failed"
-    return victim, held, outcomes
+    return victim, held, outcomes, fault_at[0]
 
 
-def assert_only_victim_failed(outcomes, victim, held: int) -> None:
+# A stream the victim finished in the moment between its last load reading and the signal still reaches its client,
+# within this long of the signal: such a stream counts among `held` without failing.
+LAST_CHUNKS_IN_FLIGHT_S = 2.0
+
+
+def assert_only_victim_failed(outcomes, victim, held: int, fault_at: float) -> None:
     failed = [o for o in outcomes.values() if o.code is not None]
     done = [o for o in outcomes.values() if o.code is None]
-    assert len(failed) == held, f"{len(failed)} streams failed, the victim held {held}: {failed}"
+    around_fault = [o for o in done if o.ended_at < fault_at + LAST_CHUNKS_IN_FLIGHT_S]
+    assert held - len(around_fault) <= len(failed) <= held, \
+        f"{len(failed)} streams failed, the victim held {held} ({len(around_fault)} finished by the fault): {failed}"
     assert all(o.code in FAILED for o in failed), [(o.code, o.details) for o in failed]
     assert all(victim.address in o.details for o in failed if o.code == grpc.StatusCode.UNAVAILABLE), failed
     assert all(o.streamed == o.completion_tokens == MAX_TOKENS for o in done), \
@@ -95,8 +102,8 @@ def assert_capacity_back(stack, shard) -> None:
 def test_shard_sigkill_fails_only_its_requests_and_up_restarts_it(up_stack):
     stack = up_stack
     in_rotation = stack.rotation_events(stack.child("shard-1").address, "shard in rotation")
-    victim, held, outcomes = faulted_streams(stack, "shard-1", signal.SIGKILL)
-    assert_only_victim_failed(outcomes, victim, held)
+    victim, held, outcomes, fault_at = faulted_streams(stack, "shard-1", signal.SIGKILL)
+    assert_only_victim_failed(outcomes, victim, held, fault_at)
     assert all(o.failed_after_s < 10 for o in outcomes.values() if o.code), "a dead shard's stream breaks at once"
     assert stack.proc.poll() is None, "`up` must keep serving when one shard dies"
 
@@ -115,8 +122,8 @@ def test_shard_sigstop_fails_its_requests_in_bounded_time_and_sigcont_brings_it_
     address = stack.child("shard-0").address
     in_rotation, left = (stack.rotation_events(address, m) for m in ("shard in rotation", "shard left rotation"))
     try:
-        victim, held, outcomes = faulted_streams(stack, "shard-0", signal.SIGSTOP)
-        assert_only_victim_failed(outcomes, victim, held)
+        victim, held, outcomes, fault_at = faulted_streams(stack, "shard-0", signal.SIGSTOP)
+        assert_only_victim_failed(outcomes, victim, held, fault_at)
         late = [o.failed_after_s for o in outcomes.values() if o.code and o.failed_after_s > bound]
         assert not late, f"a hung shard's requests must fail within {bound:.0f} s, took {late}"
         assert stack.child("shard-0").pid == victim.pid, "`up` must not restart a live (stopped) process"
