@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 from collections import Counter
 
 import grpc
@@ -91,17 +90,3 @@ def assert_each_once(results: list[router_pb2.BatchResult], custom_ids: list[str
     assert sorted(counts) == sorted(custom_ids), "results do not cover exactly the batch's custom_ids"
     assert max(counts.values()) == 1, f"duplicated results: {[c for c, n in counts.items() if n > 1]}"
     assert [r.seq for r in results] == list(range(1, len(results) + 1))
-
-
-def scrape(url: str) -> dict[str, float]:
-    body = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for text in body.splitlines():
-        if text and not text.startswith("#"):
-            name, _, value = text.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
-def metric_sum(series: dict[str, float], name: str) -> float:
-    return sum(v for k, v in series.items() if k == name or k.startswith(name + "{"))

@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 
 from kimiserve.v1 import common_pb2, router_pb2
-from tests.router.batch.lines import (assert_each_once, line, metric_sum, mixed_spec, run_singles, scrape, single_request,
-                               slow_lines)
+from tests.router.batch.lines import assert_each_once, line, mixed_spec, run_singles, single_request, slow_lines
+from tests.services.helpers import scrape, total
 
 N = 500
 
 
 def test_500_requests_over_two_shards_equal_single_requests(router, backends):
-    prefill_before = [metric_sum(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
+    prefill_before = [total(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
     specs = [mixed_spec(i) for i in range(N)]
     ids = [f"req-{i:04d}" for i in range(N)]
     jsonl = "\n".join(line(cid, url, **body) for cid, (url, body) in zip(ids, specs))
@@ -43,12 +43,12 @@ def test_500_requests_over_two_shards_equal_single_requests(router, backends):
         assert r.usage.completion_tokens == len(r.token_ids) <= body["max_tokens"]
         if body["max_tokens"] == 1:
             assert r.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
-    prefill_after = [metric_sum(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
+    prefill_after = [total(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
     assert all(a > b for a, b in zip(prefill_after, prefill_before)), "both shards should have served the batch"
 
 
 def test_max_tokens_1_completes_at_prefill(router, backends):
-    decode_before = [metric_sum(scrape(u), "kimiserve_shard_decode_tokens_total") for u in backends.shard_metrics]
+    decode_before = [total(scrape(u), "kimiserve_shard_decode_tokens_total") for u in backends.shard_metrics]
     ids = [f"one-{i}" for i in range(40)]
     batch = router.create("\n".join(line(c, prompt=f"prefill only {i}", max_tokens=1, temperature=0, ignore_eos=True)
                                     for i, c in enumerate(ids)))
@@ -59,7 +59,7 @@ def test_max_tokens_1_completes_at_prefill(router, backends):
     for r in results:
         assert len(r.response.token_ids) == 1 and r.response.usage.completion_tokens == 1
         assert r.response.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    decode_after = [metric_sum(scrape(u), "kimiserve_shard_decode_tokens_total") for u in backends.shard_metrics]
+    decode_after = [total(scrape(u), "kimiserve_shard_decode_tokens_total") for u in backends.shard_metrics]
     assert decode_after == decode_before, "max_tokens=1 requests must not take a decode step"
 
 
@@ -114,9 +114,9 @@ def test_metrics_after_batches(router):
         time.sleep(0.2)
     assert series['kimiserve_router_batches{status="completed"}'] >= 1
     assert series['kimiserve_router_batches{status="in_progress"}'] == 0
-    assert metric_sum(series, "kimiserve_router_batch_requests_total") > 0
+    assert total(series, "kimiserve_router_batch_requests_total") > 0
     assert series['kimiserve_router_batch_requests_total{code="ok",outcome="completed"}'] > 0
-    assert metric_sum(series, "kimiserve_router_batch_generation_tokens_total") > 0
+    assert total(series, "kimiserve_router_batch_generation_tokens_total") > 0
     assert series["kimiserve_router_batch_throughput_tokens_per_second"] > 0
     assert series["kimiserve_router_batch_queue_depth"] == 0
     assert "kimiserve_router_batch_running_requests" in series
