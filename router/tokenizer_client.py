@@ -18,13 +18,22 @@ from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailab
 _STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
            grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
 ENDED_STATUS_WAIT_S = 5.0  # a call whose write failed has ended; its status arrives at once
-# What grpc's core, not the tokenizer, says when the connection under a streaming call breaks mid-write (the
-# tokenizer process died): INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
+# What grpc's core, not the tokenizer, says when the connection under a call breaks (the tokenizer process died):
+# INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
 BROKEN_CONNECTION = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 
 
+def _error(code: grpc.StatusCode, details: str, ended_call: str = "") -> RouterError:
+    """The router error for a tokenizer call's final status; a broken connection is the tokenizer being unavailable.
+    `ended_call`: the streaming call that ended under us, named in the message with its status."""
+    if (code, details) == BROKEN_CONNECTION:
+        code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke ({details})"
+    where = f"{ended_call} ended with {code.name}: " if ended_call else ""
+    return _STATUS.get(code, RouterError)(f"tokenizer service: {where}{details}")
+
+
 def _translate(e: grpc.aio.AioRpcError) -> RouterError:
-    return _STATUS.get(e.code(), RouterError)(f"tokenizer service: {clip(e.details() or '')}")
+    return _error(e.code(), clip(e.details() or ""))
 
 
 class TokenizerClient:
@@ -126,10 +135,7 @@ class StreamingDetokenizer:
             details = await self._call.details()
         except asyncio.TimeoutError:
             code, details = grpc.StatusCode.UNAVAILABLE, "the call ended without a status"
-        if (code, details) == BROKEN_CONNECTION:
-            code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke ({details})"
-        return _STATUS.get(code, RouterError)(f"tokenizer service: DetokenizeStream ended with {code.name}: "
-                                              f"{details}")
+        return _error(code, details, "DetokenizeStream")
 
     def cancel(self) -> None:
         self._call.cancel()
