@@ -96,8 +96,9 @@ class Engine:
                            if engine_cfg.host_kv_bytes else None)
         pools = self.runner
         if engine_cfg.prefix_host_entries and not engine_cfg.prefix_cache_entries:
-            raise PrefixHostConfigError(f"a prefix cache host tier of {engine_cfg.prefix_host_entries} entries needs the prefix "
-                             "cache on (prefix_cache_entries > 0): only device entries are evicted to the host")
+            raise PrefixHostConfigError(f"a prefix cache host tier of {engine_cfg.prefix_host_entries} entries needs "
+                                        "the prefix cache on (prefix_cache_entries > 0): only device entries are "
+                                        "evicted to the host")
         host = (PrefixHostTier(pools.kda_pool, pools.kv_cache, engine_cfg.prefix_host_entries)
                 if engine_cfg.prefix_host_entries else None)
         self.prefix_cache = (PrefixCache(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.prefix_cache_entries,
