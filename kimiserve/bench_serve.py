@@ -90,6 +90,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2, help="requests sent and discarded before the first level")
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request meets the SLO when TTFT <= it")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: ... and TPOT <= it")
+    p.add_argument("--long-prompt-len", type=int, default=0,
+                   help="instead of the levels: the long-prompt interference test (kimiserve/bench_long.py): one "
+                        "prompt of this many tokens alone, the first --concurrency level's short clients alone, "
+                        "then both at once; TTFT and ITL of each, compared")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write bench.json (and bench.png with --plot) here")
     p.add_argument("--plot", action="store_true", help="also write a PNG (needs matplotlib)")
@@ -113,11 +117,13 @@ class Load:
         n = round(self.args.input_len * self.rng.uniform(1 - s, 1 + s)) if s else self.args.input_len
         return self.tokens(max(1, n))
 
-    async def one(self, prompt: list[int], turn: int = 0) -> tuple[RequestRecord, list[int]]:
+    async def one(self, prompt: list[int], turn: int = 0,
+                  max_tokens: int | None = None) -> tuple[RequestRecord, list[int]]:
         record = RequestRecord(len(prompt), time.perf_counter(), turn)
         req = router_pb2.GenerateRequest(
             prompt_token_ids=common_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=self.args.output_len, temperature=0.0, ignore_eos=True))
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens or self.args.output_len, temperature=0.0,
+                                               ignore_eos=True))
         output: list[int] = []
         try:
             async for chunk in self.stub.Generate(req):
@@ -261,6 +267,12 @@ async def bench(ns: argparse.Namespace) -> dict:
             await load.one(load.first_prompt())
         levels = ([None] if ns.request_rate is not None
                   else [int(c) for c in str(ns.concurrency).split(",") if c.strip()])
+        if ns.long_prompt_len:
+            from kimiserve.bench_long import long_prompt_report  # it builds on Load: imported late, no cycle
+
+            report = await long_prompt_report(load, levels[0] or 1, ns.long_prompt_len)
+            return {"model": model.name, "max_context_tokens": model.max_context_tokens, "args": asdict(args),
+                    "long_prompt": report}
         results = []
         for c in levels:
             n = ns.num_prompts or max(8, 4 * (c or 1))
@@ -275,16 +287,22 @@ def run(ns: argparse.Namespace) -> int:
     if ns.turns < 1 or ns.input_len < 1 or ns.output_len < 1:
         sys.stderr.write("kimiserve bench: --turns, --input-len and --output-len must be >= 1\n")
         return 2
+    if ns.long_prompt_len < 0 or (ns.long_prompt_len and ns.request_rate is not None):
+        sys.stderr.write("kimiserve bench: --long-prompt-len must be >= 0 and runs at a --concurrency level, not "
+                         "with --request-rate\n")
+        return 2
     try:
         report = asyncio.run(bench(ns))
     except grpc.aio.AioRpcError as e:
         sys.stderr.write(f"kimiserve bench: router {ns.router}: {e.code().name}: {e.details()}\n")
         return 1
-    sys.stdout.write(table(report["levels"]))
+    from kimiserve.bench_long import table as long_table
+
+    sys.stdout.write(long_table(report["long_prompt"]) if "long_prompt" in report else table(report["levels"]))
     if ns.out is not None:
         ns.out.mkdir(parents=True, exist_ok=True)
         (ns.out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-        if ns.plot:
+        if ns.plot and "levels" in report:
             plot(report["levels"], ns.out / "bench.png")
         log.info("bench written", extra={"dir": str(ns.out)})
     return 0

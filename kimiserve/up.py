@@ -115,8 +115,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 # Shard flags `up` passes through when given.
 SHARD_FLAGS = (("--num-state-slots", int), ("--num-kv-blocks", int), ("--kv-block-size", int),
-               ("--prefill-token-budget", int), ("--max-model-len", int), ("--prefix-cache-entries", int),
-               ("--prefix-state-interval", int), ("--prefix-host-entries", int), ("--host-kv-gb", float), ("--op-backend", str))
+               ("--prefill-token-budget", int), ("--prefill-policy", str), ("--long-prefill-threshold", int),
+               ("--long-prefill-floor", int), ("--mixed-prefill-cost", int), ("--max-model-len", int),
+               ("--prefix-cache-entries", int), ("--prefix-state-interval", int), ("--prefix-host-entries", int),
+               ("--host-kv-gb", float), ("--op-backend", str))
 
 
 def shard_flags(args: argparse.Namespace) -> tuple[str, ...]:

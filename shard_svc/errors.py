@@ -22,6 +22,10 @@ class UnsupportedQuantizationError(ConfigError):
     """A quantisation method or tensor format the loader does not understand; never reinterpreted."""
 
 
+class SchedulingConfigError(KimiServeError):
+    """Prefill sharing settings that cannot work together (shard_svc/engine/prefill_share.py)."""
+
+
 class CheckpointError(KimiServeError):
     """The checkpoint's tensors do not match what config.json says they must be."""
 

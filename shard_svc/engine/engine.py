@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shard_svc.config import ModelConfig
+from shard_svc.engine.prefill_share import PrefillShare, context_tokens_per_token
 from shard_svc.engine.prefix_cache import PrefixCache
 from shard_svc.engine.prefix_host import PrefixHostConfigError, PrefixHostTier
 from shard_svc.engine.runner import ModelRunner
@@ -43,6 +44,14 @@ class EngineConfig:
     # Host tier of the prefix cache (shard_svc/engine/prefix_host.py): entries evicted from the device kept in host
     # memory, at most this many; 0: off (evicted entries are dropped).
     prefix_host_entries: int = 0
+    # How a pass's budget is shared between prompts (shard_svc/engine/prefill_share.py; None: derived from the
+    # budget there): "fair" or "fcfs"; prompts with more tokens left than the threshold are long; a long prompt gets
+    # at least the floor each pass; a pass with a long prompt in it costs at most mixed_prefill_cost
+    # token-equivalents while other sequences run.
+    prefill_policy: str = "fair"
+    long_prefill_threshold: int | None = None
+    long_prefill_floor: int | None = None
+    mixed_prefill_cost: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,8 +114,11 @@ class Engine:
                                          engine_cfg.prefix_state_interval, pools.kda_pool.copy_slot,
                                          pools.kv_cache.copy_block, host)
                              if engine_cfg.prefix_cache_entries else None)
-        self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots,
-                                   engine_cfg.prefill_token_budget, self.kv_offload, self.prefix_cache)
+        share = PrefillShare(engine_cfg.prefill_token_budget, engine_cfg.prefill_policy,
+                             engine_cfg.long_prefill_threshold, engine_cfg.long_prefill_floor,
+                             engine_cfg.mixed_prefill_cost, context_tokens_per_token(cfg))
+        self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots, share,
+                                   self.kv_offload, self.prefix_cache)
         # The longest sequence this engine can hold: the model's limit, the operator's, and the KV cache (a sequence's
         # whole KV promise must fit on the device even with host offload, which moves whole sequences).
         kv_tokens = engine_cfg.num_kv_blocks * engine_cfg.kv_block_size

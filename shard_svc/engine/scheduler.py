@@ -1,7 +1,8 @@
 """Continuous-batching scheduler: pure Python; the only tensors it touches are the prefix cache's.
 
 Each step admits waiting sequences while a state slot and their KV promise fit, then plans one prefill pass
-(prompt chunks under a token budget, so decode step time stays bounded) and one decode pass (every sequence
+(prompt chunks under a token budget, shared between short and long prompts by shard_svc/engine/prefill_share.py,
+so decode step time stays bounded and no prompt waits behind a long one) and one decode pass (every sequence
 past its prompt). A sequence's KV promise is the blocks for prompt + its decode budget, so an admitted sequence
 never runs out of cache mid-decode, while physical blocks are taken only as tokens arrive.
 
@@ -27,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from shard_svc.engine.prefill_share import PrefillShare
 from shard_svc.engine.prefix_cache import CachedPrefix, PrefixCache
 from shard_svc.engine.prefix_host import HostPrefix
 from shard_svc.engine.sequence import Sequence, SeqStatus
@@ -59,10 +61,11 @@ class KVOffloader(Protocol):
 
 
 class Scheduler:
-    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, prefill_budget: int,
+    def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, share: PrefillShare,
                  offload: KVOffloader | None = None, prefix_cache: PrefixCache | None = None):
         self.slots, self.blocks = slots, blocks
-        self.max_running, self.prefill_budget = max_running, prefill_budget
+        self.max_running, self.share = max_running, share
+        self.prefill_budget = share.budget
         self.offload = offload
         self.prefix_cache = prefix_cache
         self.waiting: deque[Sequence] = deque()
@@ -155,20 +158,9 @@ class Scheduler:
         if self.offload is not None:
             self._restore()
         self._admit()
-        budget = self.prefill_budget
-        prefill: list[tuple[Sequence, int]] = []
-        decode: list[Sequence] = []
-        for seq in self.running:
-            if seq.request_id in self.offloaded:
-                continue
-            if seq.is_prefilling:
-                if budget > 0:
-                    n = min(len(seq.prompt) - seq.num_computed, budget)
-                    prefill.append((seq, n))
-                    budget -= n
-            else:
-                decode.append(seq)
-        plan = StepPlan(prefill, decode)
+        resident = [s for s in self.running if s.request_id not in self.offloaded]
+        decode = [s for s in resident if not s.is_prefilling]
+        plan = StepPlan(self.share.plan([s for s in resident if s.is_prefilling], bool(decode)), decode)
         if self.offload is not None:
             self._fit(plan)
         return plan

@@ -22,6 +22,8 @@ from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.build import EngineOptions, build_engine
 from shard_svc.engine.engine import EngineConfig
+from shard_svc.engine.prefill_share import POLICIES, PrefillShare
+from shard_svc.errors import SchedulingConfigError
 from shard_svc.parallel.launch import add_group_args
 from shard_svc.parallel.loop import GroupEngineLoop
 from shard_svc.server.engine_loop import EngineLoop
@@ -56,7 +58,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-state-slots", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--kv-block-size", type=int, default=16)
-    p.add_argument("--prefill-token-budget", type=int, default=512)
+    p.add_argument("--prefill-token-budget", type=int, default=512,
+                   help="new prompt tokens per prefill pass; every step runs one prefill pass and one decode pass")
+    p.add_argument("--prefill-policy", choices=POLICIES, default="fair",
+                   help="how a pass's budget is shared (docs/scheduling.md). fair: short prompts go into the next "
+                        "pass whole, a long prompt takes what is left but at least --long-prefill-floor, and its "
+                        "chunk is cut so a pass stays within --mixed-prefill-cost while others run; fcfs: the "
+                        "running prompts in arrival order, each as much as the budget has left")
+    p.add_argument("--long-prefill-threshold", type=int, default=None,
+                   help="a prompt with more tokens left than this is long (default: half the budget)")
+    p.add_argument("--long-prefill-floor", type=int, default=None,
+                   help="tokens the oldest long prompt gets in every pass, whatever else waits (default: a "
+                        "quarter of the budget)")
+    p.add_argument("--mixed-prefill-cost", type=int, default=None,
+                   help="the most a pass with a long prompt may cost while other sequences run, in "
+                        "token-equivalents (a token at position p costs 1 + p / C, C from the model's shape); "
+                        "bounds the decodes' inter-token latency (default: twice the budget)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host-kv-gb", type=float, default=0.0,
                    help="host memory (GiB, pinned on a GPU) for the MLA KV cache of sequences moved off the device. "
@@ -97,11 +114,18 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
         raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
                          f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "
                          "evicted from the device cache")
+    try:
+        PrefillShare(args.prefill_token_budget, args.prefill_policy, args.long_prefill_threshold,
+                     args.long_prefill_floor, args.mixed_prefill_cost)
+    except SchedulingConfigError as e:
+        raise SystemExit(str(e)) from None
     capacity = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
                             args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
                             prefix_cache_entries=args.prefix_cache_entries,
                             prefix_state_interval=args.prefix_state_interval,
-                            prefix_host_entries=args.prefix_host_entries)
+                            prefix_host_entries=args.prefix_host_entries, prefill_policy=args.prefill_policy,
+                            long_prefill_threshold=args.long_prefill_threshold,
+                            long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost)
     engine = EngineOptions(args.model, args.device, args.dtype, args.op_backend, args.load_format, capacity,
                            weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)
