@@ -10,6 +10,10 @@ Writes served.json (updated after every phase) and prints a table.
 
 --multi-turn adds the prefix-cache replay (2k-token start, 8 turns of 300 new and 200 generated tokens) with the
 cache on and off: TTFT per turn, cached tokens, and the memory the entries hold.
+
+--long-context adds the fair-prefill comparison (issue 24): for each prefill policy setting in --long-variants, a
+stack of its own runs `kimiserve bench --long-prompt-len` (one --long-len-token prompt solo, 16 short clients of
+--input-len / --output-len alone, then both at once) and the c=256 closed-loop throughput at the same lengths.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from pathlib import Path
 import grpc
 
 from bench.configs import KIMI_LINEAR_48B
+from shard_svc.make_tiny import BOS, IM_END, PAD, kimi_linear_config
 from kimiserve.ports import free_port
 from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -36,12 +41,15 @@ log = logging.getLogger("bench.served")
 BLOCK = 64
 
 
-def model_dir(root: Path) -> Path:
+def model_dir(root: Path, config: dict = KIMI_LINEAR_48B) -> Path:
+    """The config beside the tiny tokenizer, its special ids moved to the tiny tokenizer's own (the 48B ids are
+    past its 768: the shard's grammar set-up would refuse the vocabulary)."""
     from tokenizer_svc.tiny import write_tiny_tokenizer
 
-    out = root / "kimi-linear-48b-dummy"
+    out = root / "dummy-model"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(KIMI_LINEAR_48B))
+    (out / "config.json").write_text(json.dumps(dict(config, bos_token_id=BOS, eos_token_id=IM_END,
+                                                     pad_token_id=PAD)))
     write_tiny_tokenizer(out)
     return out
 
@@ -143,6 +151,38 @@ def multi_turn(args, model: Path, result: dict, save) -> None:
             stop_stack(children, grace_s=30)
 
 
+LONG_VARIANTS = {  # name -> shard flags; "fair" is the shard's defaults
+    "fcfs": ("--prefill-policy", "fcfs"),
+    "fair": (),
+    "fair-tight": ("--long-prefill-floor", "1024", "--mixed-prefill-cost", "8192"),
+}
+
+
+def long_context(args, model: Path, result: dict, save) -> None:
+    """The issue-24 comparison, one stack per variant: the long-prompt interference bench, then c=256 throughput."""
+    slots, throughput_prompts = 256 + 8, 512
+    blocks = slots * -(-(args.input_len + args.output_len) // BLOCK) + -(-(args.long_len + 2) // BLOCK) + 64
+    result["long_context"] = {}
+    for name in args.long_variants.split(","):
+        port = free_port()
+        children = start_stack(model, 1, args.device, "127.0.0.1", port, timeout=900,
+                               shard_args=_shard_args(args, slots, blocks, args.long_len + 2 * BLOCK,
+                                                      ("--prefix-cache-entries", "0", *LONG_VARIANTS[name])),
+                               router_args=("--max-in-flight", "1024", "--max-queued", "4096"))
+        try:
+            entry = result["long_context"][name] = {"shard_flags": list(LONG_VARIANTS[name])}
+            entry["long_prompt"] = _bench(port, args.out / f"long_{name}", args.bench_timeout, "--long-prompt-len",
+                                          str(args.long_len), "--concurrency", "16", "--input-len",
+                                          str(args.input_len), "--output-len", str(args.output_len))["long_prompt"]
+            save()
+            entry["c256"] = _bench(port, args.out / f"c256_{name}", args.bench_timeout, "--concurrency", "256",
+                                   "--num-prompts", str(throughput_prompts), "--input-len", str(args.input_len),
+                                   "--output-len", str(args.output_len))["levels"][0]
+            save()
+        finally:
+            stop_stack(children, grace_s=30)
+
+
 def in_process(args, result: dict, save) -> None:
     import torch
 
@@ -208,6 +248,18 @@ def table(result: dict) -> str:
                      f"{s['ttft_ms']['p50']:>11.0f}/{s['ttft_ms']['p99']:<11.0f} "
                      f"{e.get('ttft_ms_p50', float('nan')):>11.0f}/{e.get('ttft_ms_p99', float('nan')):<11.0f} "
                      f"{s['tpot_ms']['p50']:>19.2f}")
+    for name, v in result.get("long_context", {}).items():
+        lp, c256 = v.get("long_prompt"), v.get("c256")
+        if lp:
+            a, d = lp["shorts_alone"], lp["shorts_during_long"]
+            lines.append(f"long-context {name}: long TTFT solo {lp['long_ttft_solo_s']:.1f} s mixed "
+                         f"{lp['long_ttft_mixed_s']:.1f} s ({lp['long_ttft_ratio']:.2f}x); 16 shorts TTFT p50/p99 ms "
+                         f"alone {a['ttft_ms'].get('p50', float('nan')):.0f}/{a['ttft_ms'].get('p99', float('nan')):.0f}"
+                         f" during {d['ttft_ms'].get('p50', float('nan')):.0f}/"
+                         f"{d['ttft_ms'].get('p99', float('nan')):.0f}; ITL p99 ms alone "
+                         f"{a['itl_ms'].get('p99', float('nan')):.0f} during {d['itl_ms'].get('p99', float('nan')):.0f}")
+        if c256:
+            lines.append(f"long-context {name}: c=256 {c256['output_tokens_per_s']:.0f} output tok/s")
     for mode, m in result.get("multi_turn", {}).items():
         turns = " ".join(f"{t['ttft_ms'].get('p50', float('nan')):.0f}" for t in m["by_turn"])
         lines.append(f"multi-turn {mode}: TTFT p50 by turn (ms) {turns}; cached {m['cached_prompt_tokens']} of "
@@ -231,6 +283,12 @@ def main() -> None:
     p.add_argument("--multi-turn", action="store_true", help="also the multi-turn replay with the prefix cache on/off")
     p.add_argument("--conversations", type=int, default=4, help="multi-turn: conversations at once")
     p.add_argument("--prefix-entries", type=int, default=16, help="multi-turn: --prefix-cache-entries when on")
+    p.add_argument("--long-context", action="store_true",
+                   help="also the fair-prefill comparison: long-prompt interference and c=256 per policy variant")
+    p.add_argument("--long-len", type=int, default=262_000, help="long-context: the long prompt's tokens")
+    p.add_argument("--long-variants", default="fcfs,fair", help=f"long-context: of {', '.join(LONG_VARIANTS)}")
+    p.add_argument("--device", default="cuda", help="cpu with --tiny: a dry run of the script on a CPU machine")
+    p.add_argument("--tiny", action="store_true", help="the tiny kimi_linear shape instead of the 48B one")
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     logging.basicConfig(level=logging.INFO)
@@ -242,11 +300,13 @@ def main() -> None:
         (args.out / "served.json").write_text(json.dumps(result, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_dir(Path(tmp))
+        model = model_dir(Path(tmp), kimi_linear_config(4) if args.tiny else KIMI_LINEAR_48B)
         if not args.skip_served:
             served(args, model, result, save)
         if args.multi_turn:
             multi_turn(args, model, result, save)
+        if args.long_context:
+            long_context(args, model, result, save)
     if not args.skip_in_process:
         in_process(args, result, save)
     sys.stdout.write(table(result))
