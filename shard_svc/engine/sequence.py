@@ -18,6 +18,7 @@ class SequenceTiming:
     cancelled in the queue was never admitted; a prompt restored whole from the prefix cache had no prefill)."""
 
     queue_s: float  # arrival to admission, or to the finish when never admitted
+    wait_s: float | None  # arrival to its first prefill pass (to its first token when the whole prompt was cached)
     prefill_s: float | None  # start of its first prefill pass to its first token
     time_to_first_token_s: float | None  # arrival to first token
     decode_s: float | None  # first token to the finish
@@ -33,7 +34,8 @@ class SequenceTiming:
         def since(t: float | None, until: float | None) -> float | None:
             return None if t is None or until is None else until - t
 
-        return cls((seq.admitted_at or end) - seq.arrived_at, since(seq.first_prefill_at, first),
+        return cls((seq.admitted_at or end) - seq.arrived_at, since(seq.arrived_at, seq.first_prefill_at or first),
+                   since(seq.first_prefill_at, first),
                    since(seq.arrived_at, first), since(first, end), end - seq.arrived_at, seq.prefill_passes)
 
 

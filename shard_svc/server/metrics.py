@@ -3,8 +3,8 @@
 A shard that did no prefill exports no prefill observations (histograms start empty), never a fake zero.
 
 Per pass (every rank of a shard group reports its own, under its rank): seconds, and for prefill the sequences,
-tokens, chunks (model forwards) and most tokens in one chunk. Per request (rank 0, which owns the sequences): queue
-wait, prefill time, time to first token, time per output token, duration, prompt and generation lengths.
+tokens, chunks (model forwards) and most tokens in one chunk, for decode the rows. Per request (rank 0, which owns the
+sequences): queue wait (to admission), wait for the device (to the first prefill pass), prefill time, time to first token, time per output token, duration, prompt and generation lengths.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ class ShardMetrics:
         self.request_queue = Histogram("kimiserve_shard_request_queue_seconds",
                                        "Arrival at the shard to admission (a state slot), per request",
                                        buckets=buckets.REQUEST_SECONDS, **kw)
+        self.request_wait = Histogram("kimiserve_shard_request_wait_seconds",
+                                      "Arrival at the shard to the start of the request's first prefill pass (to its "
+                                      "first token when the prefix cache held the whole prompt): the time it waited "
+                                      "for the device, admission included", buckets=buckets.REQUEST_SECONDS, **kw)
+        self.decode_sequences = Histogram("kimiserve_shard_decode_step_sequences",
+                                          "Sequences (rows) in one batched decode step", buckets=buckets.COUNT, **kw)
         self.request_prefill = Histogram("kimiserve_shard_request_prefill_seconds",
                                          "Start of a request's first prefill pass to its first token (all its chunks)",
                                          buckets=buckets.REQUEST_SECONDS, **kw)
@@ -106,6 +112,7 @@ class ShardMetrics:
                 self.prefill_tokens.labels(**labels).inc(p.tokens)
         else:
             self.decode_seconds.labels(**labels).observe(p.seconds)
+            self.decode_sequences.labels(**labels).observe(p.sequences)
             if count_tokens:
                 self.decode_tokens.labels(**labels).inc(p.tokens)
 
@@ -113,6 +120,8 @@ class ShardMetrics:
         """A finished request; a phase it never reached (None) is not observed."""
         lab = self.labels
         self.request_queue.labels(**lab).observe(t.queue_s)
+        if t.wait_s is not None:
+            self.request_wait.labels(**lab).observe(t.wait_s)
         self.request_duration.labels(**lab).observe(t.duration_s)
         self.request_prompt.labels(**lab).observe(prompt_tokens)
         self.request_generation.labels(**lab).observe(generated)

@@ -230,16 +230,19 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     assert sample("kimiserve_shard_prefill_pass_sequences_sum") == sum(p.sequences for p in prefills)
     assert sample("kimiserve_shard_prefill_pass_chunks_sum") == len(prefills)
     assert sample("kimiserve_shard_prefill_pass_max_chunk_tokens_sum") == total
-    for name in ("request_queue_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
-                 "time_per_output_token_seconds", "request_duration_seconds"):
+    for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds",
+                 "time_to_first_token_seconds", "time_per_output_token_seconds", "request_duration_seconds"):
         assert sample(f"kimiserve_shard_{name}_count") == len(prompts), name
+    decodes = [p for p in passes if p.kind == "decode"]
+    assert sample("kimiserve_shard_decode_step_sequences_sum") == sum(p.sequences for p in decodes)
     assert sample("kimiserve_shard_request_prompt_tokens_sum") == total
     assert sample("kimiserve_shard_request_generation_tokens_sum") == 4 * len(prompts)
 
     for rid, final in finals.items():
         t = final.timing
         assert t.prefill_passes == sum(rid in p.request_ids for p in prefills) >= (2 if rid == "long" else 1)
-        assert 0 <= t.queue_s <= t.time_to_first_token_s and 0 < t.prefill_s <= t.time_to_first_token_s
+        assert 0 <= t.queue_s <= t.wait_s <= t.time_to_first_token_s and 0 < t.prefill_s <= t.time_to_first_token_s
+        assert t.wait_s + t.prefill_s == pytest.approx(t.time_to_first_token_s, abs=1e-6)
         assert t.time_to_first_token_s + t.decode_s == pytest.approx(t.duration_s, abs=1e-6)
 
 

@@ -85,7 +85,7 @@ def test_per_request_and_prefill_series_move_by_what_the_requests_did(stack):
     assert moved("kimiserve_router_request_generation_tokens_sum", router) == generated
     key = 'kimiserve_router_finished_requests_total{finish_reason="length",method="Generate"}'
     assert after[0][key] - before[0].get(key, 0) == n
-    for name in ("request_queue_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
+    for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
                  "time_per_output_token_seconds", "request_duration_seconds", "request_prompt_tokens"):
         assert moved(f"kimiserve_shard_{name}_count", shards) == n, name
     assert moved("kimiserve_shard_request_prompt_tokens_sum", shards) == prompt

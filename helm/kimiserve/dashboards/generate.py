@@ -143,6 +143,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
          "run between them."),
         ("Shard queue wait per shard", "s", quantiles("kimiserve_shard_request_queue_seconds", "shard", (0.5, 0.99)),
          "Arrival at the shard to admission (a free state slot and room for the request's KV)."),
+        ("Wait for the device per shard", "s", quantiles("kimiserve_shard_request_wait_seconds", "shard", (0.5, 0.99)),
+         "Arrival at the shard to the request's first prefill pass: admission plus the passes it waited for a share "
+         "of the prefill budget (fair sharing keeps this near one pass while a long prompt prefills)."),
         ("Prefill time per request, per shard", "s",
          quantiles("kimiserve_shard_request_prefill_seconds", "shard", (0.5, 0.99)),
          "A request's first prefill pass to its first token (a prompt over the prefill token budget takes several "
