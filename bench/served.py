@@ -154,13 +154,15 @@ def multi_turn(args, model: Path, result: dict, save) -> None:
 LONG_VARIANTS = {  # name -> shard flags; "fair" is the shard's defaults
     "fcfs": ("--prefill-policy", "fcfs"),
     "fair": (),
-    "fair-tight": ("--long-prefill-floor", "1024", "--mixed-prefill-cost", "8192"),
+    "fair-2k": ("--long-prefill-floor", "256", "--mixed-prefill-cost", "2048"),
+    "fair-4k": ("--long-prefill-floor", "512", "--mixed-prefill-cost", "4096"),
+    "fair-8k": ("--long-prefill-floor", "1024", "--mixed-prefill-cost", "8192"),
 }
 
 
 def long_context(args, model: Path, result: dict, save) -> None:
     """The issue-24 comparison, one stack per variant: the long-prompt interference bench, then c=256 throughput."""
-    slots, throughput_prompts = 256 + 8, 512
+    slots, throughput_prompts = 256 + 8, args.throughput_prompts
     blocks = slots * -(-(args.input_len + args.output_len) // BLOCK) + -(-(args.long_len + 2) // BLOCK) + 64
     result["long_context"] = {}
     for name in args.long_variants.split(","):
@@ -175,6 +177,8 @@ def long_context(args, model: Path, result: dict, save) -> None:
                                           str(args.long_len), "--concurrency", "16", "--input-len",
                                           str(args.input_len), "--output-len", str(args.output_len))["long_prompt"]
             save()
+            if name not in args.c256_variants.split(","):
+                continue
             entry["c256"] = _bench(port, args.out / f"c256_{name}", args.bench_timeout, "--concurrency", "256",
                                    "--num-prompts", str(throughput_prompts), "--input-len", str(args.input_len),
                                    "--output-len", str(args.output_len))["levels"][0]
@@ -287,6 +291,8 @@ def main() -> None:
                    help="also the fair-prefill comparison: long-prompt interference and c=256 per policy variant")
     p.add_argument("--long-len", type=int, default=262_000, help="long-context: the long prompt's tokens")
     p.add_argument("--long-variants", default="fcfs,fair", help=f"long-context: of {', '.join(LONG_VARIANTS)}")
+    p.add_argument("--c256-variants", default="fcfs,fair", help="long-context: the variants that also run c=256")
+    p.add_argument("--throughput-prompts", type=int, default=512, help="long-context: requests of the c=256 run")
     p.add_argument("--device", default="cuda", help="cpu with --tiny: a dry run of the script on a CPU machine")
     p.add_argument("--tiny", action="store_true", help="the tiny kimi_linear shape instead of the 48B one")
     args = p.parse_args()

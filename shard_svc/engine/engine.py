@@ -79,6 +79,7 @@ class PassStats:
     started: float = 0.0  # time.monotonic() at the pass's start
     seq_tokens: list[int] = field(default_factory=list)  # tokens of each sequence in the pass (as request_ids)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens of each forward the runner ran (micro-batches)
+    decode_rows: int = 0  # a prefill pass: sequences past their prompt that took their decode step in it
 
 
 @dataclass
@@ -206,7 +207,8 @@ class Engine:
             plan.decode = [s for s in plan.decode if s.cached_logits is None]
             self._emit_cached(cached, result)
         if plan.prefill:
-            # weight streaming: the layers fetched ahead during the prefill are for this step's decode pass
+            # weight streaming: the layers fetched ahead during the prefill are for this step's decode pass (none
+            # when the plan folded the decodes into the prefill pass)
             self._run_pass("prefill", plan.prefill, result, next_tokens=len(plan.decode) or None)
         decode = [(s, 1) for s in plan.decode if not s.finished]
         if decode:
@@ -219,17 +221,19 @@ class Engine:
                   next_tokens: int | None = None) -> None:
         """next_tokens: the size of the pass that follows this one, where the plan says (None: unknown)."""
         start, started = time.perf_counter(), time.monotonic()
+        prompt_rows = [seq.is_prefilling for seq, _ in work]  # a prefill pass may carry decode steps too
         if kind == "prefill":
-            for seq, _ in work:
-                seq.first_prefill_at = seq.first_prefill_at or started
-                seq.prefill_passes += 1
+            for (seq, _), prompt_row in zip(work, prompt_rows):
+                if prompt_row:
+                    seq.first_prefill_at = seq.first_prefill_at or started
+                    seq.prefill_passes += 1
         if self.runner.weights is not None:
             self.runner.weights.expect_next_pass(next_tokens)
         try:
             logits = self.runner.forward(work, is_decode=kind == "decode")
-            for (seq, _), rows in zip(work, logits):
+            for (seq, _), rows, prompt_row in zip(work, logits, prompt_rows):
                 if seq.keep_prompt_logits:
-                    (seq.prompt_logits if kind == "prefill" else seq.step_logits).append(rows.cpu())
+                    (seq.prompt_logits if prompt_row else seq.step_logits).append(rows.cpu())
             emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
             drawn = self._draw(emitting)
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
@@ -244,10 +248,10 @@ class Engine:
         self._emit_all(kind, emitting, drawn, result)
         if kind == "prefill" and self.prefix_cache is not None:
             self._snapshot_prefixes(work, logits)
-        tokens = sum(n for _, n in work)
-        result.passes.append(PassStats(kind, time.perf_counter() - start, len(work), tokens,
-                                       [s.request_id for s, _ in work], started, [n for _, n in work],
-                                       list(self.runner.chunk_tokens)))
+        prompts = [(s, n) for (s, n), prompt_row in zip(work, prompt_rows) if prompt_row or kind == "decode"]
+        result.passes.append(PassStats(kind, time.perf_counter() - start, len(prompts), sum(n for _, n in prompts),
+                                       [s.request_id for s, _ in prompts], started, [n for _, n in prompts],
+                                       list(self.runner.chunk_tokens), len(work) - len(prompts)))
 
     def _snapshot_prefixes(self, work: list[tuple[Sequence, int]], logits: list[torch.Tensor]) -> None:
         """Cache entries at the end of each prompt this pass completed, and every `interval` tokens of a chunked

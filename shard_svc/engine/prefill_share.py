@@ -14,6 +14,8 @@ Policy "fair" (the default):
   attends to a long context, so a pass of `budget` tokens there costs several times a pass of fresh ones, and every
   decode would wait that long for its next token. Alone, a long prompt takes whole budgets (its own fastest way).
 - Cut chunks are multiples of 64 tokens (the KDA kernels' chunk), so the kernels keep their efficient shapes.
+- While a long prompt prefills, the step's decodes ride in the prefill pass as one-token rows (`folds_decodes`):
+  a decode then waits one pass for its next token, and the decode pass's own launch and weight reads are saved.
 Policy "fcfs": the running prompts in admission order, each taking all the budget it can (the behaviour before
 fair sharing; kept so benchmarks can compare the two in one run).
 
@@ -89,6 +91,11 @@ class PrefillShare:
         c = self.context_tokens
         b = 1 + start / c
         return int(c * (math.sqrt(b * b + 2 * cost / c) - b))
+
+    def folds_decodes(self, prefilling: list[Prefilling]) -> bool:
+        """Whether this step's decodes ride in the prefill pass: under "fair", while a long prompt prefills, so a
+        decode waits one pass for its next token, not a prefill pass and then a decode pass."""
+        return self.policy == "fair" and any(len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
 
     def plan(self, prefilling: list[Prefilling], others_running: bool) -> list[tuple[Prefilling, int]]:
         """(sequence, new tokens this pass) for the prompts being prefilled, given in admission order.

@@ -160,7 +160,12 @@ class Scheduler:
         self._admit()
         resident = [s for s in self.running if s.request_id not in self.offloaded]
         decode = [s for s in resident if not s.is_prefilling]
-        plan = StepPlan(self.share.plan([s for s in resident if s.is_prefilling], bool(decode)), decode)
+        prefilling = [s for s in resident if s.is_prefilling]
+        plan = StepPlan(self.share.plan(prefilling, bool(decode)), decode)
+        if plan.prefill and self.share.folds_decodes(prefilling):
+            # whole prompts restored from the cache draw their first token from the cached row, in no pass
+            plan.prefill += [(s, 1) for s in decode if s.cached_logits is None]
+            plan.decode = [s for s in decode if s.cached_logits is not None]
         if self.offload is not None:
             self._fit(plan)
         return plan

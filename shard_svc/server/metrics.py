@@ -38,6 +38,10 @@ class ShardMetrics:
         self.prefill_max_chunk_tokens = Histogram("kimiserve_shard_prefill_pass_max_chunk_tokens",
                                                   "Most tokens in one chunk (micro-batch) of a prefill pass",
                                                   buckets=buckets.TOKENS, **kw)
+        self.prefill_decode_rows = Histogram("kimiserve_shard_prefill_pass_decode_rows",
+                                             "Decode steps that rode in one prefill pass (fair sharing folds the "
+                                             "decodes into the pass while a long prompt prefills)",
+                                             buckets=buckets.COUNT, **kw)
         self.request_queue = Histogram("kimiserve_shard_request_queue_seconds",
                                        "Arrival at the shard to admission (a state slot), per request",
                                        buckets=buckets.REQUEST_SECONDS, **kw)
@@ -108,8 +112,10 @@ class ShardMetrics:
             self.prefill_pass_tokens.labels(**labels).observe(p.tokens)
             self.prefill_chunks.labels(**labels).observe(p.chunks)
             self.prefill_max_chunk_tokens.labels(**labels).observe(p.max_chunk_tokens)
+            self.prefill_decode_rows.labels(**labels).observe(p.decode_rows)
             if count_tokens:
                 self.prefill_tokens.labels(**labels).inc(p.tokens)
+                self.decode_tokens.labels(**labels).inc(p.decode_rows)
         else:
             self.decode_seconds.labels(**labels).observe(p.seconds)
             self.decode_sequences.labels(**labels).observe(p.sequences)

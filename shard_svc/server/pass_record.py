@@ -15,7 +15,7 @@ from shard_svc.engine.engine import PassStats
 log = logging.getLogger(__name__)
 
 # The integer fields, in the order a rank sends them to rank 0 (shard_svc/parallel/sync.py), after the nanoseconds.
-INT_FIELDS = ("sequences", "tokens", "min_seq_tokens", "max_seq_tokens", "chunks", "max_chunk_tokens")
+INT_FIELDS = ("sequences", "tokens", "min_seq_tokens", "max_seq_tokens", "chunks", "max_chunk_tokens", "decode_rows")
 NO_PASS = [-1] + [0] * len(INT_FIELDS)  # a rank's row for a kind of pass its step did not run
 
 
@@ -29,6 +29,7 @@ class PassRecord:
     max_seq_tokens: int
     chunks: int
     max_chunk_tokens: int
+    decode_rows: int = 0  # a prefill pass: decode steps that rode in it (fair sharing, while a long prompt prefills)
     rank: int = 0
     world_size: int = 1
     request_ids: tuple[str, ...] = ()
@@ -38,7 +39,7 @@ class PassRecord:
         seq = p.seq_tokens or [0]
         chunks = p.chunk_tokens or [0]
         return cls(p.kind, p.seconds, p.sequences, p.tokens, min(seq), max(seq), len(p.chunk_tokens), max(chunks),
-                   rank, world_size, tuple(p.request_ids))
+                   p.decode_rows, rank, world_size, tuple(p.request_ids))
 
     def to_ints(self) -> list[int]:
         """[nanoseconds, *INT_FIELDS]: what a rank all-gathers for rank 0's metrics."""
@@ -56,5 +57,5 @@ class PassRecord:
         log.info(f"{self.kind} pass", extra={
             "pass": self.kind, "seconds": round(self.seconds, 6), "sequences": self.sequences, "tokens": self.tokens,
             "min_seq_tokens": self.min_seq_tokens, "max_seq_tokens": self.max_seq_tokens, "chunks": self.chunks,
-            "max_chunk_tokens": self.max_chunk_tokens, "rank": self.rank, "world_size": self.world_size,
+            "max_chunk_tokens": self.max_chunk_tokens, "decode_rows": self.decode_rows, "rank": self.rank, "world_size": self.world_size,
             "request_ids": list(self.request_ids)})

@@ -49,7 +49,8 @@ class FakeHost:
 def scheduler(num_blocks: int, host_pages: int, budget: int = 64, slots: int = 8) -> tuple[Scheduler, FakeHost]:
     blocks = BlockAllocator(num_blocks, BS)
     host = FakeHost(blocks, host_pages)
-    return Scheduler(SlotAllocator(slots), blocks, slots, PrefillShare(budget), host), host
+    # first come first served: these plans are about which sequences the offload moves, not how the budget is shared
+    return Scheduler(SlotAllocator(slots), blocks, slots, PrefillShare(budget, "fcfs"), host), host
 
 
 def running(s: Scheduler, rid: str, prompt: int, computed: int, max_tokens: int = 8) -> Sequence:
@@ -115,7 +116,7 @@ def test_admission_promises_at_most_device_plus_host_minus_one_promise(host_page
     """10 blocks; each request promises 5 (8 prompt + 12 new tokens). Past the device's 10, the host must keep room
     for the largest promise: 5 host pages add nothing, 10 add one sequence."""
     blocks = BlockAllocator(10, BS)
-    s = Scheduler(SlotAllocator(4), blocks, 4, PrefillShare(64), FakeHost(blocks, host_pages) if host_pages else None)
+    s = Scheduler(SlotAllocator(4), blocks, 4, PrefillShare(64, "fcfs"), FakeHost(blocks, host_pages) if host_pages else None)
     for i in range(4):
         s.add(Sequence(f"r{i}", list(range(8)), SamplingParams(temperature=0.0, max_tokens=12)))
     s.schedule()
