@@ -165,7 +165,8 @@ def long_context(args, model: Path, result: dict, save) -> None:
     slots, throughput_prompts = 256 + 8, args.throughput_prompts
     blocks = slots * -(-(args.input_len + args.output_len) // BLOCK) + -(-(args.long_len + 2) // BLOCK) + 64
     result["long_context"] = {}
-    for name in args.long_variants.split(","):
+    longs, c256s = args.long_variants.split(","), args.c256_variants.split(",")
+    for name in dict.fromkeys(n for n in longs + c256s if n in LONG_VARIANTS):
         port = free_port()
         children = start_stack(model, 1, args.device, "127.0.0.1", port, timeout=900,
                                shard_args=_shard_args(args, slots, blocks, args.long_len + 2 * BLOCK,
@@ -173,16 +174,17 @@ def long_context(args, model: Path, result: dict, save) -> None:
                                router_args=("--max-in-flight", "1024", "--max-queued", "4096"))
         try:
             entry = result["long_context"][name] = {"shard_flags": list(LONG_VARIANTS[name])}
-            entry["long_prompt"] = _bench(port, args.out / f"long_{name}", args.bench_timeout, "--long-prompt-len",
-                                          str(args.long_len), "--concurrency", "16", "--input-len",
-                                          str(args.input_len), "--output-len", str(args.output_len))["long_prompt"]
-            save()
-            if name not in args.c256_variants.split(","):
-                continue
-            entry["c256"] = _bench(port, args.out / f"c256_{name}", args.bench_timeout, "--concurrency", "256",
-                                   "--num-prompts", str(throughput_prompts), "--input-len", str(args.input_len),
-                                   "--output-len", str(args.output_len))["levels"][0]
-            save()
+            if name in longs:
+                entry["long_prompt"] = _bench(port, args.out / f"long_{name}", args.bench_timeout,
+                                              "--long-prompt-len", str(args.long_len), "--concurrency", "16",
+                                              "--input-len", str(args.input_len), "--output-len",
+                                              str(args.long_output_len))["long_prompt"]
+                save()
+            if name in c256s:
+                entry["c256"] = _bench(port, args.out / f"c256_{name}", args.bench_timeout, "--concurrency", "256",
+                                       "--num-prompts", str(throughput_prompts), "--input-len", str(args.input_len),
+                                       "--output-len", str(args.output_len))["levels"][0]
+                save()
         finally:
             stop_stack(children, grace_s=30)
 
@@ -291,6 +293,9 @@ def main() -> None:
                    help="also the fair-prefill comparison: long-prompt interference and c=256 per policy variant")
     p.add_argument("--long-len", type=int, default=262_000, help="long-context: the long prompt's tokens")
     p.add_argument("--long-variants", default="fcfs,fair", help=f"long-context: of {', '.join(LONG_VARIANTS)}")
+    p.add_argument("--long-output-len", type=int, default=32,
+                   help="long-context: the short clients' reply length (short enough that each client sends several "
+                        "requests while the long prompt prefills)")
     p.add_argument("--c256-variants", default="fcfs,fair", help="long-context: the variants that also run c=256")
     p.add_argument("--throughput-prompts", type=int, default=512, help="long-context: requests of the c=256 run")
     p.add_argument("--device", default="cuda", help="cpu with --tiny: a dry run of the script on a CPU machine")
