@@ -52,6 +52,7 @@ class EngineConfig:
     long_prefill_threshold: int | None = None
     long_prefill_floor: int | None = None
     mixed_prefill_cost: int | None = None
+    fold_decodes: bool = False  # decodes ride in a long prompt's prefill passes
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class Engine:
                              if engine_cfg.prefix_cache_entries else None)
         share = PrefillShare(engine_cfg.prefill_token_budget, engine_cfg.prefill_policy,
                              engine_cfg.long_prefill_threshold, engine_cfg.long_prefill_floor,
-                             engine_cfg.mixed_prefill_cost, context_tokens_per_token(cfg))
+                             engine_cfg.mixed_prefill_cost, context_tokens_per_token(cfg), engine_cfg.fold_decodes)
         self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots, share,
                                    self.kv_offload, self.prefix_cache)
         # The longest sequence this engine can hold: the model's limit, the operator's, and the KV cache (a sequence's

@@ -14,8 +14,10 @@ Policy "fair" (the default):
   attends to a long context, so a pass of `budget` tokens there costs several times a pass of fresh ones, and every
   decode would wait that long for its next token. Alone, a long prompt takes whole budgets (its own fastest way).
 - Cut chunks are multiples of 64 tokens (the KDA kernels' chunk), so the kernels keep their efficient shapes.
-- While a long prompt prefills, the step's decodes ride in the prefill pass as one-token rows (`folds_decodes`):
-  a decode then waits one pass for its next token, and the decode pass's own launch and weight reads are saved.
+- With `fold_decodes` (off by default), while a long prompt prefills the step's decodes ride in the prefill pass as
+  one-token rows: a decode then waits one pass for its next token, not a prefill pass and a decode pass. Off
+  because today's MLA prefill pads every row of a pass to its longest context: beside a 256k-token prompt on the
+  H200, 16 folded rows made an 8,192-token pass take 4.2 s instead of 1.0 s (docs/scheduling.md).
 Policy "fcfs": the running prompts in admission order, each taking all the budget it can (the behaviour before
 fair sharing; kept so benchmarks can compare the two in one run).
 
@@ -53,6 +55,7 @@ class PrefillShare:
     long_floor: int | None = None  # None: budget // 4
     mixed_cost: int | None = None  # token-equivalents; None: 2 * budget
     context_tokens: float = math.inf  # inf: attention costs nothing (a token-only budget)
+    fold_decodes: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -93,9 +96,9 @@ class PrefillShare:
         return int(c * (math.sqrt(b * b + 2 * cost / c) - b))
 
     def folds_decodes(self, prefilling: list[Prefilling]) -> bool:
-        """Whether this step's decodes ride in the prefill pass: under "fair", while a long prompt prefills, so a
-        decode waits one pass for its next token, not a prefill pass and then a decode pass."""
-        return self.policy == "fair" and any(len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
+        """Whether this step's decodes ride in the prefill pass: with fold_decodes under "fair", while a long prompt
+        prefills, so a decode waits one pass for its next token, not a prefill pass and then a decode pass."""
+        return self.fold_decodes and self.policy == "fair" and any(len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
 
     def plan(self, prefilling: list[Prefilling], others_running: bool) -> list[tuple[Prefilling, int]]:
         """(sequence, new tokens this pass) for the prompts being prefilled, given in admission order.

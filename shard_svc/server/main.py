@@ -74,6 +74,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the most a pass with a long prompt may cost while other sequences run, in "
                         "token-equivalents (a token at position p costs 1 + p / C, C from the model's shape); "
                         "bounds the decodes' inter-token latency (default: twice the budget)")
+    p.add_argument("--fold-decodes", action="store_true",
+                   help="while a long prompt prefills, run the step's decodes in its prefill pass (one pass per "
+                        "step). Off by default: today's MLA prefill pads every row to the pass's longest context, "
+                        "which makes such passes several times slower at long context (docs/scheduling.md)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--host-kv-gb", type=float, default=0.0,
                    help="host memory (GiB, pinned on a GPU) for the MLA KV cache of sequences moved off the device. "
@@ -125,7 +129,8 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                             prefix_state_interval=args.prefix_state_interval,
                             prefix_host_entries=args.prefix_host_entries, prefill_policy=args.prefill_policy,
                             long_prefill_threshold=args.long_prefill_threshold,
-                            long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost)
+                            long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost,
+                            fold_decodes=args.fold_decodes)
     engine = EngineOptions(args.model, args.device, args.dtype, args.op_backend, args.load_format, capacity,
                            weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)

@@ -218,9 +218,8 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
         assert (line.seconds, line.sequences, line.tokens) == (round(p.seconds, 6), len(p.request_ids), p.tokens)
         assert (line.min_seq_tokens, line.max_seq_tokens) == (min(p.seq_tokens), max(p.seq_tokens))
         assert sum(p.seq_tokens) == p.tokens <= 16
-        # one forward: the pass's prompt tokens and the decode steps that rode in it (while the 20-token prompt,
-        # long for this budget, prefilled)
-        assert line.decode_rows == p.decode_rows
+        # one forward: the pass's prompt tokens (decodes ride in prefill passes only with --fold-decodes)
+        assert line.decode_rows == p.decode_rows == 0
         assert (line.chunks, line.max_chunk_tokens, line.rank, line.world_size) == (1, p.tokens + p.decode_rows, 0, 1)
     total = sum(len(ids) for ids in prompts.values())
     assert sum(p.tokens for p in prefills) == total
@@ -232,12 +231,9 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     assert sample("kimiserve_shard_prefill_pass_seconds_count") == len(prefills)
     assert sample("kimiserve_shard_prefill_pass_sequences_sum") == sum(p.sequences for p in prefills)
     assert sample("kimiserve_shard_prefill_pass_chunks_sum") == len(prefills)
-    folded = sum(p.decode_rows for p in prefills)
-    assert folded >= 1  # the short prompts' decodes rode in the long prompt's passes
-    assert sample("kimiserve_shard_prefill_pass_max_chunk_tokens_sum") == total + folded
-    assert sample("kimiserve_shard_prefill_pass_decode_rows_sum") == folded
-    # every token after each request's first is a decode step, in a decode pass or folded into a prefill pass
-    assert sample("kimiserve_shard_decode_tokens_total") == 3 * len(prompts)
+    assert sample("kimiserve_shard_prefill_pass_max_chunk_tokens_sum") == total
+    assert sample("kimiserve_shard_prefill_pass_decode_rows_sum") == 0
+    assert sample("kimiserve_shard_decode_tokens_total") == 3 * len(prompts)  # every token after each first
     for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds",
                  "time_to_first_token_seconds", "time_per_output_token_seconds", "request_duration_seconds"):
         assert sample(f"kimiserve_shard_{name}_count") == len(prompts), name

@@ -15,7 +15,7 @@ LONG = [(7 * i) % 250 + 1 for i in range(200)]
 SHORT = [5, 9, 2, 6, 5, 3]
 
 
-def run_short(engine, with_long: bool):
+def run_short(engine, with_long: bool) -> tuple:
     """Runs SHORT to its end (with the long prompt arriving after its first token when with_long); returns its
     sequence and the prefill passes that carried its decode steps."""
     seq = engine.add_request("short", SHORT, GREEDY, keep_prompt_logits=True)
@@ -36,7 +36,7 @@ def test_decode_rows_in_a_prefill_pass_equal_a_decode_pass(raw):
     """In float64 (as tests/engine/test_invariants.py), so the prefill and decode kernels' different summation
     orders stay far below what a wrong state or cache position would change."""
     engine = lambda: make_engine(raw, dtype=torch.float64, num_state_slots=4, num_kv_blocks=64,  # noqa: E731
-                                 prefill_token_budget=32)
+                                 prefill_token_budget=32, fold_decodes=True)
     alone, _ = run_short(engine(), False)
     mixed, folded = run_short(engine(), True)
     assert folded >= 5  # the long prompt took 7 passes of at most 32 tokens; the short one decoded in them
@@ -53,3 +53,9 @@ def test_a_short_prompt_is_prefilled_beside_a_running_long_one():
     prefill = next(p for p in passes if p.kind == "prefill")
     assert prefill.request_ids == ["long", "short"] and prefill.seq_tokens == [26, 6]  # the short prompt whole
     assert engine.sequences["short"].output  # its first token came out of that same pass
+
+
+def test_decodes_have_their_own_pass_unless_folding_is_asked_for():
+    engine = make_engine(linear_config(), num_state_slots=4, num_kv_blocks=64, prefill_token_budget=32)
+    _, folded = run_short(engine, True)
+    assert folded == 0
