@@ -39,7 +39,7 @@ def store(tmp_path):
 
 
 def new_batch(store, batch_id="batch_a", n=4, bad=(), owner="r1", now=1000):
-    store.create(batch_id, "jsonl", jsonl(n, bad).encode(), {"k": "v"}, 60, 2, owner, now, now + 30_000)
+    store.create(batch_id, "jsonl", jsonl(n, bad).encode(), {"k": "v"}, 60, 2, owner, "default", now, now + 30_000)
     parsed = parse_jsonl(jsonl(n, bad))
 
     def invalid(r, seq):
@@ -51,7 +51,7 @@ def new_batch(store, batch_id="batch_a", n=4, bad=(), owner="r1", now=1000):
 
 def test_wal_and_lifecycle(store, tmp_path):
     assert sqlite3.connect(tmp_path / "sub" / "b.sqlite3").execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    row = store.create("batch_a", "jsonl", b"{}", {"k": "v"}, 60, 2, "r1", 1000, 31_000)
+    row = store.create("batch_a", "jsonl", b"{}", {"k": "v"}, 60, 2, "r1", "default", 1000, 31_000)
     assert (row.status, row.expires_at_ms, row.metadata, row.reached_ms) == (states.VALIDATING, 61_000, {"k": "v"},
                                                                             {states.VALIDATING: 1000})
     assert store.transition("batch_a", {states.VALIDATING}, states.CANCELLING, 1500)
@@ -94,15 +94,15 @@ def test_attempts_persist(store):
 
 def test_paging_newest_first(store):
     for i in range(5):
-        store.create(f"batch_{i}", "jsonl", b"", {}, 60, 1, "r1", 1000 + i, 0)
-    first = store.page(2, None)
+        store.create(f"batch_{i}", "jsonl", b"", {}, 60, 1, "r1", "default", 1000 + i, 0)
+    first = store.page(2, None, None)
     assert [r.id for r in first] == ["batch_4", "batch_3"]
-    assert [r.id for r in store.page(2, first[-1].seq)] == ["batch_2", "batch_1"]
+    assert [r.id for r in store.page(2, first[-1].seq, None)] == ["batch_2", "batch_1"]
     assert store.status_counts()[states.VALIDATING] == 5
 
 
 def test_leases(store):
-    store.create("batch_a", "jsonl", b"", {}, 60, 1, "r1", 1000, 5000)
+    store.create("batch_a", "jsonl", b"", {}, 60, 1, "r1", "default", 1000, 5000)
     assert store.claimable("r1", 2000) == ["batch_a"]  # its own
     assert store.claimable("r2", 2000) == []  # r1's lease holds
     assert not store.claim("batch_a", "r2", 2000, 9000)
@@ -117,12 +117,12 @@ def test_a_write_the_file_refuses_is_rolled_back_and_named(tmp_path):
     RESOURCE_EXHAUSTED, is tested on a real tmpfs in tests/reliability/test_faults.py.)"""
     path = tmp_path / "b.sqlite3"
     store = BatchStore(path)
-    store.create("b1", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", 0, 10)
+    store.create("b1", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", "default", 0, 10)
     store._db.close()
     store._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, check_same_thread=False)
     with pytest.raises(BatchStoreReadOnly, match=f"batch store {path}: the file or its filesystem is read-only"
                        ) as refused:
-        store.create("b2", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", 0, 10)
+        store.create("b2", "jsonl", jsonl(1).encode(), {}, 60, 4, "me", "default", 0, 10)
     assert refused.value.code == grpc.StatusCode.UNAVAILABLE
     assert not store._db.in_transaction
     assert store.get("b1") is not None and store.get("b2") is None
