@@ -225,8 +225,7 @@ class ApiKeys:
             first = identities.setdefault(key, (tenant, number))
             if first[0] != tenant:
                 raise SecurityConfigError(f"the API keys file {self.path}, line {number}: the key of line {first[1]} "
-                                          f"again, with another identity ({_identity(tenant)} here, "
-                                          f"{_identity(first[0])} there); a key belongs to one tenant")
+                                          "again, with another tenant or admin mark; a key belongs to one tenant")
         if not identities:
             raise SecurityConfigError(f"the API keys file {self.path} holds no key")
         return tuple((_digest(key.encode()), tenant) for key, (tenant, _) in identities.items())
@@ -266,10 +265,6 @@ class ApiKeys:
 
 def _digest(key: bytes) -> bytes:
     return hashlib.sha256(key).digest()
-
-
-def _identity(t: Tenant) -> str:
-    return f"tenant {t.name!r}" + (" admin" if t.admin else "")
 
 
 def _key_line(fields: list[str], where: str) -> tuple[str, Tenant]:
