@@ -195,6 +195,9 @@ class BatchRunner:
     async def results(self, batch_id: str, after_seq: int, follow: bool, tenant: Tenant) -> AsyncIterator[bytes]:
         """Serialized BatchResults with seq > after_seq, in seq order; with `follow`, until the batch is terminal."""
         self.get(batch_id, tenant)
+        if after_seq > MAX_SEQ:  # a uint64 field; no result's seq is beyond SQLite's INTEGER
+            raise InvalidArgument(f"after_seq {after_seq} is above the largest result seq there can be ({MAX_SEQ}); "
+                                  "pass the seq of the last result received")
         while True:
             terminal = self.get(batch_id, tenant).terminal  # read before the results: a terminal batch has them all
             if follow and not terminal:

@@ -196,6 +196,11 @@ def test_page_tokens_and_cursors_that_are_no_cursor_name_the_field(tenants):
     for token in ("99999999999999999999999999", "-1", "abc", "0", "١٢"):
         refused = tenants.grpc_error("alice", "ListBatches", router_pb2.ListBatchesRequest(page_token=token))
         assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "page_token" in refused.details(), token
+    batch_id = tenants.router.stub.CreateBatch(router_pb2.CreateBatchRequest(jsonl=LINES.decode()),
+                                               metadata=tenants.md("alice"), timeout=30).id
+    refused = tenants.grpc_error("alice", "GetBatchResults",
+                                 router_pb2.GetBatchResultsRequest(batch_id=batch_id, after_seq=(1 << 64) - 1))
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "after_seq" in refused.details()
     alice = tenants.http["alice"]
     for call, field in ((lambda: alice.batches.list(after="x" * 10_000), "after"),
                         (lambda: alice.files.list(after="x" * 10_000), "after"),
