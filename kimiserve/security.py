@@ -5,9 +5,9 @@
 - Client credentials for the router's connections to the tokenizer and the shards (`UpstreamTls`).
 - API keys on the router: `authorization: Bearer <key>` metadata checked by a server interceptor against keys read
   from a file (one per line, each with an optional tenant, `#` comments), reloaded when it changes; an emptied or
-  broken file leaves no key valid (see ApiKeys). An admitted call runs with its key's tenant (kimiserve/tenants.py). Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs
-  the method and the reason, plus a short SHA-256 prefix of a presented key so that two clients can be told apart
-  without revealing either key.
+  broken file leaves no key valid (see ApiKeys). An admitted call runs with its key's tenant (kimiserve/tenants.py).
+  Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs the method and the reason, plus a short
+  SHA-256 prefix of a presented key so that two clients can be told apart without revealing either key.
 - A plaintext health-only port (`--health-port`): kubelet's native gRPC probes cannot speak TLS, so with TLS on the
   probes ask grpc.health.v1 there. It serves nothing but health.
 """
@@ -260,6 +260,7 @@ class ApiKeys:
         return found
 
     def valid(self, presented: str) -> bool:
+        """Whether the key is one of the file's, whatever its tenant."""
         return self.identify(presented) is not None
 
 
@@ -280,6 +281,9 @@ def _key_line(fields: list[str], where: str) -> tuple[str, Tenant]:
                                                              else ""))
     if len(fields) == 1:
         return key, DEFAULT
+    if fields[1] == ADMIN_MARK:  # `KEY admin` reads as an admin key, but would make a tenant named "admin"
+        raise SecurityConfigError(f"{where}: `{ADMIN_MARK}` is the admin mark, not a tenant name: write `KEY TENANT "
+                                  f"{ADMIN_MARK}`")
     if not NAME.fullmatch(fields[1]):
         raise SecurityConfigError(f"{where}: the tenant name ({len(fields[1])} characters) must be 1-64 letters, "
                                   "digits, '.', '_' or '-', starting with a letter or digit")
@@ -359,5 +363,5 @@ def _as_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethod
                 yield reply
 
     return HANDLER_FACTORIES[kind](streaming if kind.endswith("_stream") else unary,
-                            request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
+                                   request_deserializer=handler.request_deserializer,
+                                   response_serializer=handler.response_serializer)

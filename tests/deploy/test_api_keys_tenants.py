@@ -47,6 +47,7 @@ def test_what_an_admin_and_a_tenant_may_do():
     ("k-secret -acme", "the tenant name (5 characters) must be 1-64 letters"),
     ("k-secret " + "a" * 65, "the tenant name (65 characters)"),
     ("k-secret ac/me", "the tenant name (5 characters)"),
+    ("k-secret admin", "`admin` is the admin mark, not a tenant name: write `KEY TENANT admin`"),
     ("k-one k-secret", "the key of line 1 again, with another tenant or admin mark"),  # two keys on one line
 ])
 def test_a_malformed_line_is_refused_naming_file_and_line_and_quoting_no_field(tmp_path, caplog, line, fragment):
