@@ -79,13 +79,13 @@ def check(body: dict[str, Any], honoured: set[str]) -> None:
         if key in IGNORED:
             kind, why = IGNORED[key]
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise FieldError(f"{clip(key, quote=False)} must be a {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
+                raise FieldError(f"{key} must be a {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
                                  f"and ignored: {why})", key)
             continue
         if key in NO_OP_VALUES:
             if any(_same(value, ok) for ok in NO_OP_VALUES[key]):
                 continue
-            refused.append(f"{clip(key, quote=False)}={clip(value)}")
+            refused.append(f"{key}={clip(value)}")
             rules.append(f"{key} is accepted only as {' or '.join(repr(v) for v in NO_OP_VALUES[key])}, as any "
                          "other value would change the reply")
             continue

@@ -63,7 +63,8 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
             except JsonTooDeep as exc:
                 raise RenderError(f"{where}: arguments: {exc}") from exc
             if not isinstance(args, dict):
-                raise RenderError(f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)}): arguments must be a JSON object")
+                raise RenderError(f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)}): arguments must be "
+                                  "a JSON object")
 
 
 def parse_tool_json(index: int, text: str) -> dict[str, Any]:
@@ -86,7 +87,8 @@ def function_tool(index: int, name: str, description: str, parameters_json: str)
     try:
         parameters = loads_json(parameters_json) if parameters_json else {}
     except json.JSONDecodeError as exc:
-        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json is malformed JSON: {exc}") from exc
+        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json is malformed JSON: {exc}"
+                          ) from exc
     except JsonTooDeep as exc:
         raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json: {exc}") from exc
     if not isinstance(parameters, dict):

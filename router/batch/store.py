@@ -128,8 +128,8 @@ class NewResult:
 
 
 _BATCH_COLUMNS = ("seq, id, status, metadata, errors, completion_window_s, max_concurrency, total, completed, "
-                  "failed, prompt_tokens, completion_tokens, owner, tenant, lease_until_ms, created_at_ms, expires_at_ms, "
-                  + ", ".join(TIMESTAMP_COLUMNS.values()))
+                  "failed, prompt_tokens, completion_tokens, owner, tenant, lease_until_ms, created_at_ms, "
+                  "expires_at_ms, " + ", ".join(TIMESTAMP_COLUMNS.values()))
 
 
 class BatchStore:

@@ -26,7 +26,8 @@ def test_a_plain_list_is_the_default_tenant(tmp_path):
 
 def test_keys_with_tenants_and_an_admin(tmp_path):
     keys = keys_from(tmp_path, "k-a1 acme\nk-a2\tacme   # rotation: two keys of one tenant\n"
-                               "k-g globex.eu_2-x\nk-ops ops admin\nk-plain\nk-a1 acme  # listed again, same identity\n")
+                               "k-g globex.eu_2-x\nk-ops ops admin\nk-plain\n"
+                               "k-a1 acme  # listed again, same identity\n")
     assert keys.identify("k-a1") == keys.identify("k-a2") == Tenant("acme")
     assert keys.identify("k-g") == Tenant("globex.eu_2-x")
     assert keys.identify("k-ops") == Tenant("ops", admin=True)

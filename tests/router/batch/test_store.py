@@ -29,7 +29,8 @@ CREATE TABLE batches (
 CREATE TABLE files (id TEXT PRIMARY KEY, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL,
                     created_at_ms INTEGER NOT NULL, content BLOB NOT NULL);
 INSERT INTO batches (id, status, input_kind, metadata, completion_window_s, max_concurrency, owner, lease_until_ms,
-                     created_at_ms, expires_at_ms) VALUES ('batch_old', 'completed', 'jsonl', '{}', 60, 1, 'r0', 0, 5, 65);
+                     created_at_ms, expires_at_ms)
+    VALUES ('batch_old', 'completed', 'jsonl', '{}', 60, 1, 'r0', 0, 5, 65);
 INSERT INTO files VALUES ('file-old', 'batch', 'old.jsonl', 2, 5, X'7B7D');
 """
 

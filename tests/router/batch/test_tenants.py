@@ -132,7 +132,8 @@ def test_another_tenants_batch_does_not_exist_for_it_over_http(tenants):
     assert b"secret prompt" not in output and len(output.splitlines()) == 3
 
     generated = done.output_file_id.replace(batch_id, NEVER_ISSUED_BATCH)
-    for call, never_issued in ((lambda: bob.batches.retrieve(batch_id), lambda: bob.batches.retrieve(NEVER_ISSUED_BATCH)),
+    for call, never_issued in ((lambda: bob.batches.retrieve(batch_id),
+                                lambda: bob.batches.retrieve(NEVER_ISSUED_BATCH)),
                                (lambda: bob.batches.cancel(batch_id), lambda: bob.batches.cancel(NEVER_ISSUED_BATCH)),
                                (lambda: bob.files.content(done.output_file_id), lambda: bob.files.content(generated)),
                                (lambda: bob.files.retrieve(done.output_file_id), lambda: bob.files.retrieve(generated)),
