@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from kimiserve.ports import free_port
-from kimiserve.v1 import router_pb2
+from kimiserve.v1 import common_pb2, router_pb2
 from tests.router.batch.conftest import TERMINAL, RouterProc
 
 KEYS = {"alice": "key-alice-0123", "bob": "key-bob-4567", "ops": "key-ops-89ab"}
@@ -221,6 +221,14 @@ def test_an_id_too_long_to_echo_is_not_found_and_clipped(tenants):
         refused = tenants.grpc_error("alice", rpc, request)
         assert refused.code() == grpc.StatusCode.NOT_FOUND, (rpc, refused.code())
         assert "(100000 chars)" in refused.details() and len(refused.details()) < 500
+    # Other names a client sends come back clipped too: a model name (router), a chat role (tokenizer).
+    for rpc, request, code in (
+            ("Generate", router_pb2.GenerateRequest(text="hi", model="m" * 100_000), grpc.StatusCode.NOT_FOUND),
+            ("Chat", router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="r" * 100_000, content="hi")]),
+             grpc.StatusCode.INVALID_ARGUMENT)):
+        with pytest.raises(grpc.RpcError) as refused:
+            list(getattr(tenants.router.stub, rpc)(request, metadata=tenants.md("alice"), timeout=30))
+        assert refused.value.code() == code and "(100000 chars)" in refused.value.details(), refused.value.details()
     long_id = "f" * 10_000  # an HTTP request line is bounded too (uvicorn/h11): long, yet within it
     headers = {"Authorization": f"Bearer {KEYS['alice']}"}
     for method, path in (("GET", f"/files/{long_id}"), ("GET", f"/files/{long_id}/content"),
