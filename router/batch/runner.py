@@ -222,7 +222,8 @@ def _page_token(token: str) -> int | None:
     """A ListBatches page_token (a batch's seq, as next_page_token gives it), or InvalidArgument naming the field."""
     if not token:
         return None
-    if not (token.isascii() and token.isdigit() and 0 < int(token) <= MAX_SEQ):
+    # Length first: int() of thousands of digits is refused by Python itself (ValueError), and slow before that.
+    if not (len(token) <= len(str(MAX_SEQ)) and token.isascii() and token.isdigit() and 0 < int(token) <= MAX_SEQ):
         raise InvalidArgument(f"page_token {clip(token)} is not one this router issued (pass next_page_token of "
                               "the previous page, or nothing for the first)")
     return int(token)
