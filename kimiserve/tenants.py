@@ -5,8 +5,9 @@ belongs to DEFAULT. The edges resolve the presented key:
 - gRPC: the API-key interceptor (security.ApiKeyInterceptor) runs each admitted call with its tenant set;
   `grpc_tenant(context)` reads it in a servicer.
 - HTTP: the gate (router/http/gate.py) stores it in the request's scope; `http_tenant(request)` reads it.
-From there it is an argument: the flows (router/flow.py `choices`), the batch runner and the file store take a
-`Tenant`, never a key.
+From there it is an argument: the flows (router/flow.py `choices` -> `run` -> router/generation.py
+`Generation.run`), the batch runner (which runs a batch's requests as the batch's tenant) and the HTTP file and batch
+routes take a `Tenant`, never a key.
 
 Files and batches belong to the tenant that created them (Tenant.reads / Tenant.changes, applied by the batch
 runner and router/http/batches.py). An admin identity reads every tenant's files and batches and changes only its
