@@ -48,7 +48,7 @@ def _guarded(deserialize: Callable[[bytes], Any], method: str) -> Callable[[byte
     return guarded
 
 
-_FACTORIES = {"unary_unary": grpc.unary_unary_rpc_method_handler,
+HANDLER_FACTORIES = {"unary_unary": grpc.unary_unary_rpc_method_handler,
               "unary_stream": grpc.unary_stream_rpc_method_handler,
               "stream_unary": grpc.stream_unary_rpc_method_handler,
               "stream_stream": grpc.stream_stream_rpc_method_handler}
@@ -58,8 +58,8 @@ def _rebuild(handler: grpc.RpcMethodHandler, method: str, wrap: Callable[[str, C
              ) -> grpc.RpcMethodHandler:
     if handler is None or handler.request_deserializer is None:
         return handler  # unknown method (UNIMPLEMENTED) or a raw-bytes method: nothing to guard
-    kind = next(k for k in _FACTORIES if getattr(handler, k) is not None)
-    return _FACTORIES[kind](wrap(kind, getattr(handler, kind)),
+    kind = next(k for k in HANDLER_FACTORIES if getattr(handler, k) is not None)
+    return HANDLER_FACTORIES[kind](wrap(kind, getattr(handler, kind)),
                             request_deserializer=_guarded(handler.request_deserializer, method),
                             response_serializer=handler.response_serializer)
 

@@ -4,10 +4,10 @@
   certificates signed by it (mTLS between router, tokenizer and shards).
 - Client credentials for the router's connections to the tokenizer and the shards (`UpstreamTls`).
 - API keys on the router: `authorization: Bearer <key>` metadata checked by a server interceptor against keys read
-  from a file (one per line, `#` comments), reloaded when it changes; an emptied or broken file leaves no key valid
-  (see ApiKeys). Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs
-  the method and the reason, plus a short SHA-256 prefix of a presented key so that two clients can be told apart
-  without revealing either key.
+  from a file (one per line, each with an optional tenant, `#` comments), reloaded when it changes; an emptied or
+  broken file leaves no key valid (see ApiKeys). An admitted call runs with its key's tenant (kimiserve/tenants.py).
+  Missing or wrong → UNAUTHENTICATED. Keys are never logged: a refusal logs the method and the reason, plus a short
+  SHA-256 prefix of a presented key so that two clients can be told apart without revealing either key.
 - A plaintext health-only port (`--health-port`): kubelet's native gRPC probes cannot speak TLS, so with TLS on the
   probes ask grpc.health.v1 there. It serves nothing but health.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
+import inspect
 import logging
 import os
 import time
@@ -27,7 +28,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
+from kimiserve.decode_guard import HANDLER_FACTORIES
 from kimiserve.ports import SERVER_OPTIONS, PortInUse
+from kimiserve.tenants import ADMIN_MARK, DEFAULT, NAME, Tenant, set_grpc_tenant
 
 log = logging.getLogger(__name__)
 AUTH_HEADER = "authorization"
@@ -164,12 +167,20 @@ def key_fingerprint(key: str) -> str:
 
 
 class ApiKeys:
-    """Keys from a file, one per line (blank lines and `#` comments ignored), re-read when the file changes (a rotated
-    Kubernetes Secret), checked at most once per `recheck_s`.
+    """Keys from a file, re-read when the file changes (a rotated Kubernetes Secret), checked at most once per
+    `recheck_s`. Each non-blank line (after `#` comments are cut) is `KEY [TENANT [admin]]`, fields separated by
+    spaces or tabs:
+    - `KEY` alone: a key of the tenant `default` (kimiserve/tenants.py DEFAULT), so a plain list of keys is one
+      tenant, as it always was;
+    - `KEY TENANT`: a key of TENANT (letters, digits, `.`, `_`, `-`; at most 64 characters, starting with a letter or
+      digit); a tenant may have several keys (rotation: the old and the new key side by side);
+    - `KEY TENANT admin`: a key of TENANT that may also read every tenant's files and batches.
+    A key listed twice must name the same identity both times.
 
     The file is the only source of truth, and a reload fails closed:
-    - at startup, a file that is missing, unreadable, not UTF-8, holds a key that is not printable ASCII or holds no
-      key at all is a SecurityConfigError naming the file (and the byte offset or line): the router does not start;
+    - at startup, a file that is missing, unreadable, not UTF-8, holds a key that is not printable ASCII, a line of
+      any other shape, or no key at all is a SecurityConfigError naming the file (and the byte offset or line): the
+      router does not start;
     - while running, a file that becomes empty revokes every key: from then on every request is UNAUTHENTICATED,
       logged at ERROR, until a key is written again. Emptying the file locks everyone out; it never turns auth off;
     - a file that becomes unreadable, disappears or is invalid also leaves no key valid (logged at ERROR). The keys
@@ -183,8 +194,12 @@ class ApiKeys:
         self.path, self._recheck_s = Path(path), recheck_s
         self._checked_at = 0.0
         self._signature = self._stat()  # before reading: a change made meanwhile is seen at the next check
-        self._keys: tuple[bytes, ...] = self._read()  # raises SecurityConfigError: a bad file at startup is fatal
-        log.info("API keys loaded", extra={"path": str(self.path), "keys": len(self._keys)})
+        self._keys: tuple[tuple[bytes, Tenant], ...] = self._read()  # raises SecurityConfigError: fatal at startup
+        log.info("API keys loaded", extra=self._summary())
+
+    def _summary(self) -> dict:
+        return {"path": str(self.path), "keys": len(self._keys),
+                "tenants": sorted({t.name for _, t in self._keys})}
 
     def _stat(self) -> tuple[int, ...] | None:
         try:
@@ -193,7 +208,7 @@ class ApiKeys:
             return None
         return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
-    def _read(self) -> tuple[bytes, ...]:
+    def _read(self) -> tuple[tuple[bytes, Tenant], ...]:
         data = _read(self.path, "API keys file (--api-keys-file)")
         try:
             text = data.decode("utf-8")
@@ -201,18 +216,19 @@ class ApiKeys:
             line = data.count(b"\n", 0, e.start) + 1
             raise SecurityConfigError(f"the API keys file {self.path} is not UTF-8: byte 0x{data[e.start]:02x} at "
                                       f"byte offset {e.start} (line {line})") from None
-        keys = []
+        identities: dict[str, tuple[Tenant, int]] = {}  # key -> (its identity, the line that first gave it)
         for number, line in enumerate(text.splitlines(), start=1):
-            key = line.split("#", 1)[0].strip()
-            if key and not (key.isascii() and key.isprintable()):
-                # Metadata values travel in HTTP/2 headers: such a key could never be presented.
-                raise SecurityConfigError(f"the API keys file {self.path}, line {number}: a key must be printable "
-                                          "ASCII")
-            if key:
-                keys.append(key.encode())
-        if not keys:
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            key, tenant = _key_line(fields, f"the API keys file {self.path}, line {number}")
+            first = identities.setdefault(key, (tenant, number))
+            if first[0] != tenant:
+                raise SecurityConfigError(f"the API keys file {self.path}, line {number}: the key of line {first[1]} "
+                                          "again, with another tenant or admin mark; a key belongs to one tenant")
+        if not identities:
             raise SecurityConfigError(f"the API keys file {self.path} holds no key")
-        return tuple(keys)
+        return tuple((_digest(key.encode()), tenant) for key, (tenant, _) in identities.items())
 
     def _reload_if_changed(self) -> None:
         signature = self._stat()
@@ -226,16 +242,52 @@ class ApiKeys:
             log.error("API keys file not usable: NO key is valid, every request is refused until it is fixed: %s",
                       e, extra={"path": str(self.path)})
             return
-        log.info("API keys reloaded", extra={"path": str(self.path), "keys": len(self._keys)})
+        log.info("API keys reloaded", extra=self._summary())
 
-    def valid(self, presented: str) -> bool:
+    def identify(self, presented: str) -> Tenant | None:
+        """The tenant whose key was presented; None for a key not in the file."""
         now = time.monotonic()
         if now - self._checked_at >= self._recheck_s:
             self._checked_at = now
             self._reload_if_changed()
-        token = presented.encode()
-        # Compare against every key (no early exit), in constant time per key.
-        return sum(hmac.compare_digest(token, k) for k in self._keys) > 0
+        # Digests make every comparison the same length (compare_digest is constant-time only between equal
+        # lengths); every key is compared, with no early exit, so the time says nothing about which key matched.
+        token = _digest(presented.encode())
+        found = None
+        for digest, tenant in self._keys:
+            if hmac.compare_digest(token, digest):
+                found = tenant
+        return found
+
+    def valid(self, presented: str) -> bool:
+        """Whether the key is one of the file's, whatever its tenant."""
+        return self.identify(presented) is not None
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def _key_line(fields: list[str], where: str) -> tuple[str, Tenant]:
+    """One line's `KEY [TENANT [admin]]`, or a SecurityConfigError naming `where` and what is wrong."""
+    key = fields[0]
+    if not (key.isascii() and key.isprintable()):
+        # Metadata values travel in HTTP/2 headers: such a key could never be presented.
+        raise SecurityConfigError(f"{where}: a key must be printable ASCII")
+    if len(fields) > 3 or (len(fields) == 3 and fields[2] != ADMIN_MARK):
+        # No field is echoed, here or below: a misplaced key must not reach the log.
+        raise SecurityConfigError(f"{where}: expected `KEY`, `KEY TENANT` or `KEY TENANT {ADMIN_MARK}`, got "
+                                  f"{len(fields)} fields" + (f" whose third is not `{ADMIN_MARK}`" if len(fields) == 3
+                                                             else ""))
+    if len(fields) == 1:
+        return key, DEFAULT
+    if fields[1] == ADMIN_MARK:  # `KEY admin` reads as an admin key, but would make a tenant named "admin"
+        raise SecurityConfigError(f"{where}: `{ADMIN_MARK}` is the admin mark, not a tenant name: write `KEY TENANT "
+                                  f"{ADMIN_MARK}`")
+    if not NAME.fullmatch(fields[1]):
+        raise SecurityConfigError(f"{where}: the tenant name ({len(fields[1])} characters) must be 1-64 letters, "
+                                  "digits, '.', '_' or '-', starting with a letter or digit")
+    return key, Tenant(fields[1], admin=len(fields) == 3)
 
 
 def bearer_token(metadata) -> str | None:
@@ -265,7 +317,8 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <key>` on every RPC except those of OPEN_SERVICES."""
+    """Requires `authorization: Bearer <key>` on every RPC except those of OPEN_SERVICES, and runs each admitted
+    call with its key's tenant (kimiserve/tenants.py grpc_tenant)."""
 
     def __init__(self, keys: ApiKeys, open_services: frozenset[str] = OPEN_SERVICES):
         self.keys, self.open_services = keys, open_services
@@ -276,11 +329,39 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or service in self.open_services:
             return handler
         token = bearer_token(details.invocation_metadata)
-        if token and self.keys.valid(token):
-            return handler
+        tenant = self.keys.identify(token) if token else None
+        if tenant is not None:
+            return _as_tenant(handler, tenant)
         reason = "missing" if token is None else ("malformed" if not token else "wrong")
         log.warning("request refused: %s API key", reason,
                     extra={"method": details.method, "reason": reason,
                            "key_sha256_prefix": key_fingerprint(token) if token else None})
         hint = ("send metadata `authorization: Bearer <key>`" if reason != "wrong" else "the key is not accepted")
         return _deny(handler, f"{reason} API key: {hint}")
+
+
+def _as_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
+    """`handler`, run with `tenant` set in the call's task before the servicer's code starts."""
+    kind = next(k for k in HANDLER_FACTORIES if getattr(handler, k) is not None)
+    behavior = getattr(handler, kind)
+
+    async def unary(request_or_iterator, context):
+        set_grpc_tenant(tenant)
+        result = behavior(request_or_iterator, context)
+        return (await result) if inspect.isawaitable(result) else result
+
+    async def streaming(request_or_iterator, context):
+        set_grpc_tenant(tenant)
+        result = behavior(request_or_iterator, context)
+        if inspect.isasyncgen(result):
+            async for reply in result:
+                yield reply
+        elif inspect.isawaitable(result):
+            await result  # a handler that writes with context.write()
+        else:
+            for reply in result:
+                yield reply
+
+    return HANDLER_FACTORIES[kind](streaming if kind.endswith("_stream") else unary,
+                                   request_deserializer=handler.request_deserializer,
+                                   response_serializer=handler.response_serializer)

@@ -32,3 +32,17 @@ def encodable_json(value: Any) -> Any:
     if isinstance(value, dict):
         return {encodable(k): encodable_json(v) for k, v in value.items()}
     return value
+
+
+CLIP_CHARS = 64
+
+
+def clip(value: object, limit: int = CLIP_CHARS, quote: bool = True) -> str:
+    """`repr(value)` (a str as it is, with `quote=False`) for an error message that echoes client input, cut to its
+    first `limit` characters with the full length named: `'abc...'... (100000 chars)`. Messages travel in gRPC
+    trailing metadata (16 KiB at most by default) and in log lines, so a 100,000-character id must not come back
+    whole."""
+    if isinstance(value, str) and quote:
+        return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value)} chars)"
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"

@@ -23,6 +23,7 @@ from pathlib import Path
 from kimiserve.health import is_serving
 from kimiserve.lifeline import child_env
 from kimiserve.ports import PortInUse, check_free, free_ports
+from kimiserve.private_files import private_dir
 from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
 from router.main import DRAIN_TIMEOUT_S
 
@@ -271,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or ensure_default_model()
     check_model_dir(model)
     state = state_dir(args)
-    state.mkdir(parents=True, exist_ok=True)
+    private_dir(state)  # the batch database: tenants' prompts and outputs
     try:
         children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
                                shard_args=shard_flags(args),

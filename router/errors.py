@@ -24,6 +24,13 @@ class NotFound(RouterError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class PermissionDenied(RouterError):
+    """The caller may see the thing but not change it (an admin key and another tenant's batch or file). Never used
+    where the caller may not see it: that is NotFound, so ids say nothing across tenants."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class AlreadyExists(RouterError):
     code = grpc.StatusCode.ALREADY_EXISTS
 

@@ -8,6 +8,10 @@ Chat RPCs (router/service.py), batch requests (router/batch/execute.py) and the 
 
 A request is prepared once (`*_prompt`) and run by `choices` as its n choices (OpenAI's `n`, over one or several
 prompts): their ids claimed together (router/request_ids.py), per-choice seeds, one merged stream of pieces.
+
+Every request runs as its tenant (kimiserve/tenants.py), resolved by the front end from the caller's API key (a
+batch request: the batch's tenant): `choices` takes it and hands it to each sequence's `run`, and `run` to
+Generation.run (the request's log line and span name it).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import AsyncIterator
 
 from kimiserve.kimi_chat import ReplySplitter, ToolCall
 from kimiserve.limits import MAX_N
+from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import prompts, tool_choice
 from router.errors import InvalidArgument
@@ -117,10 +122,10 @@ def _with_tools(req: router_pb2.ChatRequest, tools: list[common_pb2.Tool]) -> ro
 
 
 async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
-              sampling: common_pb2.SamplingParams) -> AsyncIterator[Piece]:
-    """One sequence from a prepared prompt; `request_id` is its sequence id, claimed by `choices`."""
+              sampling: common_pb2.SamplingParams, tenant: Tenant) -> AsyncIterator[Piece]:
+    """One sequence from a prepared prompt, for `tenant`; `request_id` is its sequence id, claimed by `choices`."""
     if not prompt.chat:
-        async for chunk in gen.run(method, request_id, prompt.ids, sampling):
+        async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant):
             yield _piece(chunk, text=chunk.text)
         return
     if prompt.constraint is not None:
@@ -129,7 +134,7 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
         constrained.response_format.CopyFrom(prompt.constraint)
         sampling = constrained
     splitter = ReplySplitter()
-    async for chunk in gen.run(method, request_id, prompt.ids, sampling, keep_special_tokens=True,
+    async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
                                hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info)):
         reasoning, content = splitter.feed(chunk.text)
         calls: list[ToolCall] = []
@@ -141,21 +146,21 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
         yield _piece(chunk, text=content, reasoning=reasoning, tool_calls=calls)
 
 
-async def completion(gen: Generation, method: str, request_id: str,
-                     req: router_pb2.GenerateRequest) -> AsyncIterator[tuple[int, Piece]]:
-    """A whole Generate request: its n choices as (choice index, piece)."""
+async def completion(gen: Generation, method: str, request_id: str, req: router_pb2.GenerateRequest,
+                     tenant: Tenant) -> AsyncIterator[tuple[int, Piece]]:
+    """A whole Generate request of `tenant`: its n choices as (choice index, piece)."""
     count = choice_count(req.n)
     prompt = await completion_prompt(gen, req)
-    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count):
+    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count, tenant):
         yield item
 
 
-async def chat(gen: Generation, method: str, request_id: str,
-               req: router_pb2.ChatRequest) -> AsyncIterator[tuple[int, Piece]]:
-    """A whole Chat request: its n choices as (choice index, piece)."""
+async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.ChatRequest,
+               tenant: Tenant) -> AsyncIterator[tuple[int, Piece]]:
+    """A whole Chat request of `tenant`: its n choices as (choice index, piece)."""
     count = choice_count(req.n)
     prompt = await chat_prompt(gen, req)
-    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count):
+    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count, tenant):
         yield item
 
 
@@ -180,15 +185,15 @@ def choice_sampling(s: common_pb2.SamplingParams, index: int) -> common_pb2.Samp
 
 
 async def choices(gen: Generation, method: str, request_id: str,
-                  prompts_: list[tuple[Prompt, common_pb2.SamplingParams]], n: int
+                  prompts_: list[tuple[Prompt, common_pb2.SamplingParams]], n: int, tenant: Tenant
                   ) -> AsyncIterator[tuple[int, Piece]]:
-    """The n choices of each prompt of one request, as (choice index, piece) in arrival order; choice index =
-    prompt index * n + i, and choice i of a prompt samples with choice_sampling(sampling, i). The request id and
-    every sequence id are claimed at once before anything runs (AlreadyExists if one is live)."""
+    """The n choices of each prompt of one request of `tenant`, as (choice index, piece) in arrival order; choice
+    index = prompt index * n + i, and choice i of a prompt samples with choice_sampling(sampling, i). The request
+    id and every sequence id are claimed at once before anything runs (AlreadyExists if one is live)."""
     ids = sequence_ids(request_id, len(prompts_) * n)
     claim = gen.live.claim(request_id, ids)
     try:
-        async for k, piece in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i))
+        async for k, piece in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i), tenant)
                                        for p, (prompt, s) in enumerate(prompts_) for i in range(n)]):
             if piece.final:
                 gen.live.release(claim, ids[k])  # before the client sees the last chunk and may reuse the id

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kimiserve import tracing
+from kimiserve.tenants import Tenant
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
     JsonTooDeep, loads_json)
@@ -39,6 +40,7 @@ class _Outcome:
     """What one request's stream measured, for its metrics, log line and span."""
 
     arrival: float  # time.monotonic() when the router had the prompt
+    tenant: str  # whose request it is (kimiserve/tenants.py)
     admitted: float | None = None
     shard: str = ""
     first_at: float | None = None
@@ -165,10 +167,10 @@ class Generation:
         return min(wanted, room)
 
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
-                  keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
+                  tenant: Tenant, keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
                   ) -> AsyncIterator[Chunk]:
-        """Yields chunks of the sequence `request_id`, which the caller claimed in `live` (and releases: see
-        flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
+        """Yields chunks of the sequence `request_id` of `tenant`, which the caller claimed in `live` (and
+        releases: see flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
 
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
         if not self.live.holds(request_id):
@@ -177,12 +179,13 @@ class Generation:
         max_tokens = self._budget(prompt, s)
         arrival = time.monotonic()
         async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
-                                          arrival):
+                                          _Outcome(arrival, tenant.name)):
             yield chunk
 
-    async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
+    async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
+                        out: _Outcome):
         span = tracing.current()
-        out = _Outcome(arrival)
+        arrival = out.arrival
         admission = span.child("admission", start_s=arrival)
         try:
             async with self.admission.slot(request_id):
@@ -283,7 +286,8 @@ class Generation:
         m.prompt_length.labels(method).observe(prompt_tokens)
         m.generation_length.labels(method).observe(out.generated)
         m.finished.labels(method, out.finish_reason).inc()
-        facts = {"request_id": request_id, "method": method, "shard": out.shard, "finish_reason": out.finish_reason,
+        facts = {"request_id": request_id, "method": method, "tenant": out.tenant, "shard": out.shard,
+                 "finish_reason": out.finish_reason,
                  "prompt_tokens": prompt_tokens, "completion_tokens": out.generated,
                  "queue_s": _round(out.admitted, out.arrival),
                  "ttft_s": _round(out.first_at, out.arrival), "duration_s": _round(now, out.arrival)}
@@ -294,7 +298,7 @@ class Generation:
                          shard_decode_s=_round(t.decode_seconds if t.HasField("decode_seconds") else None))
         log.info("request finished", extra=facts)
         span = tracing.current()
-        for key in ("finish_reason", "prompt_tokens", "completion_tokens", "shard"):
+        for key in ("tenant", "finish_reason", "prompt_tokens", "completion_tokens", "shard"):
             span.set(key, facts[key])
 
 

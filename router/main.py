@@ -82,7 +82,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--api-keys-file", default=None,
-                   help="file of API keys, one per line: clients must send `authorization: Bearer <key>`")
+                   help="file of API keys, `KEY [TENANT [admin]]` per line: clients must send `authorization: "
+                        "Bearer <key>`; files and batches belong to the key's tenant (README, Deploy)")
     p.add_argument("--http-port", type=int, default=0,
                    help="also serve the OpenAI-compatible HTTP API on this port (same host, TLS and API keys); 0: off")
     p.add_argument("--http-max-body-bytes", type=int, default=16 << 20,

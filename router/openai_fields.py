@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kimiserve.text import clip
+
 # name -> (the JSON type its value must have, why no value of it can change the reply)
 IGNORED: dict[str, tuple[type, str]] = {
     "user": (str, "an end-user id for OpenAI's abuse monitoring"),
@@ -83,11 +85,11 @@ def check(body: dict[str, Any], honoured: set[str]) -> None:
         if key in NO_OP_VALUES:
             if any(_same(value, ok) for ok in NO_OP_VALUES[key]):
                 continue
-            refused.append(f"{key}={value!r}")
+            refused.append(f"{key}={clip(value)}")
             rules.append(f"{key} is accepted only as {' or '.join(repr(v) for v in NO_OP_VALUES[key])}, as any "
                          "other value would change the reply")
             continue
-        refused.append(key)
+        refused.append(clip(key, quote=False))
         if key in REFUSED:
             rules.append(f"{key}: {REFUSED[key]}")
     if refused:

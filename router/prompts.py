@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kimiserve import limits
 from kimiserve.v1 import router_pb2
+from kimiserve.text import clip
 from router.errors import InvalidArgument, NotFound
 from router.generation import Generation
 
@@ -23,7 +24,7 @@ def check_model(gen: Generation, model: str) -> None:
     """Empty means the served model; any other name must be it (NOT_FOUND otherwise, as the proto says)."""
     served = gen.model_info().model_name
     if model and model != served:
-        raise NotFound(f"model {model!r} is not served here; this router serves {served!r}")
+        raise NotFound(f"model {clip(model)} is not served here; this router serves {served!r}")
 
 
 def check_sizes(check, req) -> None:

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from kimiserve import tracing
+from kimiserve.tenants import grpc_tenant
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router import flow
 from router.errors import RouterError
@@ -104,7 +105,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         ended = False  # answered: OK, or an error status
         try:
-            async for i, p, total in _with_total(flow.completion(self.gen, "Generate", request_id, request),
+            async for i, p, total in _with_total(flow.completion(self.gen, "Generate", request_id, request,
+                                                                 grpc_tenant(context)),
                                                  flow.choice_count(request.n)):
                 yield router_pb2.GenerateResponse(request_id=request_id, token_ids=p.token_ids, text=p.text,
                                                   finish_reason=p.finish_reason, usage=p.usage,
@@ -126,7 +128,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         ended = False  # answered: OK, or an error status
         try:
-            async for i, p, total in _with_total(flow.chat(self.gen, "Chat", request_id, request),
+            async for i, p, total in _with_total(flow.chat(self.gen, "Chat", request_id, request, grpc_tenant(context)),
                                                  flow.choice_count(request.n)):
                 yield router_pb2.ChatResponse(
                     request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,

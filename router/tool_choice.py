@@ -19,6 +19,7 @@ import json
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.limits import MAX_TOOL_CALLS
 from kimiserve.v1 import common_pb2, router_pb2
+from kimiserve.text import clip
 from router.errors import InvalidArgument, ToolChoiceNotMet
 
 ToolChoice = router_pb2.ToolChoice
@@ -52,7 +53,7 @@ def offered_tools(tools, choice: router_pb2.ToolChoice) -> list[common_pb2.Tool]
     if choice.mode == ToolChoice.MODE_FUNCTION:
         named = [t for t in tools if tool_name(t) == choice.function_name]
         if not named:
-            raise InvalidArgument(f"tool_choice names function {choice.function_name!r}, which is not in tools "
+            raise InvalidArgument(f"tool_choice names function {clip(choice.function_name)}, which is not in tools "
                                   f"{[tool_name(t) for t in tools]}")
         return named[:1]
     return list(tools)
@@ -87,10 +88,10 @@ def check_reply(choice: router_pb2.ToolChoice, calls: list[ToolCall], request_id
         raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice 'required' but the reply made no complete tool "
                                "call (decoding enforces it: a stop string or stop token id must have cut it short)")
     if choice.mode == ToolChoice.MODE_FUNCTION and (len(calls) != 1 or calls[0].name != choice.function_name):
-        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice names {choice.function_name!r} but the reply "
+        raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice names {clip(choice.function_name)} but the reply "
                                f"called {[c.name for c in calls]} (decoding enforces it: a stop string or stop "
                                "token id must have cut it short)")
 
 
 def _describe(choice: router_pb2.ToolChoice) -> str:
-    return "'required'" if choice.mode == ToolChoice.MODE_REQUIRED else f"function {choice.function_name!r}"
+    return "'required'" if choice.mode == ToolChoice.MODE_REQUIRED else f"function {clip(choice.function_name)}"

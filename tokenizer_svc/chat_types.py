@@ -9,6 +9,7 @@ from typing import Any
 
 from kimiserve.kimi_chat import ToolCall  # the one definition, shared with the router
 from kimiserve.limits import JsonTooDeep, loads_json
+from kimiserve.text import clip
 from tokenizer_svc.errors import RenderError
 
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -43,18 +44,18 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
         raise RenderError("messages: the conversation is empty")
     for i, msg in enumerate(messages):
         if msg.role not in ROLES:
-            raise RenderError(f"messages[{i}]: unknown role {msg.role!r} (expected one of {sorted(ROLES)})")
+            raise RenderError(f"messages[{i}]: unknown role {clip(msg.role)} (expected one of {sorted(ROLES)})")
         size = len(msg.content) + sum(len(c.arguments) for c in msg.tool_calls)
         if size > max_message_chars:
             raise RenderError(f"messages[{i}]: {size} characters is over the limit of {max_message_chars}")
         if msg.tool_calls and msg.role != "assistant":
-            raise RenderError(f"messages[{i}]: role {msg.role!r} cannot carry tool_calls (assistant only)")
+            raise RenderError(f"messages[{i}]: role {clip(msg.role)} cannot carry tool_calls (assistant only)")
         if msg.role == "tool" and not msg.tool_call_id:
             raise RenderError(f"messages[{i}]: a tool message needs the tool_call_id it answers")
         for j, call in enumerate(msg.tool_calls):
             if not call.name:
                 raise RenderError(f"messages[{i}].tool_calls[{j}]: function name is empty")
-            where = f"messages[{i}].tool_calls[{j}] ({call.name})"
+            where = f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)})"
             try:
                 args = loads_json(call.arguments)
             except json.JSONDecodeError as exc:
@@ -62,7 +63,8 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
             except JsonTooDeep as exc:
                 raise RenderError(f"{where}: arguments: {exc}") from exc
             if not isinstance(args, dict):
-                raise RenderError(f"messages[{i}].tool_calls[{j}] ({call.name}): arguments must be a JSON object")
+                raise RenderError(f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)}): arguments must be "
+                                  "a JSON object")
 
 
 def parse_tool_json(index: int, text: str) -> dict[str, Any]:
@@ -85,9 +87,10 @@ def function_tool(index: int, name: str, description: str, parameters_json: str)
     try:
         parameters = loads_json(parameters_json) if parameters_json else {}
     except json.JSONDecodeError as exc:
-        raise RenderError(f"tools[{index}] ({name}): parameters_json is malformed JSON: {exc}") from exc
+        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json is malformed JSON: {exc}"
+                          ) from exc
     except JsonTooDeep as exc:
-        raise RenderError(f"tools[{index}] ({name}): parameters_json: {exc}") from exc
+        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json: {exc}") from exc
     if not isinstance(parameters, dict):
-        raise RenderError(f"tools[{index}] ({name}): parameters_json must be a JSON object")
+        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json must be a JSON object")
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from kimiserve import limits
+from kimiserve.text import clip
 from kimiserve.v1 import tokenizer_pb2 as pb
 from kimiserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import metrics
@@ -45,7 +46,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def _check_model(self, model: str) -> None:
         if model and model != self._s.model_name:
-            raise ModelNotFound(f"model {model!r} is not served here (this service serves {self._s.model_name!r})")
+            raise ModelNotFound(f"model {clip(model)} is not served here (this service serves {self._s.model_name!r})")
 
     @unary("Tokenize")
     async def Tokenize(self, request: pb.TokenizeRequest, context: Ctx) -> pb.TokenizeResponse:

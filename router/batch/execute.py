@@ -3,6 +3,7 @@ the concatenated stream of the single request."""
 
 from __future__ import annotations
 
+from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import flow
 from router.batch.parse import CHAT, GENERATE
@@ -24,14 +25,14 @@ class BatchExecutor:
     def __init__(self, generation: Generation):
         self.gen = generation
 
-    async def run(self, kind: str, payload: bytes, request_id: str) -> router_pb2.BatchResponse:
-        """Raises RouterError (as Generate / Chat would answer) or RequestFailed."""
+    async def run(self, kind: str, payload: bytes, request_id: str, tenant: Tenant) -> router_pb2.BatchResponse:
+        """Runs as `tenant` (the batch's). Raises RouterError (as Generate / Chat would answer) or RequestFailed."""
         if kind == GENERATE:
             req = router_pb2.GenerateRequest.FromString(payload)
-            choices = flow.completion(self.gen, "BatchGenerate", request_id, req)
+            choices = flow.completion(self.gen, "BatchGenerate", request_id, req, tenant)
         elif kind == CHAT:
             req = router_pb2.ChatRequest.FromString(payload)
-            choices = flow.chat(self.gen, "BatchChat", request_id, req)
+            choices = flow.chat(self.gen, "BatchChat", request_id, req, tenant)
         else:
             raise RouterError(f"request {request_id!r} has unknown kind {kind!r}")
         if req.n > 1:  # refused when the batch is validated (router/batch/parse.py); a result holds one choice

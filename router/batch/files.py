@@ -5,6 +5,9 @@ live in one place (the `results` table). Its own connection: WAL lets it share t
 
 A batch copies its input when it is created (BatchStore's `input`), so deleting a file never changes a batch's run;
 still, a file is kept while a batch created from it has not ended, so a live batch's `input_file_id` always resolves.
+
+A file belongs to the tenant that uploaded it (`tenant`; rows from before tenants: `default`); who may see or change
+it is decided by the caller (router/http/batches.py, kimiserve/tenants.py).
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimiserve.text import clip
+
 from router.batch import states
 from router.batch.errors import BatchStoreError, FileInUse
 from router.errors import NotFound
-from router.batch.store import write_error
+from router.batch.store import migrate, write_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -25,7 +30,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at_ms INTEGER NOT NULL,
-    content BLOB NOT NULL
+    content BLOB NOT NULL,
+    tenant TEXT NOT NULL DEFAULT 'default'        -- who uploaded it
 );
 CREATE TABLE IF NOT EXISTS batch_inputs (
     batch_id TEXT PRIMARY KEY,                   -- batches created from an uploaded file
@@ -47,6 +53,7 @@ class StoredFile:
     filename: str
     bytes: int
     created_at_ms: int
+    tenant: str
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class BatchInput:
     completion_window: str
 
 
+_FILE_COLUMNS = "id, purpose, filename, bytes, created_at_ms, tenant"
 _TERMINAL = tuple(sorted(states.TERMINAL))
 _LIVE_USERS = (f"SELECT bi.batch_id FROM batch_inputs bi JOIN batches b ON b.id = bi.batch_id WHERE bi.input_file_id = ? "
                f"AND b.status NOT IN ({','.join('?' * len(_TERMINAL))}) ORDER BY b.seq")
@@ -70,34 +78,38 @@ class FileStore:
             self._db.executescript(SCHEMA)
         except sqlite3.Error as e:
             raise BatchStoreError(f"file store {path} cannot be opened: {e}") from e
+        migrate(self._db, path, "files", "tenant", "TEXT NOT NULL DEFAULT 'default'")
 
     def close(self) -> None:
         self._db.close()
 
     def add(self, f: StoredFile, content: bytes) -> None:
-        self._db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at_ms, content) VALUES "
-                         "(?,?,?,?,?,?)", (f.id, f.purpose, f.filename, f.bytes, f.created_at_ms, content))
+        self._db.execute("INSERT INTO files (id, purpose, filename, bytes, created_at_ms, content, tenant) VALUES "
+                         "(?,?,?,?,?,?,?)", (f.id, f.purpose, f.filename, f.bytes, f.created_at_ms, content, f.tenant))
 
     def get(self, file_id: str) -> StoredFile | None:
-        row = self._db.execute("SELECT id, purpose, filename, bytes, created_at_ms FROM files WHERE id = ?",
-                               (file_id,)).fetchone()
+        row = self._db.execute(f"SELECT {_FILE_COLUMNS} FROM files WHERE id = ?", (file_id,)).fetchone()
         return StoredFile(*row) if row else None
 
-    def page(self, limit: int, after: str | None, descending: bool, purpose: str | None) -> tuple[list[StoredFile], bool]:
+    def page(self, limit: int, after: str | None, descending: bool, purpose: str | None, tenant: str | None
+             ) -> tuple[list[StoredFile], bool]:
         """Up to `limit` files in upload order (newest first when `descending`), after the file `after` (a cursor: the
-        last id of the previous page), with `purpose` if given; and whether more follow. Raises FileNotFound for an
-        `after` that is no file."""
+        last id of the previous page), with `purpose` if given, of `tenant` (None: every tenant's); and whether more
+        follow. Raises FileNotFound for an `after` that is no file of `tenant`'s."""
         where, args = [], []
         if after is not None:
-            row = self._db.execute("SELECT rowid FROM files WHERE id = ?", (after,)).fetchone()
-            if row is None:
-                raise FileNotFound(f"no file {after!r} (the `after` cursor names the last file of a page)")
+            row = self._db.execute("SELECT rowid, tenant FROM files WHERE id = ?", (after,)).fetchone()
+            if row is None or (tenant is not None and row[1] != tenant):
+                raise FileNotFound(f"no file {clip(after)} (the `after` cursor names the last file of a page)")
             where.append("rowid < ?" if descending else "rowid > ?")
             args.append(row[0])
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
         if purpose is not None:
             where.append("purpose = ?")
             args.append(purpose)
-        sql = ("SELECT id, purpose, filename, bytes, created_at_ms FROM files"
+        sql = (f"SELECT {_FILE_COLUMNS} FROM files"
                + (" WHERE " + " AND ".join(where) if where else "")
                + f" ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?")
         rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
@@ -119,10 +131,10 @@ class FileStore:
         except sqlite3.OperationalError as e:
             raise write_error(self.path, e) from e
         if users:
-            raise FileInUse(f"file {file_id!r} is the input of batch(es) {users}, which have not ended; delete it "
-                            "once they end (or cancel them first)")
+            raise FileInUse(f"file {clip(file_id)} is the input of batch(es) {users}, which have not ended; delete "
+                            "it once they end (or cancel them first)")
         if not deleted:
-            raise FileNotFound(f"no file {file_id!r}")
+            raise FileNotFound(f"no file {clip(file_id)}")
 
     def content(self, file_id: str) -> bytes | None:
         row = self._db.execute("SELECT content FROM files WHERE id = ?", (file_id,)).fetchone()

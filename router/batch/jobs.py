@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kimiserve.tenants import Tenant
 from kimiserve.v1 import router_pb2
 from router.admission import BATCH, PRIORITY
 from router.batch import states
@@ -135,8 +136,9 @@ class BatchJob:
         delay_s = max(0.0, (row.expires_at_ms - now_ms()) / 1000)
         timer = asyncio.get_running_loop().call_later(delay_s, self.stop, EXPIRE)
         try:
+            tenant = Tenant(row.tenant)  # its requests run as the tenant that created the batch
             for _ in range(MAX_PASSES):
-                await self._dispatch_pass(row)
+                await self._dispatch_pass(row, tenant)
                 if self.reason is not None or not self.store.unfinished(self.id):
                     break
             else:
@@ -151,7 +153,7 @@ class BatchJob:
         elif self.reason is None:
             self._transition({states.IN_PROGRESS}, states.FINALIZING)
 
-    async def _dispatch_pass(self, row: BatchRow) -> None:
+    async def _dispatch_pass(self, row: BatchRow, tenant: Tenant) -> None:
         sem = asyncio.Semaphore(row.max_concurrency)
         after = -1
         self.queued = len(self.store.unfinished(self.id))
@@ -160,7 +162,7 @@ class BatchJob:
                 after = req.idx
                 if not await self._acquire(sem):
                     break
-                task = asyncio.create_task(self._one(req), name=f"batch request {self.id}:{req.custom_id}")
+                task = asyncio.create_task(self._one(req, tenant), name=f"batch request {self.id}:{req.custom_id}")
                 self.inflight[req.idx] = task
                 self.queued -= 1
                 task.add_done_callback(lambda t, idx=req.idx: self._request_done(t, idx, sem))
@@ -210,7 +212,7 @@ class BatchJob:
                     "the batch was cancelled before this request finished")
 
     # ---- one request ------------------------------------------------------------------------------------------
-    async def _one(self, req: RequestRow) -> None:
+    async def _one(self, req: RequestRow, tenant: Tenant) -> None:
         PRIORITY.set(BATCH)  # this task's context only: admission serves interactive requests first
         started = time.monotonic()
         cfg = self.ctx.cfg
@@ -220,7 +222,7 @@ class BatchJob:
             log.info("batch request started", extra={"batch_id": self.id, "custom_id": req.custom_id,
                                                      "request_id": request_id, "attempt": attempt})
             try:
-                response = await self.ctx.executor.run(req.kind, req.payload, request_id)
+                response = await self.ctx.executor.run(req.kind, req.payload, request_id, tenant)
                 result = router_pb2.BatchResult(custom_id=req.custom_id, request_id=request_id, response=response)
             except RETRYABLE as e:
                 if attempt_here < cfg.max_attempts:

@@ -16,6 +16,7 @@ from typing import Any
 from kimiserve.limits import JsonTooDeep, loads_json
 from kimiserve.text import encodable_json
 from kimiserve.v1 import router_pb2
+from kimiserve.text import clip
 from router import openai_body
 from router.openai_body import BodyError  # a request's method, url or body is unusable: it fails alone
 
@@ -70,7 +71,7 @@ def parse_jsonl(text: str) -> ParsedInput:
             continue
         custom_id = obj.get("custom_id")
         if not isinstance(custom_id, str) or not custom_id:
-            _issue(out, "missing_custom_id", f"line {line_no} has no custom_id string (got {custom_id!r})", line_no)
+            _issue(out, "missing_custom_id", f"line {line_no} has no custom_id string (got {clip(custom_id)})", line_no)
             continue
         if not _unique(out, seen, custom_id, line_no):
             continue
@@ -79,7 +80,7 @@ def parse_jsonl(text: str) -> ParsedInput:
             req = ParsedRequest(len(out.requests), custom_id, line_no, kind, payload.SerializeToString())
         except BodyError as e:
             req = ParsedRequest(len(out.requests), custom_id, line_no, INVALID,
-                                error=("invalid_request", f"custom_id {custom_id!r} (line {line_no}): {e}"))
+                                error=("invalid_request", f"custom_id {clip(custom_id)} (line {line_no}): {e}"))
         out.requests.append(req)
     _check_size(out)
     return out
@@ -91,13 +92,13 @@ def _line_request(obj: dict[str, Any]) -> tuple[str, router_pb2.GenerateRequest 
         raise BodyError(f"unknown line field(s) {unknown}")
     method = obj.get("method", "POST")
     if method != "POST":
-        raise BodyError(f"method must be POST, got {method!r}")
+        raise BodyError(f"method must be POST, got {clip(method)}")
     url, body = obj.get("url"), obj.get("body")
     if not isinstance(body, dict):
         raise BodyError(f"body must be a JSON object, got {type(body).__name__}")
     if url in (CHAT_URL, COMPLETIONS_URL):
         return _body_request(url, body)
-    raise BodyError(f"unknown url {url!r}; expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+    raise BodyError(f"unknown url {clip(url)}; expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
 
 
 # ---- bodies (router/openai_body.py, shared with the HTTP API) -----------------------------------------------------
@@ -131,12 +132,12 @@ def parse_inline(items: "list[router_pb2.BatchRequestItem]") -> ParsedInput:
         which = item.WhichOneof("request")
         if which is None:
             out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line, INVALID, error=(
-                "invalid_request", f"custom_id {item.custom_id!r} (request {i}): set generate or chat")))
+                "invalid_request", f"custom_id {clip(item.custom_id)} (request {i}): set generate or chat")))
             continue
         inner = getattr(item, which)
         if inner.n > 1:  # a result holds one choice: refused here, at validation, never run as n = 1
             out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line, INVALID, error=(
-                "invalid_request", f"custom_id {item.custom_id!r} (request {i}): n={inner.n}, but a batch request "
+                "invalid_request", f"custom_id {clip(item.custom_id)} (request {i}): n={inner.n}, but a batch request "
                 "runs one choice; send n requests with their own custom_ids (and seeds) instead")))
             continue
         inner.ClearField("request_id")  # the router names batch requests itself
@@ -156,7 +157,7 @@ def _issue(out: ParsedInput, code: str, message: str, line: int = 0) -> None:
 def _unique(out: ParsedInput, seen: dict[str, int], custom_id: str, line: int) -> bool:
     if custom_id in seen:
         _issue(out, "duplicate_custom_id",
-               f"custom_id {custom_id!r} on line {line} was already used on line {seen[custom_id]}", line)
+               f"custom_id {clip(custom_id)} on line {line} was already used on line {seen[custom_id]}", line)
         return False
     seen[custom_id] = line
     return True

@@ -1,6 +1,10 @@
 """The batch scheduler of one router: creates batches, claims the ones it should run (its own, and any whose
 owner's lease ran out, which is how a restarted router resumes), runs each as a BatchJob, renews leases, notices
-cancels made through other routers sharing the store, and keeps the batch metrics current."""
+cancels made through other routers sharing the store, and keeps the batch metrics current.
+
+Its operations take the caller's tenant (kimiserve/tenants.py): a batch of another tenant is BatchNotFound, word
+for word as an id never issued, so ids say nothing across tenants; an admin reads every batch and changes its own.
+Each batch's requests run as its tenant."""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import logging
 import uuid
 from typing import AsyncIterator
 
+from kimiserve.tenants import Tenant
+from kimiserve.text import clip
 from kimiserve.v1 import router_pb2
 from router.admission import BATCH, Admission
 from router.batch import states
@@ -18,7 +24,8 @@ from router.batch.execute import BatchExecutor
 from router.batch.jobs import CANCEL, SHUTDOWN, BatchJob, JobContext, now_ms
 from router.batch.metrics import BatchMetrics
 from router.batch.parse import MAX_METADATA_PAIRS
-from router.batch.store import BatchRow, BatchStore
+from router.batch.store import MAX_SEQ, BatchRow, BatchStore
+from router.errors import PermissionDenied
 
 log = logging.getLogger(__name__)
 RESULTS_PAGE = 500
@@ -118,7 +125,7 @@ class BatchRunner:
         self._wake.set()
 
     # ---- the RPCs' operations ---------------------------------------------------------------------------------
-    def create(self, req: router_pb2.CreateBatchRequest) -> BatchRow:
+    def create(self, req: router_pb2.CreateBatchRequest, tenant: Tenant) -> BatchRow:
         which = req.WhichOneof("input")
         if which is None:
             raise InvalidArgument("set inline or jsonl")
@@ -134,35 +141,42 @@ class BatchRunner:
             raise InvalidArgument(f"metadata has {len(req.metadata)} pairs; at most {MAX_METADATA_PAIRS}")
         batch_id = f"batch_{uuid.uuid4().hex}"
         now = now_ms()
-        row = self.store.create(batch_id, which, raw, dict(req.metadata), window, concurrency, self.cfg.owner, now,
-                                now + int(self.cfg.lease_s * 1000))
-        log.info("batch created", extra={"batch_id": batch_id, "input": which, "input_bytes": len(raw),
+        row = self.store.create(batch_id, which, raw, dict(req.metadata), window, concurrency, self.cfg.owner,
+                                tenant.name, now, now + int(self.cfg.lease_s * 1000))
+        log.info("batch created", extra={"batch_id": batch_id, "tenant": tenant.name, "input": which,
+                                         "input_bytes": len(raw),
                                          "completion_window_s": window, "max_concurrency": concurrency,
                                          "metadata": dict(req.metadata)})
         self._wake.set()
         return row
 
-    def get(self, batch_id: str) -> BatchRow:
+    def get(self, batch_id: str, tenant: Tenant) -> BatchRow:
+        """The batch, if `tenant` may see it; else BatchNotFound, the same as for an id never issued."""
         row = self.store.get(batch_id)
-        if row is None:
-            raise BatchNotFound(f"no batch {batch_id!r}")
+        if row is None or not tenant.reads(row.tenant):
+            raise BatchNotFound(f"no batch {clip(batch_id)}")
         return row
 
-    def page(self, page_size: int, page_token: str) -> tuple[list[BatchRow], str]:
+    def _changeable(self, batch_id: str, tenant: Tenant) -> BatchRow:
+        row = self.get(batch_id, tenant)
+        if not tenant.changes(row.tenant):  # an admin reading another tenant's batch: it knows the batch exists
+            raise PermissionDenied(f"batch {batch_id} belongs to tenant {row.tenant!r}; an admin key reads other "
+                                   "tenants' batches but does not change them")
+        return row
+
+    def page(self, page_size: int, page_token: str, tenant: Tenant) -> tuple[list[BatchRow], str]:
+        """`tenant`'s batches (an admin: everyone's), newest first, a page at a time."""
         size = page_size or 20
         if not 1 <= size <= MAX_PAGE_SIZE:
             raise InvalidArgument(f"page_size must be in 1..{MAX_PAGE_SIZE}, got {page_size}")
-        try:
-            before = int(page_token) if page_token else None
-        except ValueError:
-            raise InvalidArgument(f"page_token {page_token!r} is not one this router issued") from None
-        rows = self.store.page(size + 1, before)
+        before = _page_token(page_token)
+        rows = self.store.page(size + 1, before, None if tenant.admin else tenant.name)
         more = len(rows) > size
         rows = rows[:size]
         return rows, (str(rows[-1].seq) if more else "")
 
-    def cancel(self, batch_id: str) -> BatchRow:
-        row = self.get(batch_id)
+    def cancel(self, batch_id: str, tenant: Tenant) -> BatchRow:
+        row = self._changeable(batch_id, tenant)
         if row.status in (states.CANCELLING, states.CANCELLED):
             return row
         if row.terminal or row.status == states.FINALIZING:
@@ -170,19 +184,22 @@ class BatchRunner:
                                   "can be cancelled")
         if not self.store.transition(batch_id, {states.VALIDATING, states.IN_PROGRESS}, states.CANCELLING,
                                      now_ms()):
-            return self.cancel(batch_id)  # its status moved meanwhile (another router); decide again
-        log.info("batch status", extra={"batch_id": batch_id, "status": states.CANCELLING})
+            return self.cancel(batch_id, tenant)  # its status moved meanwhile (another router); decide again
+        log.info("batch status", extra={"batch_id": batch_id, "status": states.CANCELLING, "by_tenant": tenant.name})
         job = self._jobs.get(batch_id)
         if job is not None:
             job.stop(CANCEL)
         self.notify(batch_id)
-        return self.get(batch_id)
+        return self.get(batch_id, tenant)
 
-    async def results(self, batch_id: str, after_seq: int, follow: bool) -> AsyncIterator[bytes]:
+    async def results(self, batch_id: str, after_seq: int, follow: bool, tenant: Tenant) -> AsyncIterator[bytes]:
         """Serialized BatchResults with seq > after_seq, in seq order; with `follow`, until the batch is terminal."""
-        self.get(batch_id)
+        self.get(batch_id, tenant)
+        if after_seq > MAX_SEQ:  # a uint64 field; no result's seq is beyond SQLite's INTEGER
+            raise InvalidArgument(f"after_seq {after_seq} is above the largest result seq there can be ({MAX_SEQ}); "
+                                  "pass the seq of the last result received")
         while True:
-            terminal = self.get(batch_id).terminal  # read before the results: a terminal batch has them all
+            terminal = self.get(batch_id, tenant).terminal  # read before the results: a terminal batch has them all
             if follow and not terminal:
                 event = self._changed.setdefault(batch_id, asyncio.Event())
             page = self.store.results(batch_id, after_seq, RESULTS_PAGE)
@@ -199,3 +216,14 @@ class BatchRunner:
                 pass
             if self._stopping:  # the router is shutting down (the store closes): the client resumes with after_seq
                 return
+
+
+def _page_token(token: str) -> int | None:
+    """A ListBatches page_token (a batch's seq, as next_page_token gives it), or InvalidArgument naming the field."""
+    if not token:
+        return None
+    # Length first: int() of thousands of digits is refused by Python itself (ValueError), and slow before that.
+    if not (len(token) <= len(str(MAX_SEQ)) and token.isascii() and token.isdigit() and 0 < int(token) <= MAX_SEQ):
+        raise InvalidArgument(f"page_token {clip(token)} is not one this router issued (pass next_page_token of "
+                              "the previous page, or nothing for the first)")
+    return int(token)

@@ -1,7 +1,8 @@
 """The batch RPCs of the Router service (thin: decode, call the runner, encode; errors mapped in one place).
 
 They are attached to the RouterService instance that router/main.py registers, so one Router service serves both
-the interactive and the batch RPCs."""
+the interactive and the batch RPCs. Each RPC acts as the caller's tenant (kimiserve/tenants.py grpc_tenant): another
+tenant's batch is NOT_FOUND."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 
 import grpc
 
+from kimiserve.tenants import grpc_tenant
+from kimiserve.text import clip
 from kimiserve.v1 import router_pb2
 from router.batch import states
 from router.batch.runner import BatchRunner
@@ -43,41 +46,44 @@ class BatchService:
 
     async def _fail(self, context, rpc: str, batch_id: str, e: Exception) -> None:
         code = e.code if isinstance(e, RouterError) else grpc.StatusCode.INTERNAL
+        facts = {"rpc": rpc, "batch_id": clip(batch_id, 256), "tenant": grpc_tenant(context).name}
         if code == grpc.StatusCode.INTERNAL:
-            log.exception("batch rpc failed", extra={"rpc": rpc, "batch_id": batch_id})
+            log.exception("batch rpc failed", extra=facts)
         else:
-            log.info("batch rpc refused", extra={"rpc": rpc, "batch_id": batch_id, "status": code.name,
-                                                 "error": str(e)})
-        await context.abort(code, str(e))
+            log.info("batch rpc refused", extra={**facts, "status": code.name, "error": str(e)})
+        # A bug's text (which may quote input, or be huge) goes to the log only; named errors say what was wrong.
+        await context.abort(code, str(e) if isinstance(e, RouterError) else
+                            "internal error; the router's log has the details")
 
     async def CreateBatch(self, request, context):
         try:
-            return batch_to_pb(self.runner.create(request))
+            return batch_to_pb(self.runner.create(request, grpc_tenant(context)))
         except Exception as e:  # noqa: BLE001 - mapped to a status in one place
             await self._fail(context, "CreateBatch", "", e)
 
     async def GetBatch(self, request, context):
         try:
-            return batch_to_pb(self.runner.get(request.batch_id))
+            return batch_to_pb(self.runner.get(request.batch_id, grpc_tenant(context)))
         except Exception as e:  # noqa: BLE001
             await self._fail(context, "GetBatch", request.batch_id, e)
 
     async def ListBatches(self, request, context):
         try:
-            rows, token = self.runner.page(request.page_size, request.page_token)
+            rows, token = self.runner.page(request.page_size, request.page_token, grpc_tenant(context))
             return router_pb2.ListBatchesResponse(batches=[batch_to_pb(r) for r in rows], next_page_token=token)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, "ListBatches", "", e)
 
     async def CancelBatch(self, request, context):
         try:
-            return batch_to_pb(self.runner.cancel(request.batch_id))
+            return batch_to_pb(self.runner.cancel(request.batch_id, grpc_tenant(context)))
         except Exception as e:  # noqa: BLE001
             await self._fail(context, "CancelBatch", request.batch_id, e)
 
     async def GetBatchResults(self, request, context):
         try:
-            async for blob in self.runner.results(request.batch_id, request.after_seq, request.follow):
+            async for blob in self.runner.results(request.batch_id, request.after_seq, request.follow,
+                                                  grpc_tenant(context)):
                 yield router_pb2.BatchResult.FromString(blob)
         except Exception as e:  # noqa: BLE001
             await self._fail(context, "GetBatchResults", request.batch_id, e)

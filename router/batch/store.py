@@ -7,21 +7,27 @@ request is refused (DuplicateResult) instead of silently doubling it.
 
 Ownership: several routers may share a file. A batch is run by the router whose `owner` name it carries, under a
 lease it renews; another router takes it over only once the lease has run out (a router restarted with the same
-owner name takes its batches back at once).
+owner name takes its batches back at once). Apart from that, a batch belongs to the `tenant` that created it
+(kimiserve/tenants.py); a database from before tenants gets the column, its rows the tenant `default` (migrate).
+
+The file and its directory are private to the router's user (kimiserve/private_files.py): they hold prompts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from kimiserve.private_files import private_dir, private_file
 from router.batch import states
 from router.batch.errors import BatchStoreError, BatchStoreFull, BatchStoreReadOnly, DuplicateResult
 from router.batch.parse import INVALID, BatchIssue, ParsedRequest
 
+log = logging.getLogger(__name__)
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,       -- creation order, for paging
@@ -38,7 +44,8 @@ CREATE TABLE IF NOT EXISTS batches (
     failed INTEGER NOT NULL DEFAULT 0,
     prompt_tokens INTEGER NOT NULL DEFAULT 0,
     completion_tokens INTEGER NOT NULL DEFAULT 0,
-    owner TEXT NOT NULL,
+    owner TEXT NOT NULL,                         -- the router running it (lease)
+    tenant TEXT NOT NULL DEFAULT 'default',      -- who created it: the only tenant that sees it (and admins)
     lease_until_ms INTEGER NOT NULL,
     created_at_ms INTEGER NOT NULL,
     expires_at_ms INTEGER NOT NULL,
@@ -66,6 +73,9 @@ CREATE TABLE IF NOT EXISTS results (
     UNIQUE (batch_id, idx)
 );
 """
+# After the tables exist and every column is there (migrate): the listing of one tenant's batches, newest first.
+INDEXES = "CREATE INDEX IF NOT EXISTS batches_by_tenant ON batches (tenant, seq);"
+MAX_SEQ = (1 << 63) - 1  # SQLite's largest INTEGER: no seq, and no page token, is beyond it
 SQLITE_FULL, SQLITE_READONLY = 13, 8  # SQLite's primary result codes SQLITE_FULL, SQLITE_READONLY
 TIMESTAMP_COLUMNS = {s: f"{s}_at_ms" for s in states.STATUSES if s != states.VALIDATING}
 
@@ -85,6 +95,7 @@ class BatchRow:
     prompt_tokens: int
     completion_tokens: int
     owner: str
+    tenant: str
     lease_until_ms: int
     created_at_ms: int
     expires_at_ms: int
@@ -117,15 +128,19 @@ class NewResult:
 
 
 _BATCH_COLUMNS = ("seq, id, status, metadata, errors, completion_window_s, max_concurrency, total, completed, "
-                  "failed, prompt_tokens, completion_tokens, owner, lease_until_ms, created_at_ms, expires_at_ms, "
-                  + ", ".join(TIMESTAMP_COLUMNS.values()))
+                  "failed, prompt_tokens, completion_tokens, owner, tenant, lease_until_ms, created_at_ms, "
+                  "expires_at_ms, " + ", ".join(TIMESTAMP_COLUMNS.values()))
 
 
 class BatchStore:
     def __init__(self, path: Path):
         self.path = path
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(path.parent)
+            private_file(path)  # SQLite gives its -wal and -shm files the database file's mode
+            for companion in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                if companion.exists():  # left by a router that was killed
+                    private_file(companion)
             # isolation_level=None: autocommit; every multi-statement change below is an explicit transaction.
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -139,6 +154,8 @@ class BatchStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=10000")
         self._db.executescript(SCHEMA)
+        migrate(self._db, path, "batches", "tenant", "TEXT NOT NULL DEFAULT 'default'")
+        self._db.executescript(INDEXES)
 
     def close(self) -> None:
         self._db.close()
@@ -148,24 +165,31 @@ class BatchStore:
 
     # ---- batches ----------------------------------------------------------------------------------------------
     def create(self, batch_id: str, input_kind: str, raw_input: bytes, metadata: dict[str, str], window_s: int,
-               max_concurrency: int, owner: str, now_ms: int, lease_until_ms: int) -> BatchRow:
+               max_concurrency: int, owner: str, tenant: str, now_ms: int, lease_until_ms: int) -> BatchRow:
         with self._tx():
             self._db.execute(
                 "INSERT INTO batches (id, status, input_kind, input, metadata, completion_window_s, max_concurrency,"
-                " owner, lease_until_ms, created_at_ms, expires_at_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                " owner, tenant, lease_until_ms, created_at_ms, expires_at_ms) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (batch_id, states.VALIDATING, input_kind, raw_input, json.dumps(metadata), window_s,
-                 max_concurrency, owner, lease_until_ms, now_ms, now_ms + window_s * 1000))
+                 max_concurrency, owner, tenant, lease_until_ms, now_ms, now_ms + window_s * 1000))
         return self.get(batch_id)
 
     def get(self, batch_id: str) -> BatchRow | None:
         row = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return _batch_row(row) if row else None
 
-    def page(self, limit: int, before_seq: int | None) -> list[BatchRow]:
-        """Newest first; `before_seq` continues after the previous page's last batch."""
-        rows = self._db.execute(
-            f"SELECT {_BATCH_COLUMNS} FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
-            (before_seq if before_seq is not None else 1 << 62, limit)).fetchall()
+    def page(self, limit: int, before_seq: int | None, tenant: str | None) -> list[BatchRow]:
+        """Newest first; `before_seq` continues after the previous page's last batch. Only `tenant`'s batches, or
+        every tenant's for None."""
+        where, args = ["1"], []
+        if before_seq is not None:
+            where.append("seq < ?")
+            args.append(before_seq)
+        if tenant is not None:
+            where.append("tenant = ?")
+            args.append(tenant)
+        rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE {' AND '.join(where)} "
+                                "ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
         return [_batch_row(r) for r in rows]
 
     def raw_input(self, batch_id: str) -> tuple[str, bytes]:
@@ -317,6 +341,16 @@ class _Transaction:
             self._db.execute("ROLLBACK")
 
 
+def migrate(db: sqlite3.Connection, path: Path, table: str, column: str, declaration: str) -> None:
+    """Adds `column` to `table` of a database made before it existed (its rows get the declaration's default), in
+    one transaction that also rechecks, so routers starting together on one file add it once."""
+    with _Transaction(db, path):
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})")}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
+            log.info("batch store migrated", extra={"db": str(path), "table": table, "added_column": column})
+
+
 def write_error(path: Path, e: sqlite3.OperationalError) -> BatchStoreError:
     """The named error for a write SQLite could not make (sqlite_errorcode needs Python 3.11; older: generic)."""
     primary = (getattr(e, "sqlite_errorcode", None) or 0) & 0xFF
@@ -329,9 +363,9 @@ def write_error(path: Path, e: sqlite3.OperationalError) -> BatchStoreError:
 
 
 def _batch_row(r: tuple) -> BatchRow:
-    (seq, bid, status, metadata, errors, window, conc, total, completed, failed, pt, ct, owner, lease, created,
-     expires, *stamps) = r
+    (seq, bid, status, metadata, errors, window, conc, total, completed, failed, pt, ct, owner, tenant, lease,
+     created, expires, *stamps) = r
     reached = {states.VALIDATING: created}
     reached.update({s: v for s, v in zip(TIMESTAMP_COLUMNS, stamps) if v is not None})
     return BatchRow(seq, bid, status, json.loads(metadata), json.loads(errors), window, conc, total, completed,
-                    failed, pt, ct, owner, lease, created, expires, reached)
+                    failed, pt, ct, owner, tenant, lease, created, expires, reached)

@@ -15,6 +15,7 @@ from starlette.types import ASGIApp
 
 from kimiserve import security
 from kimiserve.limits import JsonTooDeep, loads_json
+from kimiserve.tenants import http_tenant
 from kimiserve.text import encodable_json
 from router.generation import Generation
 from router.http import chat, completions, schemas
@@ -72,13 +73,15 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         async def work():
-            return await chat.handle(gen, await json_body(request), request_id(request), request.receive)
+            return await chat.handle(gen, await json_body(request), request_id(request), http_tenant(request),
+                                     request.receive)
         return await answer(request, chat.METHOD, work)
 
     @app.post("/v1/completions")
     async def text_completions(request: Request) -> Response:
         async def work():
-            return await completions.handle(gen, await json_body(request), request_id(request), request.receive)
+            return await completions.handle(gen, await json_body(request), request_id(request), http_tenant(request),
+                                            request.receive)
         return await answer(request, completions.METHOD, work)
 
     @app.get("/v1/models")
@@ -119,47 +122,50 @@ async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:
 
 
 def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
+    """Every route acts as the request's tenant (http_tenant): another tenant's file or batch is a 404."""
     async def done(value):
         return value
 
     @app.post("/v1/files")
     async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> Response:
         content = await file.read()
-        return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content)))
+        return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content,
+                                                                              http_tenant(request))))
 
     @app.get("/v1/files")
     async def files(request: Request, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.files_page(limit, after, order, purpose)))
+        return await answer(request, "HttpFiles", lambda: done(batches.files_page(limit, after, order, purpose,
+                                                                                  http_tenant(request))))
 
     @app.get("/v1/files/{file_id}")
     async def file(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.file(file_id)))
+        return await answer(request, "HttpFiles", lambda: done(batches.file(file_id, http_tenant(request))))
 
     @app.delete("/v1/files/{file_id}")
     async def delete(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.delete(file_id)))
+        return await answer(request, "HttpFiles", lambda: done(batches.delete(file_id, http_tenant(request))))
 
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:
         async def work():
-            return Response(batches.content(file_id), media_type="application/jsonl")
+            return Response(batches.content(file_id, http_tenant(request)), media_type="application/jsonl")
         return await answer(request, "HttpFiles", work)
 
     @app.post("/v1/batches")
     async def create(request: Request) -> Response:
         async def work():
-            return batches.create(await json_body(request))
+            return batches.create(await json_body(request), http_tenant(request))
         return await answer(request, "HttpBatches", work)
 
     @app.get("/v1/batches/{batch_id}")
     async def get(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.batch(batch_id)))
+        return await answer(request, "HttpBatches", lambda: done(batches.batch(batch_id, http_tenant(request))))
 
     @app.post("/v1/batches/{batch_id}/cancel")
     async def cancel(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.cancel(batch_id)))
+        return await answer(request, "HttpBatches", lambda: done(batches.cancel(batch_id, http_tenant(request))))
 
     @app.get("/v1/batches")
     async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after)))
+        return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after, http_tenant(request))))

@@ -1,6 +1,7 @@
 """/v1/files and /v1/batches over the router's durable batch jobs (router/batch): an uploaded JSONL file becomes a
 batch through the same runner as the CreateBatch RPC, and the output / error files are rendered from the batch's
-stored results in OpenAI's line shapes."""
+stored results in OpenAI's line shapes. Files, batches and their output / error files belong to the tenant that
+created them (see Batches)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,19 @@ from typing import Callable
 import grpc
 
 from kimiserve.kimi_chat import ToolCall
+from kimiserve.tenants import Tenant
+from kimiserve.text import clip
 from kimiserve.v1 import router_pb2
 from router.batch import states
-from router.batch.files import BatchInput, FileStore, StoredFile
+from router.batch.errors import BatchNotFound
+from router.batch.files import BatchInput, FileNotFound, FileStore, StoredFile
 from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
-from router.errors import HTTP_STATUS, InvalidArgument, NotFound
+from router.errors import HTTP_STATUS, InvalidArgument, PermissionDenied
 from router.flow import Reply
 from router.http import replies, schemas
+from router.openai_body import BodyError
 
 NON_HTTP_ERRORS = ("batch_cancelled", "batch_expired")  # OpenAI's `error` field: failures that are not an HTTP answer
 OUTPUT, ERRORS = "output", "errors"
@@ -31,94 +36,124 @@ _WINDOW = re.compile(r"^([1-9][0-9]*)h$")
 
 
 class Batches:
+    """Every operation takes the caller's tenant (kimiserve/tenants.py). A file or batch it may not read does not
+    exist for it: 404 with the message an id never issued gets, so ids and errors say nothing across tenants. An
+    admin reads everything and changes only its own (another tenant's: 403)."""
+
     def __init__(self, runner: BatchRunner, files: FileStore, model: Callable[[], str]):
         self.runner, self.files, self.model = runner, files, model
 
     # ---- files ------------------------------------------------------------------------------------------------
-    def upload(self, purpose: str, filename: str, content: bytes) -> schemas.FileObject:
+    def upload(self, purpose: str, filename: str, content: bytes, tenant: Tenant) -> schemas.FileObject:
         if purpose != "batch":
-            raise InvalidArgument(f"purpose must be 'batch' (the only use of files here), got {purpose!r}")
+            raise InvalidArgument(f"purpose must be 'batch' (the only use of files here), got {clip(purpose)}")
         try:
             content.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise InvalidArgument(f"file {filename!r} is not UTF-8 text (byte {e.start})") from None
-        f = StoredFile(f"file-{uuid.uuid4().hex}", purpose, filename, len(content), int(time.time() * 1000))
+            raise InvalidArgument(f"file {clip(filename)} is not UTF-8 text (byte {e.start})") from None
+        f = StoredFile(f"file-{uuid.uuid4().hex}", purpose, filename, len(content), int(time.time() * 1000),
+                       tenant.name)
         self.files.add(f, content)
         return _file_object(f)
 
-    def file(self, file_id: str) -> schemas.FileObject:
+    def _uploaded(self, file_id: str, tenant: Tenant) -> StoredFile | None:
+        """The uploaded file `file_id` if `tenant` may read it; None if there is none it may read."""
         stored = self.files.get(file_id)
+        return stored if stored is not None and tenant.reads(stored.tenant) else None
+
+    def _changeable(self, file_id: str, tenant: Tenant) -> StoredFile:
+        stored = self._uploaded(file_id, tenant)
+        if stored is None:
+            raise FileNotFound(f"no file {clip(file_id)}")
+        if not tenant.changes(stored.tenant):  # an admin, who may read it: it knows the file exists
+            raise PermissionDenied(f"file {file_id} belongs to tenant {stored.tenant!r}; an admin key reads other "
+                                   "tenants' files but does not change them or run batches from them")
+        return stored
+
+    def file(self, file_id: str, tenant: Tenant) -> schemas.FileObject:
+        stored = self._uploaded(file_id, tenant)
         if stored is not None:
             return _file_object(stored)
         batch_id, which = self._generated(file_id)
-        row = self.runner.get(batch_id)
-        return schemas.FileObject(id=file_id, bytes=len(self.content(file_id)), created_at=_s(row.created_at_ms),
+        row = self.runner.get(batch_id, tenant)
+        return schemas.FileObject(id=file_id, bytes=len(self._render(row, which)), created_at=_s(row.created_at_ms),
                                   filename=f"{batch_id}_{which}.jsonl", purpose=f"batch_{which}")
 
-    def files_page(self, limit: int, after: str | None, order: str, purpose: str | None) -> schemas.FileList:
-        """Uploaded files, OpenAI's list shape. A batch's output and error files are not listed: they are reached from
-        the batch (output_file_id, error_file_id), so filtering on their purposes is refused rather than answered
-        with an empty list."""
+    def files_page(self, limit: int, after: str | None, order: str, purpose: str | None,
+                   tenant: Tenant) -> schemas.FileList:
+        """Uploaded files of `tenant` (an admin: everyone's), OpenAI's list shape. A batch's output and error files
+        are not listed: they are reached from the batch (output_file_id, error_file_id), so filtering on their
+        purposes is refused rather than answered with an empty list."""
         if purpose in GENERATED_PURPOSES:
             raise InvalidArgument(f"purpose={purpose!r}: a batch's output and error files are not listed; read "
                                   "output_file_id / error_file_id of GET /v1/batches/{batch_id}")
-        stored, more = self.files.page(limit, after, order == "desc", purpose)
+        try:
+            stored, more = self.files.page(limit, after, order == "desc", purpose,
+                                           None if tenant.admin else tenant.name)
+        except FileNotFound as e:
+            raise BodyError(f"after: {e}", "after") from None
         data = [_file_object(f) for f in stored]
         return schemas.FileList(data=data, first_id=data[0].id if data else None,
                                 last_id=data[-1].id if data else None, has_more=more)
 
-    def delete(self, file_id: str) -> schemas.FileDeleted:
+    def delete(self, file_id: str, tenant: Tenant) -> schemas.FileDeleted:
         """Deletes an uploaded file (refused while a batch created from it has not ended: FileInUse). A batch's
         output and error files are its results, kept as long as the batch is: deleting one is refused."""
-        if self.files.get(file_id) is None and re.fullmatch(_GENERATED, file_id):
+        if self._uploaded(file_id, tenant) is None and re.fullmatch(_GENERATED, file_id):
             batch_id = self._generated(file_id)[0]
-            self.runner.get(batch_id)  # BatchNotFound when there is no such batch
+            self.runner.get(batch_id, tenant)  # BatchNotFound when it has no such batch
             raise InvalidArgument(f"file {file_id!r} is rendered from the results of batch {batch_id!r} and lasts "
                                   "as long as the batch; it cannot be deleted on its own")
+        self._changeable(file_id, tenant)
         self.files.delete(file_id)
         return schemas.FileDeleted(id=file_id)
 
-    def content(self, file_id: str) -> bytes:
-        stored = self.files.content(file_id)
-        if stored is not None:
-            return stored
+    def content(self, file_id: str, tenant: Tenant) -> bytes:
+        if self._uploaded(file_id, tenant) is not None:
+            return self.files.content(file_id)
         batch_id, which = self._generated(file_id)
-        return self._render(self.runner.get(batch_id), which)
+        return self._render(self.runner.get(batch_id, tenant), which)
 
     def _generated(self, file_id: str) -> tuple[str, str]:
         match = re.fullmatch(_GENERATED, file_id)
         if match is None:
-            raise NotFound(f"no file {file_id!r}")
+            raise FileNotFound(f"no file {clip(file_id)}")
         return match.group(1), match.group(2)
 
     # ---- batches ----------------------------------------------------------------------------------------------
-    def create(self, body: dict) -> schemas.BatchObject:
+    def create(self, body: dict, tenant: Tenant) -> schemas.BatchObject:
         file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
         if endpoint not in (CHAT_URL, COMPLETIONS_URL):
-            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {endpoint!r}")
+            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {clip(endpoint)}")
         match = _WINDOW.match(window) if isinstance(window, str) else None
         if match is None:
-            raise InvalidArgument(f"completion_window must be hours like '24h', got {window!r}")
+            raise InvalidArgument(f"completion_window must be hours like '24h', got {clip(window)}")
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise InvalidArgument("metadata must be an object of strings")
-        if not isinstance(file_id, str) or self.files.get(file_id) is None:
-            raise NotFound(f"no file {file_id!r}; upload it with POST /v1/files (purpose=batch) first")
+        if not isinstance(file_id, str) or self._uploaded(file_id, tenant) is None:
+            raise FileNotFound(f"no file {clip(file_id)}; upload it with POST /v1/files (purpose=batch) first")
+        self._changeable(file_id, tenant)
         req = router_pb2.CreateBatchRequest(jsonl=self.files.content(file_id).decode("utf-8"), metadata=metadata,
                                             completion_window_s=int(match.group(1)) * 3600)
-        row = self.runner.create(req)
+        row = self.runner.create(req, tenant)
         self.files.link(row.id, BatchInput(file_id, endpoint, window))
-        return self.batch(row.id)
+        return self.batch(row.id, tenant)
 
-    def batch(self, batch_id: str) -> schemas.BatchObject:
-        return self._object(self.runner.get(batch_id))
+    def batch(self, batch_id: str, tenant: Tenant) -> schemas.BatchObject:
+        return self._object(self.runner.get(batch_id, tenant))
 
-    def cancel(self, batch_id: str) -> schemas.BatchObject:
-        return self._object(self.runner.cancel(batch_id))
+    def cancel(self, batch_id: str, tenant: Tenant) -> schemas.BatchObject:
+        return self._object(self.runner.cancel(batch_id, tenant))
 
-    def page(self, limit: int, after: str | None) -> schemas.BatchList:
-        token = str(self.runner.get(after).seq) if after else ""
-        rows, next_token = self.runner.page(limit, token)
+    def page(self, limit: int, after: str | None, tenant: Tenant) -> schemas.BatchList:
+        """`tenant`'s batches (an admin: everyone's), newest first, after the batch `after` (the last id of the
+        previous page), which must be one the tenant sees."""
+        try:
+            token = str(self.runner.get(after, tenant).seq) if after else ""
+        except BatchNotFound as e:
+            raise BodyError(f"after: {e} (the `after` cursor names the last batch of a page)", "after") from None
+        rows, next_token = self.runner.page(limit, token, tenant)
         data = [self._object(r) for r in rows]
         return schemas.BatchList(data=data, first_id=data[0].id if data else None,
                                  last_id=data[-1].id if data else None, has_more=bool(next_token))

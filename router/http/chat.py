@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from kimiserve.tenants import Tenant
 from router import flow, openai_body
 from router.generation import Generation
 from router.http import replies, schemas
@@ -12,10 +13,10 @@ from router.http.streaming import EventStream, event, sse_events, unless_disconn
 METHOD = "HttpChat"  # the metrics' method label
 
 
-async def handle(gen: Generation, body: dict, request_id: str, receive):
+async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, receive):
     req, opts = openai_body.chat_request(body)
     prompt = await flow.chat_prompt(gen, req)  # rendered once for the n choices
-    merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], opts.n)
+    merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], opts.n, tenant)
     head = dict(completion_id=f"chatcmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:
         async def whole() -> schemas.ChatCompletion:

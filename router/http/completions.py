@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 from kimiserve.v1 import router_pb2
+from kimiserve.tenants import Tenant
 from router import flow, openai_body
 from router.generation import Generation
 from router.http import replies, schemas
@@ -19,12 +20,12 @@ async def echo_texts(gen: Generation, prompts: list[router_pb2.GenerateRequest])
             else await gen.tokenizer.detokenize(list(req.prompt_token_ids.ids)) for req in prompts]
 
 
-async def handle(gen: Generation, body: dict, request_id: str, receive):
+async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, receive):
     requests, opts = openai_body.completion_requests(body)
     prompts = [await flow.completion_prompt(gen, req) for req in requests]  # each tokenized once for its n
     count = len(prompts) * opts.n
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling) for req, prompt in zip(requests, prompts)],
-                          opts.n)
+                          opts.n, tenant)
     echoes = await echo_texts(gen, requests) if opts.echo else [""] * len(requests)
     head = dict(completion_id=f"cmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:

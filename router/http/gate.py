@@ -1,6 +1,7 @@
 """The gate in front of every HTTP route: each request gets its id (the client's X-Request-Id, checked by the gRPC
-API's rule, else a generated one) returned as a header; the API key is checked as on the gRPC port; the body size is
-capped (413); one log line per request; and one trace span per request (kimiserve/tracing.py), the parent of
+API's rule, else a generated one) returned as a header; the API key is checked as on the gRPC port and gives the
+request its tenant (kimiserve/tenants.py http_tenant; without keys: DEFAULT); the body size is capped (413); one log
+line per request; and one trace span per request (kimiserve/tracing.py), the parent of
 everything the request does, as router.Chat / router.Generate are over gRPC."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kimiserve import security, tracing
+from kimiserve.tenants import DEFAULT, Tenant
 from router.errors import InvalidArgument
 from router.http.errors import HttpError, error_response
 from router.request_ids import check_client_request_id
@@ -68,7 +70,7 @@ class Gate:
         try:
             if refused is not None:
                 raise refused
-            self._check(scope, headers, request_id)
+            scope["state"]["tenant"] = self._check(scope, headers, request_id)
             await self.app(scope, self._limited(receive), send_with_id)
         except HttpError as e:
             if status[0]:
@@ -76,8 +78,10 @@ class Gate:
             await error_response(e, request_id)(scope, receive, send_with_id)
         finally:
             span.end()
+        tenant = scope["state"].get("tenant")
         log.info("http request", extra={"request_id": request_id, "method": scope["method"], "path": scope["path"],
-                                        "status": status[0], "duration_s": round(time.monotonic() - start, 4)})
+                                        "tenant": tenant.name if tenant else None, "status": status[0],
+                                        "duration_s": round(time.monotonic() - start, 4)})
 
     @staticmethod
     def _span(scope: Scope, headers: Headers, request_id: str) -> tracing.Span | tracing.NoSpan:
@@ -91,11 +95,14 @@ class Gate:
         tracing.set_current(span)
         return span
 
-    def _check(self, scope: Scope, headers: Headers, request_id: str) -> None:
+    def _check(self, scope: Scope, headers: Headers, request_id: str) -> Tenant:
+        """The request's tenant; raises HttpError for a refused key or a body declared over the limit."""
+        tenant = DEFAULT
         if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
             token = security.bearer_token([("authorization", headers.get("authorization"))]
                                           if "authorization" in headers else [])
-            if not (token and self.api_keys.valid(token)):
+            tenant = self.api_keys.identify(token) if token else None
+            if tenant is None:
                 reason = "missing" if token is None else ("malformed" if not token else "wrong")
                 log.warning("http request refused: %s API key", reason, extra={
                     "request_id": request_id, "path": scope["path"],
@@ -106,6 +113,7 @@ class Gate:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise HttpError(413, f"request body of {length} bytes is over the limit of {self.max_body} bytes",
                             "request_too_large")
+        return tenant
 
     def _limited(self, receive: Receive) -> Receive:
         seen = [0]

@@ -8,6 +8,7 @@ import json
 
 from prometheus_client import CollectorRegistry
 
+from kimiserve.tenants import DEFAULT, Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router.batch import states
 from router.batch.config import BatchConfig
@@ -17,16 +18,21 @@ from router.batch.store import BatchStore
 from router.errors import InvalidArgument, ShardUnavailable
 
 
+ACME = Tenant("acme")
+
+
 class FakeExecutor:
     """Looks at the prompt: 'flaky-N' fails N times with UNAVAILABLE, 'down' always, 'bad' is INVALID_ARGUMENT,
     'bug' raises a plain exception, 'slow' sleeps; anything else answers at once."""
 
     def __init__(self):
         self.calls: list[str] = []
+        self.tenants: set[Tenant] = set()  # those the requests ran as
         self.failures: dict[str, int] = {}
 
-    async def run(self, kind, payload, request_id):
+    async def run(self, kind, payload, request_id, tenant):
         self.calls.append(request_id)
+        self.tenants.add(tenant)
         prompt = router_pb2.GenerateRequest.FromString(payload).text
         if prompt.startswith("flaky-"):
             seen = self.failures.get(prompt, 0)
@@ -75,7 +81,7 @@ def test_retries_and_per_request_failures(tmp_path):
         runner = make_runner(tmp_path / "b.db", max_attempts=3)
         runner.start()
         row = runner.create(router_pb2.CreateBatchRequest(jsonl=jsonl(
-            {"ok": "hello", "flaky": "flaky-2", "down": "down", "bad": "bad", "bug": "bug"})))
+            {"ok": "hello", "flaky": "flaky-2", "down": "down", "bad": "bad", "bug": "bug"})), ACME)
         done = await wait_terminal(runner, row.id)
         await runner.stop(1)
         return runner, done
@@ -88,6 +94,7 @@ def test_retries_and_per_request_failures(tmp_path):
     assert res["bad"].error.code == "invalid_argument" and "temperature" in res["bad"].error.message
     assert res["bug"].error.code == "internal" and "ValueError: boom" in res["bug"].error.message
     assert sorted(c for c in runner.executor.calls if ":bug:" in c) == [f"{done.id}:bug:1"]  # a bug is not retried
+    assert done.tenant == "acme" and runner.executor.tenants == {ACME}  # its requests ran as its creator
 
 
 def test_a_store_failure_still_ends_terminal_with_one_result_each(tmp_path, monkeypatch):
@@ -105,7 +112,7 @@ def test_a_store_failure_still_ends_terminal_with_one_result_each(tmp_path, monk
         monkeypatch.setattr(runner.store, "record", flaky_record)
         runner.start()
         row = runner.create(router_pb2.CreateBatchRequest(jsonl=jsonl({f"r{i}": "hi" for i in range(6)}),
-                                                          max_concurrency=1))
+                                                          max_concurrency=1), DEFAULT)
         done = await wait_terminal(runner, row.id)
         await runner.stop(1)
         return runner, done
@@ -123,20 +130,20 @@ def test_lease_takeover_and_cancel_through_another_router(tmp_path):
     async def main():
         db = tmp_path / "shared.db"
         dead = make_runner(db, owner="dead", lease_s=0.2)  # creates a batch, never runs (as if killed)
-        orphan = dead.create(router_pb2.CreateBatchRequest(jsonl=jsonl({"a": "x", "b": "y"})))
+        orphan = dead.create(router_pb2.CreateBatchRequest(jsonl=jsonl({"a": "x", "b": "y"})), DEFAULT)
         alive = make_runner(db, owner="alive", lease_s=5)
         alive.start()
         assert not alive.store.get(orphan.id).terminal
         taken = await wait_terminal(alive, orphan.id)  # after the dead router's lease ran out
 
         slow = alive.create(router_pb2.CreateBatchRequest(jsonl=jsonl({"s1": "slow", "s2": "slow", "s3": "x"}),
-                                                          max_concurrency=2))
+                                                          max_concurrency=2), DEFAULT)
         for _ in range(500):
             if len(alive.executor.calls) >= 4:  # a, b, then both slow requests running
                 break
             await asyncio.sleep(0.01)
         other = make_runner(db, owner="other")  # another router sharing the store, not running this batch
-        assert other.cancel(slow.id).status == states.CANCELLING
+        assert other.cancel(slow.id, DEFAULT).status == states.CANCELLING
         cancelled = await wait_terminal(alive, slow.id)
         await alive.stop(1)
         return alive, taken, cancelled

@@ -45,8 +45,9 @@ def test_list_refusals(http_stack):
     client = http_stack.client
     with pytest.raises(openai.BadRequestError, match="output_file_id"):
         client.files.list(purpose="batch_output")  # not listed: refused rather than an empty list
-    with pytest.raises(openai.NotFoundError, match="after"):
+    with pytest.raises(openai.BadRequestError, match="after") as refused:  # a cursor, not a file looked up
         client.files.list(after="file-nope")
+    assert refused.value.param == "after"
     with pytest.raises(openai.BadRequestError, match="limit"):
         client.files.list(limit=0)
     with pytest.raises(openai.BadRequestError, match="order"):
