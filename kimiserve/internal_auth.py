@@ -100,12 +100,12 @@ def add_client_args(p: argparse.ArgumentParser) -> None:
                         "(they were started with the same file)")
 
 
-def server_token(args: argparse.Namespace, host: str, tls: ServerTls | None, service: str) -> bytes | None:
-    """The token the server requires (None: none), after refusing a configuration that leaves a non-loopback port
-    open to anyone (InternalAuthMissing names the service, the host and the ways out)."""
-    token = read_token(args.internal_token_file) if args.internal_token_file else None
+def check_server_args(args: argparse.Namespace, host: str, tls: ServerTls | None, service: str) -> Path | None:
+    """The token file the server will require (None: none), after refusing a configuration that leaves a
+    non-loopback port open to anyone (InternalAuthMissing names the service, the host and the ways out). The file
+    itself is read when the server is built (read_token)."""
     mtls = tls is not None and tls.client_ca is not None
-    if token is None and not mtls and not is_loopback(host):
+    if args.internal_token_file is None and not mtls and not is_loopback(host):
         if not args.allow_unauthenticated:
             raise InternalAuthMissing(
                 f"{service}: refusing to listen on {host} with no caller authentication: anyone reaching it could "
@@ -113,7 +113,7 @@ def server_token(args: argparse.Namespace, host: str, tls: ServerTls | None, ser
                 "(--tls-cert/--tls-key/--client-ca), listen on 127.0.0.1, or pass --allow-unauthenticated")
         log.warning("serving without caller authentication (--allow-unauthenticated)",
                     extra={"service": service, "host": host})
-    return token
+    return args.internal_token_file
 
 
 def _valid(metadata, token: bytes) -> bool:

@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
         grace_s=args.grace_s,
         tls=tls,
         health_port=args.health_port,
-        internal_token=internal_auth.server_token(args, args.host, tls, "tokenizer"),
+        internal_token_file=internal_auth.check_server_args(args, args.host, tls, "tokenizer"),
     )
 
 

@@ -44,7 +44,8 @@ async def start_server(
     """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
     # Callers without the internal token are refused first; a corrupt request body: INVALID_ARGUMENT. No
     # SO_REUSEPORT: a taken port fails here.
-    token_check = [internal_auth.AioTokenInterceptor(cfg.internal_token)] if cfg.internal_token else []
+    token_check = ([internal_auth.AioTokenInterceptor(internal_auth.read_token(cfg.internal_token_file))]
+                   if cfg.internal_token_file else [])
     server = grpc.aio.server(interceptors=[*token_check, AioDecodeGuard()], options=SERVER_OPTIONS)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
     health_servicer = health.aio.HealthServicer()
@@ -80,7 +81,7 @@ async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> No
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
                "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size,
                "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
-               "internal_token": cfg.internal_token is not None, "health_port": cfg.health_port},
+               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port},
     )
     await stop_requested.wait()
     await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish

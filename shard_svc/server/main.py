@@ -43,7 +43,7 @@ class ShardServerConfig:
     engine: EngineOptions  # model, device, capacity, weights, shard group: what build_engine builds
     tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
-    internal_token: bytes | None = None  # required on every call but health / reflection (kimiserve/internal_auth.py)
+    internal_token_file: Path | None = None  # its token is required on every call but health / reflection
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -108,12 +108,14 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                            weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)
     tls = security.server_tls_from_args(args)
-    token = internal_auth.server_token(args, args.host, tls, "shard")  # before the checkpoint loads: fail fast
+    token_file = internal_auth.check_server_args(args, args.host, tls, "shard")
     return ShardServerConfig(args.shard_name, args.host, args.port, args.metrics_port, engine, tls,
-                             args.health_port, token)
+                             args.health_port, token_file)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
+    # Read before the checkpoint loads: a bad token file fails at once (kimiserve/internal_auth.py).
+    token = internal_auth.read_token(cfg.internal_token_file) if cfg.internal_token_file else None
     device = torch.device(cfg.engine.device)
     metrics = ShardMetrics(cfg.shard_name)
     # Weight streaming and host KV pages report on the shard's registry (one process; a group streams nothing).
@@ -137,7 +139,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
 
     loop.fatal_hooks.append(on_device_fault)  # a failed engine loop or group reports NOT_SERVING, like a device fault
     # The token check first, so an unauthenticated caller learns nothing; then a corrupt body: INVALID_ARGUMENT.
-    interceptors = [internal_auth.TokenInterceptor(cfg.internal_token)] if cfg.internal_token else []
+    interceptors = [internal_auth.TokenInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
                          interceptors=[*interceptors, DecodeGuard()])
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("shard serving", extra={"address": f"{cfg.host}:{cfg.port}", "shard": cfg.shard_name,
                                      "device": cfg.engine.device, "metrics_port": cfg.metrics_port,
                                      "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
-                                     "internal_token": cfg.internal_token is not None,
+                                     "internal_token": cfg.internal_token_file is not None,
                                      "health_port": cfg.health_port})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
