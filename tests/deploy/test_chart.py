@@ -341,7 +341,8 @@ def test_internal_token_is_generated_mounted_and_required(helm_bin):
                   if v["name"] == "internal-token")
     assert volume["secret"]["secretName"] == "my-token"
     # Off, with mTLS: the client certificate authenticates the router; no token, no opt-out.
-    mtls = helm_template(helm_bin, "--set", "security.internalToken.enabled=false", "--set", "security.mtls.enabled=true")
+    mtls = helm_template(helm_bin, "--set", "security.internalToken.enabled=false",
+                         "--set", "security.mtls.enabled=true")
     (shard,) = _containers(find(mtls, "StatefulSet", "-shard"))
     assert not any(a.startswith(("--internal-token-file", "--allow-unauthenticated")) for a in shard["args"])
     assert _parsed(shard).internal_token_file is None
