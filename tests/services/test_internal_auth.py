@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kimiserve.internal_auth import TOKEN_HEADER
 from kimiserve.ports import free_port
-from kimiserve.v1 import common_pb2, router_pb2_grpc, shard_pb2, shard_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
+from kimiserve.v1 import (common_pb2, router_pb2, router_pb2_grpc, shard_pb2, shard_pb2_grpc, tokenizer_pb2,
+                          tokenizer_pb2_grpc)
 from tests.services.helpers import generate
 
 CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2, "temperature": 0}
@@ -41,13 +42,12 @@ class Up:
         return (self.state / "internal-token").read_text().strip()
 
 
-@pytest.fixture(scope="module")
-def up(tiny_linear, tmp_path_factory):
-    state = tmp_path_factory.mktemp("up-state") / "stack"
+def _up(model, state, *args: str):
+    """`kimiserve up` started as a user starts it; yields (Up, HTTP port) once it printed its addresses."""
     http_port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(tiny_linear), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--port",
                              str(free_port()), "--http-port", str(http_port), "--state-dir", str(state),
-                             "--num-state-slots", "4", "--num-kv-blocks", "128"],
+                             "--num-state-slots", "4", "--num-kv-blocks", "128", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     addresses: dict[str, str] = {}
     try:
@@ -62,6 +62,11 @@ def up(tiny_linear, tmp_path_factory):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(90)
+
+
+@pytest.fixture(scope="module")
+def up(tiny_linear, tmp_path_factory):
+    yield from _up(tiny_linear, tmp_path_factory.mktemp("up-state") / "stack")
 
 
 def _stream(channel: grpc.Channel, metadata=()):
@@ -204,3 +209,39 @@ def test_up_beyond_loopback_without_keys_refuses_to_start(tiny_linear, tmp_path)
                    "--state-dir", str(tmp_path / "s"))
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--host 0.0.0.0" in out.stderr and "--api-keys-file" in out.stderr
+
+
+def test_up_passes_api_keys_and_tls_to_the_router(tiny_linear, tmp_path):
+    """`up --api-keys-file --tls-cert --tls-key`: both public ports speak TLS and want a key; `up` still sees the
+    router come up (through its plaintext health port)."""
+    import ssl
+
+    from tests.deploy.certs import write_secret_dirs
+
+    key = "up-key-0123456789abcdef"
+    secrets = write_secret_dirs(tmp_path / "etc", "kimiserve-internal", f"{key}\n")
+    tls = secrets["router-tls"]
+    stack = _up(tiny_linear, tmp_path / "state", "--api-keys-file", str(secrets["api-keys"]),
+                "--tls-cert", str(tls / "tls.crt"), "--tls-key", str(tls / "tls.key"))
+    up_tls = next(stack)
+    try:
+        creds = grpc.ssl_channel_credentials((tls / "ca.crt").read_bytes())
+        with grpc.secure_channel(up_tls.addresses["router"], creds) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            with pytest.raises(grpc.RpcError) as e:
+                generate(stub, text="Hi", max_tokens=2)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            chunks = list(stub.Generate(router_pb2.GenerateRequest(text="Hi", sampling=common_pb2.SamplingParams(
+                max_tokens=2, temperature=0, ignore_eos=True)), metadata=(("authorization", f"Bearer {key}"),),
+                timeout=60))
+            assert chunks[-1].usage.completion_tokens == 2
+        https = up_tls.http.replace("http://", "https://")
+        verify = ssl.create_default_context(cafile=str(tls / "ca.crt"))
+        assert httpx.post(https + "/v1/chat/completions", json=CHAT, verify=verify, timeout=60).status_code == 401
+        reply = httpx.post(https + "/v1/chat/completions", json=CHAT, verify=verify, timeout=60,
+                           headers={"authorization": f"Bearer {key}"})
+        assert reply.status_code == 200, reply.text
+        with pytest.raises(httpx.HTTPError):  # TLS only
+            httpx.get(up_tls.http + "/health", timeout=10)
+    finally:
+        stack.close()
