@@ -128,7 +128,14 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
         cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"), *UPSTREAM_OPTIONS,
                                                   ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)],
         interceptors=upstream_interceptors))
-    await tokenizer.load_info()
+    try:
+        await tokenizer.load_info()
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # a deployment mistake: one clear line, not a traceback
+            raise security.SecurityConfigError(
+                f"the tokenizer at {cfg.tokenizer} refuses the router ({e.details()}): start the router with the "
+                "tokenizer's --internal-token-file, or with a client certificate its --client-ca accepts") from None
+        raise
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     prefixes = PrefixIndex()
 

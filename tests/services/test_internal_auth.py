@@ -204,6 +204,14 @@ def test_an_internal_service_beyond_loopback_without_auth_refuses_to_start(tiny_
     assert "--allow-unauthenticated" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_a_router_without_the_token_is_refused_by_the_tokenizer_in_one_line(up):
+    out = _refusal("router", "--tokenizer", up.addresses["tokenizer"], "--shards", up.addresses["shard-0"],
+                   "--port", str(free_port()), "--metrics-port", str(free_port()))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"the tokenizer at {up.addresses['tokenizer']} refuses the router" in out.stderr
+    assert "--internal-token-file" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_up_beyond_loopback_without_keys_refuses_to_start(tiny_linear, tmp_path):
     out = _refusal("up", "--model", str(tiny_linear), "--host", "0.0.0.0", "--port", str(free_port()),
                    "--state-dir", str(tmp_path / "s"))
