@@ -24,9 +24,9 @@ from kimiserve.health import is_serving
 from kimiserve.internal_auth import is_loopback, write_token
 from kimiserve.lifeline import child_env
 from kimiserve.ports import PortInUse, check_free, free_ports
-from kimiserve.security import SecurityConfigError
+from kimiserve.security import SecurityConfigError, server_tls_from_args
 from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
-from router.http.origin import LOCAL_HOSTS
+from router.http.origin import ANY_HOST, LOCAL_HOSTS, allowed_hosts
 from router.main import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     public.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
     public.add_argument("--client-ca", type=Path, default=None,
                         help="PEM CA bundle: require client certificates signed by it (mTLS); needs --tls-cert")
-    public.add_argument("--http-allowed-hosts", default=None, metavar="HOST,...",
+    public.add_argument("--http-allowed-hosts", type=allowed_hosts, default=(), metavar="HOST,...",
                         help="without API keys, the Host / Origin names the HTTP API accepts besides localhost, "
                              "127.0.0.1, ::1 (and --host); `*`: any")
     public.add_argument("--allow-unauthenticated", action="store_true",
@@ -298,8 +298,8 @@ def public_flags(args: argparse.Namespace) -> tuple[str, ...]:
                         ("--tls-key", args.tls_key), ("--client-ca", args.client_ca)):
         if value is not None:
             out += [flag, str(value)]
-    hosts = args.http_allowed_hosts.split(",") if args.http_allowed_hosts else []
-    if "*" not in hosts:
+    hosts = list(args.http_allowed_hosts)
+    if ANY_HOST not in hosts:
         # The address the API is served on is one its clients will name; a wildcard is not.
         extra = [] if args.host in ("0.0.0.0", "::", "") else [args.host]
         hosts = [*LOCAL_HOSTS, *extra, *hosts]
@@ -327,6 +327,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     check_public_host(args)
+    server_tls_from_args(args)  # the router would refuse a half-given TLS pair too, but only after the stack started
     check_free(args.host, args.port, "router")
     if args.http_port:
         check_http_port(args.host, args.http_port)
