@@ -92,7 +92,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also serve the OpenAI-compatible HTTP API on this port (same host, TLS and API keys); 0: off")
     p.add_argument("--http-max-body-bytes", type=int, default=16 << 20,
                    help="HTTP request bodies above this size are refused with 413")
-    p.add_argument("--http-header-timeout", type=float, default=10.0, metavar="S",
+    p.add_argument("--http-header-timeout", type=_positive_seconds, default=10.0, metavar="S",
                    help="an HTTP connection whose request head (request line and headers) is not complete S seconds "
                         "after it opened, or after a later request on it began, is closed")
     p.add_argument("--http-allowed-hosts", type=allowed_hosts, default=LOCAL_HOSTS, metavar="HOST,...",
@@ -103,6 +103,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     security.add_upstream_tls_args(p)
     internal_auth.add_client_args(p)
     add_batch_args(p)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
