@@ -115,7 +115,7 @@ readinessProbe:
 - name: internal-token
   secret:
     secretName: {{ include "kimiserve.internalTokenSecret" . }}
-    defaultMode: 0400
+    defaultMode: 0440 {{- /* root-owned, group the pod's fsGroup: the non-root user reads it, no one else */}}
     items:
       - key: token
         path: token
