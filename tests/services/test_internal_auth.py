@@ -11,6 +11,7 @@ keys), then its internal ports and its HTTP API probed as a caller on the same h
 
 from __future__ import annotations
 
+import json
 import queue
 import re
 import signal
@@ -177,8 +178,6 @@ def test_health_names_no_internal_address(up):
     ({"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported_media_type"),
 ])
 def test_without_keys_requests_a_web_page_could_send_are_refused(up, headers, status, code):
-    import json
-
     reply = httpx.post(up.http + "/v1/chat/completions", content=json.dumps(CHAT),
                        headers={"content-type": "application/json", **headers}, timeout=60)
     assert reply.status_code == status, reply.text

@@ -69,7 +69,7 @@ def test_connections_without_a_complete_request_head_are_dropped(http_stack):
             assert s.recv(1024) == b""
         # A kept-alive connection's next request gets the same deadline once its first byte arrives.
         with socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             s.settimeout(10)
             assert s.recv(65536).startswith(b"HTTP/1.1 200")
             s.send(b"GET /health HTTP/1.1\r\n")
