@@ -150,14 +150,15 @@ def upstream_tls_from_args(a: argparse.Namespace) -> UpstreamTls | None:
     return UpstreamTls(a.upstream_ca, a.upstream_cert, a.upstream_key, a.upstream_server_name)
 
 
-def aio_channel(address: str, tls: UpstreamTls | None, options: list[tuple[str, object]] = ()
-                ) -> grpc.aio.Channel:
-    options = list(options)
+def aio_channel(address: str, tls: UpstreamTls | None, options: list[tuple[str, object]] = (),
+                interceptors: list[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
+    """`interceptors`: e.g. kimiserve.internal_auth.client_interceptors, which put the internal token on every call."""
+    options, interceptors = list(options), list(interceptors) or None
     if tls is None:
-        return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
     if tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options, interceptors=interceptors)
 
 
 # -- API keys ------------------------------------------------------------------------------------------------------

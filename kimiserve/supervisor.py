@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 class Supervised(Protocol):
     name: str
     address: str
+    health_address: str  # where plaintext grpc.health.v1 answers (a TLS router's health port)
 
     @property
     def pid(self) -> int: ...
@@ -93,7 +94,7 @@ class Supervisor:
                 self._exited(child, w, returncode, now)
 
     def _alive(self, child: Supervised, w: _Watch, now: float) -> None:
-        if not w.serving and self._serving(child.address):
+        if not w.serving and self._serving(child.health_address):
             w.serving = True
             log.info("child serving again", extra={"child": child.name, "pid": child.pid,
                                                    "down_s": round(now - w.down_since, 3)})

@@ -21,10 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimiserve.health import is_serving
+from kimiserve.internal_auth import is_loopback, write_token
 from kimiserve.lifeline import child_env
 from kimiserve.ports import PortInUse, check_free, free_ports
 from kimiserve.private_files import private_dir
+from kimiserve.security import SecurityConfigError, server_tls_from_args
 from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
+from router.http.origin import ANY_HOST, LOCAL_HOSTS, allowed_hosts
 from router.main import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ ROUTER_TEARDOWN_S = 10.0
 SHARD_STOP_S = 70.0
 TOKENIZER_STOP_S = 15.0
 STOP_ORDER = ("router", "shard", "tokenizer")
+INTERNAL_HOST = "127.0.0.1"  # where the tokenizer and shards listen: only the router, on this machine, calls them
 
 
 class StartupInterrupted(Exception):
@@ -55,6 +59,10 @@ class NotAServableModel(FileNotFoundError):
     """--model is not a checkpoint directory the stack can serve (no config.json, no tokenizer files)."""
 
 
+class OpenToTheNetwork(SecurityConfigError):
+    """--host beyond loopback without API keys (and without --allow-unauthenticated)."""
+
+
 @dataclass
 class Child:
     name: str  # tokenizer | shard-I | router
@@ -63,6 +71,10 @@ class Child:
     proc: subprocess.Popen
     cmd: list[str]
     stop_grace_s: float
+    health_address: str = ""  # where grpc.health.v1 answers in plaintext: `address`, or a TLS router's health port
+
+    def __post_init__(self) -> None:
+        self.health_address = self.health_address or self.address
 
     @property
     def role(self) -> str:
@@ -96,7 +108,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", type=int, default=1,
                    help="each shard is a group: routed experts split ep ways (max(tp, ep) processes per shard)")
     p.add_argument("--port", type=int, default=50051, help="router port")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address of the router's public ports (gRPC and HTTP); the tokenizer and shards always "
+                        "listen on 127.0.0.1. Beyond loopback it needs --api-keys-file (or --allow-unauthenticated)")
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on stop, the router's in-flight requests may finish this long (passed to the router)")
@@ -108,6 +122,18 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", type=Path, default=None,
                    help="where this stack keeps its state (the batch database); default: "
                         "$XDG_CACHE_HOME/kimiserve/stack-HOST-PORT, so two stacks never share one")
+    public = p.add_argument_group("the router's public ports (passed to the router)")
+    public.add_argument("--api-keys-file", type=Path, default=None,
+                        help="API keys, one per line: clients must send `authorization: Bearer <key>`")
+    public.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
+    public.add_argument("--tls-key", type=Path, default=None, help="PEM private key of --tls-cert")
+    public.add_argument("--client-ca", type=Path, default=None,
+                        help="PEM CA bundle: require client certificates signed by it (mTLS); needs --tls-cert")
+    public.add_argument("--http-allowed-hosts", type=allowed_hosts, default=(), metavar="HOST,...",
+                        help="without API keys, the Host / Origin names the HTTP API accepts besides localhost, "
+                             "127.0.0.1, ::1 (and --host); `*`: any")
+    public.add_argument("--allow-unauthenticated", action="store_true",
+                        help="serve a non-loopback --host without --api-keys-file: anyone who can reach it may use it")
     shard = p.add_argument_group("shard capacity (passed to every shard; unset: the shard's own default, see "
                                  "`kimiserve shard --help`)")
     for flag, kind in SHARD_FLAGS:
@@ -165,10 +191,12 @@ def _popen(cmd: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, start_new_session=True, env=child_env())
 
 
-def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int, stop_grace_s: float) -> Child:
+def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int, stop_grace_s: float,
+           health_port: int | None = None) -> Child:
     cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
-           "--metrics-port", str(metrics_port)]
-    child = Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", _popen(cmd), cmd, stop_grace_s)
+           "--metrics-port", str(metrics_port), *(("--health-port", str(health_port)) if health_port else ())]
+    child = Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", _popen(cmd), cmd, stop_grace_s,
+                  f"{host}:{health_port}" if health_port else "")
     log.info("child started", extra={"child": name, "pid": child.pid, "address": child.address,
                                      "metrics_url": child.metrics_url})
     return child
@@ -181,7 +209,7 @@ def _check_stop(stop: threading.Event, what: str) -> None:
 
 def _wait_serving(child: Child, timeout: float, stop: threading.Event) -> None:
     end = time.monotonic() + timeout
-    while not is_serving(child.address):
+    while not is_serving(child.health_address):
         _check_stop(stop, f"waiting for {child.name} at {child.address}")
         if child.poll() is not None:
             raise ChildFailed(f"{child.name} (pid {child.pid}, {child.address}) exited before it was SERVING: "
@@ -194,33 +222,40 @@ def _wait_serving(child: Child, timeout: float, stop: threading.Event) -> None:
 def start_stack(model: Path, shards: int, device: str, host: str, port: int, timeout: float,
                 shard_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (), tp: int = 1,
                 ep: int = 1, drain_timeout_s: float = DRAIN_TIMEOUT_S,
-                stop: threading.Event | None = None) -> list[Child]:
-    """Starts tokenizer, shards, then the router; returns them with the router last.
+                stop: threading.Event | None = None, internal_token_file: Path | None = None,
+                router_health_port: bool = False) -> list[Child]:
+    """Starts tokenizer, shards, then the router; returns them with the router last. The router listens on `host`;
+    the tokenizer and shards on 127.0.0.1 (only the router calls them), and with `internal_token_file` all four
+    share that token, so that no other caller is served there. `router_health_port`: the router also serves
+    plaintext health on a port of its own (needed to see it SERVING when its public port speaks TLS).
 
     `stop` set while starting: every child started so far is stopped and StartupInterrupted raised. Call from a
     thread that outlives the children (see kimiserve/lifeline.py)."""
     stop = stop or threading.Event()
     children: list[Child] = []
-    ports = iter(p for p in free_ports(2 * shards + 4, host) if p != port)
+    internal = INTERNAL_HOST
+    ports = iter(p for p in free_ports(2 * shards + 5, internal) if p != port)
+    token_args = ("--internal-token-file", str(internal_token_file)) if internal_token_file else ()
     try:
         _check_stop(stop, "starting the tokenizer")
-        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model)], host, next(ports), next(ports),
-                               TOKENIZER_STOP_S))
+        children.append(_spawn("tokenizer", ["tokenizer", "--model", str(model), *token_args], internal, next(ports),
+                               next(ports), TOKENIZER_STOP_S))
         group = max(tp, ep)  # devices per shard: a shard group of max(tp, ep) ranks (shard_svc/parallel)
         group_args = ("--tp", str(tp), "--ep", str(ep)) if group > 1 else ()
         for i in range(shards):
             _check_stop(stop, f"starting shard-{i}")
             dev = f"cuda:{i * group}" if device == "cuda" else device
             children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev, *group_args,
-                                                  "--shard-name", f"shard-{i}", *shard_args], host, next(ports),
-                                   next(ports), SHARD_STOP_S))
+                                                  "--shard-name", f"shard-{i}", *token_args, *shard_args], internal,
+                                   next(ports), next(ports), SHARD_STOP_S))
         for child in children:
             _wait_serving(child, timeout, stop)
         _check_stop(stop, "starting the router")
         shard_addrs = ",".join(c.address for c in children if c.role == "shard")
         router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs,
-                                   "--drain-timeout", str(drain_timeout_s), *router_args], host, port, next(ports),
-                        drain_timeout_s + ROUTER_TEARDOWN_S)
+                                   "--drain-timeout", str(drain_timeout_s), *token_args, *router_args], host, port,
+                        next(ports), drain_timeout_s + ROUTER_TEARDOWN_S,
+                        health_port=next(ports) if router_health_port else None)
         children.append(router)
         _wait_serving(router, timeout, stop)
     except BaseException:
@@ -247,6 +282,34 @@ def stop_stack(children: list[Child], grace_s: float | None = None) -> None:
                 child.proc.wait()
 
 
+def check_public_host(args: argparse.Namespace) -> None:
+    """Refuses a --host other machines can reach when nothing would tell their callers apart (no API keys)."""
+    if is_loopback(args.host) or args.api_keys_file is not None:
+        return
+    if not args.allow_unauthenticated:
+        raise OpenToTheNetwork(f"--host {args.host} serves the router's ports to other machines, and without "
+                               "--api-keys-file anyone who reaches them may use the stack; give --api-keys-file FILE, "
+                               "or pass --allow-unauthenticated to serve them anyway")
+    log.warning("serving the public ports beyond loopback without API keys (--allow-unauthenticated)",
+                extra={"host": args.host})
+
+
+def public_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The router flags of `up`'s public-port options (keys, TLS, the HTTP API's allowed hosts)."""
+    out: list[str] = []
+    for flag, value in (("--api-keys-file", args.api_keys_file), ("--tls-cert", args.tls_cert),
+                        ("--tls-key", args.tls_key), ("--client-ca", args.client_ca)):
+        if value is not None:
+            out += [flag, str(value)]
+    hosts = list(args.http_allowed_hosts)
+    if ANY_HOST not in hosts:
+        # The address the API is served on is one its clients will name; a wildcard is not.
+        extra = [] if args.host in ("0.0.0.0", "::", "") else [args.host]
+        hosts = [*LOCAL_HOSTS, *extra, *hosts]
+    out += ["--http-allowed-hosts", ",".join(dict.fromkeys(hosts))]
+    return tuple(out)
+
+
 def check_http_port(host: str, port: int) -> None:
     """Refuses at once, before starting anything, when the HTTP API's port is taken (another stack, another server)."""
     try:
@@ -266,19 +329,26 @@ def run(args: argparse.Namespace) -> int:
     # Before anything starts: a signal during startup must stop what was started, not kill `up` and orphan it.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
+    check_public_host(args)
+    server_tls_from_args(args)  # the router would refuse a half-given TLS pair too, but only after the stack started
     check_free(args.host, args.port, "router")
     if args.http_port:
         check_http_port(args.host, args.http_port)
     model = args.model or ensure_default_model()
     check_model_dir(model)
     state = state_dir(args)
-    private_dir(state)  # the batch database: tenants' prompts and outputs
+    private_dir(state)  # the batch database (tenants' prompts and outputs) and the internal token
+    # A fresh token each run, readable by this user only: no other local user (or process of another user) can
+    # call the tokenizer or the shards, whose ports are on 127.0.0.1 like anyone's.
+    token = write_token(state / "internal-token")
     try:
         children = start_stack(model, args.shards, args.device, args.host, args.port, args.startup_timeout,
                                shard_args=shard_flags(args),
                                router_args=("--batch-db", str(state / "batches.sqlite3"),
-                                            *(("--http-port", str(args.http_port)) if args.http_port else ())),
-                               tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop)
+                                            *(("--http-port", str(args.http_port)) if args.http_port else ()),
+                                            *public_flags(args)),
+                               tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop,
+                               internal_token_file=token, router_health_port=args.tls_cert is not None)
     except StartupInterrupted as e:
         log.info("stopped during startup", extra={"reason": str(e)})
         return 0
@@ -289,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"kimiserve is up: router at {router.address}  (try: kimiserve chat \"Hello\" --router "
              f"{router.address})"]
     if args.http_port:
-        lines.append(f"  OpenAI-compatible HTTP API at http://{args.host}:{args.http_port}/v1")
+        scheme = "https" if args.tls_cert else "http"
+        lines.append(f"  OpenAI-compatible HTTP API at {scheme}://{args.host}:{args.http_port}/v1")
     lines += [f"  {c.name:<10} {c.address:<22} metrics {c.metrics_url}" for c in children]
     sys.stdout.write("\n".join(lines) + "\n")
     sys.stdout.flush()

@@ -8,12 +8,13 @@ import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kimiserve import security, tracing
+from kimiserve import internal_auth, security, tracing
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.limits import MAX_REQUEST_BYTES, MAX_TOKENIZER_REPLY_BYTES
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
@@ -26,6 +27,7 @@ from router.discovery import ShardDiscovery, dns_resolver, split_host_port, stat
 from router.generation import Generation
 from router.http.app import build_app  # the OpenAI-compatible HTTP API (router/http)
 from router.http.batches import Batches
+from router.http.origin import LOCAL_HOSTS, allowed_hosts
 from router.http.server import HttpServer
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex
@@ -64,6 +66,9 @@ class RouterConfig:
     batch: BatchConfig | None = None  # batch jobs (router/batch/setup.py); None: defaults, db in the cache dir
     http_port: int = 0  # the OpenAI-compatible HTTP API (router/http) on host:http_port; 0: off
     http_max_body_bytes: int = 16 << 20  # larger HTTP request bodies are refused with 413
+    internal_token_file: Path | None = None  # sent on every tokenizer and shard call (kimiserve/internal_auth.py)
+    http_allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # Host / Origin accepted without API keys (router/http/origin.py)
+    http_header_timeout_s: float = 10.0  # a request head must be complete this soon (router/http/protocol.py)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -88,9 +93,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also serve the OpenAI-compatible HTTP API on this port (same host, TLS and API keys); 0: off")
     p.add_argument("--http-max-body-bytes", type=int, default=16 << 20,
                    help="HTTP request bodies above this size are refused with 413")
+    p.add_argument("--http-header-timeout", type=_positive_seconds, default=10.0, metavar="S",
+                   help="an HTTP connection whose request head (request line and headers) is not complete S seconds "
+                        "after it opened, or after a later request on it began, is closed")
+    p.add_argument("--http-allowed-hosts", type=allowed_hosts, default=LOCAL_HOSTS, metavar="HOST,...",
+                   help="without --api-keys-file, HTTP requests whose Host or Origin names another host are refused "
+                        "(browser CSRF, DNS rebinding); the names a proxy or a Service forwards as Host go here. "
+                        "`*`: accept any (the default: localhost,127.0.0.1,::1)")
     security.add_server_tls_args(p)
     security.add_upstream_tls_args(p)
+    internal_auth.add_client_args(p)
     add_batch_args(p)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text}")
+    return value
 
 
 def config_from_args(a: argparse.Namespace) -> RouterConfig:
@@ -102,16 +122,28 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
     return RouterConfig(a.host, a.port, a.metrics_port, a.tokenizer, shards, a.max_in_flight, a.max_queued,
                         a.default_max_tokens, a.drain_timeout, a.shards_dns, a.discovery_interval,
                         security.server_tls_from_args(a), security.upstream_tls_from_args(a), a.api_keys_file,
-                        a.health_port, http_port=a.http_port, http_max_body_bytes=a.http_max_body_bytes)
+                        a.health_port, http_port=a.http_port, http_max_body_bytes=a.http_max_body_bytes,
+                        internal_token_file=a.internal_token_file, http_allowed_hosts=a.http_allowed_hosts,
+                        http_header_timeout_s=a.http_header_timeout)
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     metrics = RouterMetrics()
+    token = internal_auth.read_token(cfg.internal_token_file) if cfg.internal_token_file else None
+    upstream_interceptors = internal_auth.client_interceptors(token)
     # round_robin: with `dns:///NAME:PORT` (a headless Service) requests spread over every tokenizer pod.
     tokenizer = TokenizerClient(cfg.tokenizer, channel=security.aio_channel(
         cfg.tokenizer, cfg.upstream_tls, options=[("grpc.lb_policy_name", "round_robin"), *UPSTREAM_OPTIONS,
-                                                  ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)]))
-    await tokenizer.load_info()
+                                                  ("grpc.max_receive_message_length", MAX_TOKENIZER_REPLY_BYTES)],
+        interceptors=upstream_interceptors))
+    try:
+        await tokenizer.load_info()
+    except grpc.aio.AioRpcError as e:
+        if e.code() == grpc.StatusCode.UNAUTHENTICATED:  # a deployment mistake: one clear line, not a traceback
+            raise security.SecurityConfigError(
+                f"the tokenizer at {cfg.tokenizer} refuses the router ({e.details()}): start the router with the "
+                "tokenizer's --internal-token-file, or with a client certificate its --client-ca accepts") from None
+        raise
     shards: list[ShardClient] = []  # filled and kept current by discovery; Generation holds this same list
     prefixes = PrefixIndex()
 
@@ -121,8 +153,8 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
 
     discovery = ShardDiscovery(
         shards, [static_resolver(cfg.shards)] + ([dns_resolver(cfg.shards_dns)] if cfg.shards_dns else []),
-        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(addr, cfg.upstream_tls,
-                                                                                options=UPSTREAM_OPTIONS)),
+        make_client=lambda addr: ShardClient(addr, channel=security.aio_channel(
+            addr, cfg.upstream_tls, options=UPSTREAM_OPTIONS, interceptors=upstream_interceptors)),
         interval_s=cfg.discovery_interval_s, drain_timeout_s=cfg.drain_timeout_s,
         on_removed=forget_shard)
     await discovery.refresh()
@@ -140,8 +172,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                           generation, metrics)
     batches.attach(servicer)
     http = (HttpServer(build_app(generation, Batches(batches.runner, batches.files, lambda: generation.model_info()
-                                                    .model_name), api_keys, cfg.http_max_body_bytes),
-                       cfg.host, cfg.http_port, cfg.tls, cfg.drain_timeout_s) if cfg.http_port else None)
+                                                    .model_name), api_keys, cfg.http_max_body_bytes,
+                                 cfg.http_allowed_hosts),
+                       cfg.host, cfg.http_port, cfg.tls, cfg.drain_timeout_s, cfg.http_header_timeout_s)
+            if cfg.http_port else None)
     router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     # grpcio's servicer answers SERVING for "" from birth: until a shard is in rotation every request would be
@@ -171,6 +205,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
                                       "metrics_port": cfg.metrics_port, "tls": cfg.tls is not None,
                                       "mtls_clients": bool(cfg.tls and cfg.tls.client_ca),
                                       "upstream_tls": cfg.upstream_tls is not None,
+                                      "internal_token": cfg.internal_token_file is not None,
                                       "api_keys": cfg.api_keys_file is not None, "health_port": cfg.health_port,
                                       "http_port": cfg.http_port or None})
     watcher = asyncio.create_task(_export_shard_health(shards, metrics))

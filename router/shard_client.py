@@ -40,6 +40,7 @@ class ShardClient:
         self._stream_task: asyncio.Task | None = None
         self._poll_task: asyncio.Task | None = None
         self._failed_probes = 0
+        self._refused_logged = False  # an UNAUTHENTICATED probe is logged once, at ERROR
 
     def start(self) -> None:
         self._poll_task = asyncio.create_task(self._poll(), name=f"poll {self.address}")
@@ -145,6 +146,12 @@ class ShardClient:
                 reason = "health is not SERVING"
             except grpc.aio.AioRpcError as e:
                 ok, reason = False, f"{e.code().name} {e.details()}"
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED and not self._refused_logged:
+                    # Not a fault that time heals: the shard wants a token or certificate this router lacks.
+                    self._refused_logged = True
+                    log.error("shard refuses the router's calls: give the router the shards' --internal-token-file "
+                              "(or a client certificate they accept)", extra={"shard": self.address,
+                                                                               "reason": reason})
             self._failed_probes = 0 if ok else self._failed_probes + 1
             if ok and not self.view.healthy:
                 self._outbox = asyncio.Queue()

@@ -21,6 +21,7 @@ class TokenizerServerConfig:
     grace_s: float = 5.0  # on SIGTERM: how long in-flight RPCs may finish
     tls: ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
+    internal_token_file: Path | None = None  # its token is required on every call but health / reflection
 
     @property
     def served_name(self) -> str:

@@ -11,7 +11,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from kimiserve import security, tracing
+from kimiserve import internal_auth, security, tracing
 from tokenizer_svc.config import TokenizerServerConfig
 
 log = logging.getLogger(__name__)
@@ -29,9 +29,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="on SIGTERM, in-flight RPCs may finish this long")
     security.add_server_tls_args(p)
+    internal_auth.add_server_args(p)
 
 
 def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
+    tls = security.server_tls_from_args(args)
     return TokenizerServerConfig(
         model_dir=args.model,
         model_name=args.model_name,
@@ -42,8 +44,9 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
         max_message_chars=args.max_message_chars,
         max_text_chars=args.max_text_chars,
         grace_s=args.grace_s,
-        tls=security.server_tls_from_args(args),
+        tls=tls,
         health_port=args.health_port,
+        internal_token_file=internal_auth.check_server_args(args, args.host, tls, "tokenizer"),
     )
 
 

@@ -10,7 +10,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kimiserve import security
+from kimiserve import internal_auth, security
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -42,8 +42,11 @@ async def start_server(
     cfg: TokenizerServerConfig, served: ServedTokenizer
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
-    # A corrupt request body: INVALID_ARGUMENT. No SO_REUSEPORT: a taken port fails here.
-    server = grpc.aio.server(interceptors=[AioDecodeGuard()], options=SERVER_OPTIONS)
+    # Callers without the internal token are refused first; a corrupt request body: INVALID_ARGUMENT. No
+    # SO_REUSEPORT: a taken port fails here.
+    token_check = ([internal_auth.AioTokenInterceptor(internal_auth.read_token(cfg.internal_token_file))]
+                   if cfg.internal_token_file else [])
+    server = grpc.aio.server(interceptors=[*token_check, AioDecodeGuard()], options=SERVER_OPTIONS)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -78,7 +81,7 @@ async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> No
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
                "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size,
                "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
-               "health_port": cfg.health_port},
+               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port},
     )
     await stop_requested.wait()
     await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish

@@ -22,13 +22,14 @@ from router.http import chat, completions, schemas
 from router.http.batches import Batches
 from router.http.errors import HttpError, describe, error_body
 from router.http.gate import Gate
+from router.http.origin import LOCAL_HOSTS
 from router.http.streaming import ClientGone
 
 log = logging.getLogger(__name__)
 
 
 def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKeys | None,
-              max_body_bytes: int) -> ASGIApp:
+              max_body_bytes: int, allowed_hosts: tuple[str, ...] = LOCAL_HOSTS) -> ASGIApp:
     app = FastAPI(title="kimiserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.exception_handler(HTTPException)
@@ -94,13 +95,15 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        healthy = [s.address for s in gen.shards if s.view.healthy]
-        return JSONResponse({"status": "ok" if healthy else "unavailable", "healthy_shards": healthy},
+        # Open to anyone (probes send no key), so it names no internal address: a shard's address is where a caller
+        # would go to reach around the router. Which shards are up is in the router's log and metrics.
+        healthy = sum(1 for s in gen.shards if s.view.healthy)
+        return JSONResponse({"status": "ok" if healthy else "unavailable", "shards_in_rotation": healthy},
                             status_code=200 if healthy else 503)
 
     if batches is not None:
         _batch_routes(app, answer, json_body, batches)
-    return Gate(app, api_keys, max_body_bytes)
+    return Gate(app, api_keys, max_body_bytes, allowed_hosts)
 
 
 def request_id(request: Request) -> str:

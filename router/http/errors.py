@@ -18,7 +18,8 @@ from router.openai_body import BodyError
 
 log = logging.getLogger(__name__)
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+         404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
+         429: "rate_limit_error"}
 
 
 class HttpError(Exception):

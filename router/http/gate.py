@@ -17,6 +17,7 @@ from kimiserve import security, tracing
 from kimiserve.tenants import DEFAULT, Tenant
 from router.errors import InvalidArgument
 from router.http.errors import HttpError, error_response
+from router.http.origin import LocalGuard
 from router.request_ids import check_client_request_id
 
 log = logging.getLogger(__name__)
@@ -40,8 +41,11 @@ def _client_request_id(headers: Headers) -> str:
 class Gate:
     """Pure ASGI middleware: it must not buffer streamed responses, as Starlette's BaseHTTPMiddleware would."""
 
-    def __init__(self, app: ASGIApp, api_keys: security.ApiKeys | None, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, api_keys: security.ApiKeys | None, max_body_bytes: int,
+                 allowed_hosts: tuple[str, ...]):
         self.app, self.api_keys, self.max_body = app, api_keys, max_body_bytes
+        # Without keys, only the network guards the API: refuse what a web page could make a browser send.
+        self.local_guard = LocalGuard(allowed_hosts) if api_keys is None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,11 +71,20 @@ class Gate:
                 span.set("http.response.status_code", status[0])
             await send(message)
 
+        overflow: list[HttpError | None] = [None]
+
+        async def app_send(message: Message) -> None:
+            # A body found over the limit while the app read it is a 413, however the app answered the read's
+            # failure (FastAPI's form parser turns any error into its own 400).
+            if message["type"] == "http.response.start" and overflow[0] is not None:
+                raise overflow[0]
+            await send_with_id(message)
+
         try:
             if refused is not None:
                 raise refused
             scope["state"]["tenant"] = self._check(scope, headers, request_id)
-            await self.app(scope, self._limited(receive), send_with_id)
+            await self.app(scope, self._limited(receive, overflow), app_send)
         except HttpError as e:
             if status[0]:
                 raise
@@ -96,8 +109,11 @@ class Gate:
         return span
 
     def _check(self, scope: Scope, headers: Headers, request_id: str) -> Tenant:
-        """The request's tenant; raises HttpError for a refused key or a body declared over the limit."""
+        """The request's tenant; raises HttpError for a refused key, a foreign page's request to a keyless router or
+        a body declared over the limit."""
         tenant = DEFAULT
+        if self.local_guard is not None and scope["path"] not in OPEN_PATHS:
+            self.local_guard.check(scope["method"], scope["path"], headers)
         if self.api_keys is not None and scope["path"] not in OPEN_PATHS:
             token = security.bearer_token([("authorization", headers.get("authorization"))]
                                           if "authorization" in headers else [])
@@ -115,7 +131,9 @@ class Gate:
                             "request_too_large")
         return tenant
 
-    def _limited(self, receive: Receive) -> Receive:
+    def _limited(self, receive: Receive, overflow: list[HttpError | None]) -> Receive:
+        """`receive`, raising a 413 HttpError (also kept in `overflow`) once the body passes the limit: a body
+        without Content-Length (chunked) is only measured as it arrives."""
         seen = [0]
 
         async def limited() -> Message:
@@ -123,7 +141,8 @@ class Gate:
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > self.max_body:
-                    raise HttpError(413, f"request body is over the limit of {self.max_body} bytes",
-                                    "request_too_large")
+                    overflow[0] = HttpError(413, f"request body is over the limit of {self.max_body} bytes",
+                                            "request_too_large")
+                    raise overflow[0]
             return message
         return limited

@@ -12,6 +12,7 @@ import ssl
 import uvicorn
 
 from kimiserve import security
+from router.http.protocol import protocol_class
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ class _EmbeddedServer(uvicorn.Server):
 
 
 class HttpServer:
-    def __init__(self, app, host: str, port: int, tls: security.ServerTls | None, drain_timeout_s: float):
+    def __init__(self, app, host: str, port: int, tls: security.ServerTls | None, drain_timeout_s: float,
+                 head_timeout_s: float = 10.0):
         try:
             self.sock = socket.create_server((host, port), reuse_port=False)
         except OSError as e:
@@ -37,8 +39,10 @@ class HttpServer:
             kw = dict(ssl_certfile=str(tls.cert), ssl_keyfile=str(tls.key))
             if tls.client_ca is not None:
                 kw.update(ssl_ca_certs=str(tls.client_ca), ssl_cert_reqs=ssl.CERT_REQUIRED)
+        # protocol_class: h11 with TCP_NODELAY and a deadline for each request's head (router/http/protocol.py).
         config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False, proxy_headers=False,
-                                timeout_graceful_shutdown=int(drain_timeout_s) or 1, **kw)
+                                timeout_graceful_shutdown=int(drain_timeout_s) or 1,
+                                http=protocol_class(head_timeout_s), **kw)
         self.server = _EmbeddedServer(config)
         self.scheme = "https" if tls else "http"
         self.task: asyncio.Task | None = None

@@ -15,7 +15,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kimiserve import security, tracing
+from kimiserve import internal_auth, security, tracing
 from kimiserve.decode_guard import DecodeGuard
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
@@ -45,6 +45,7 @@ class ShardServerConfig:
     engine: EngineOptions  # model, device, capacity, weights, shard group: what build_engine builds
     tls: security.ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
+    internal_token_file: Path | None = None  # its token is required on every call but health / reflection
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -106,6 +107,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
+    internal_auth.add_server_args(p)
     add_group_args(p)
     add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
 
@@ -134,11 +136,15 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     engine = EngineOptions(args.model, args.device, args.dtype, args.op_backend, args.load_format, capacity,
                            weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)
-    return ShardServerConfig(args.shard_name, args.host, args.port, args.metrics_port, engine,
-                             security.server_tls_from_args(args), args.health_port)
+    tls = security.server_tls_from_args(args)
+    token_file = internal_auth.check_server_args(args, args.host, tls, "shard")
+    return ShardServerConfig(args.shard_name, args.host, args.port, args.metrics_port, engine, tls,
+                             args.health_port, token_file)
 
 
 def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, health.HealthServicer]:
+    # Read before the checkpoint loads: a bad token file fails at once (kimiserve/internal_auth.py).
+    token = internal_auth.read_token(cfg.internal_token_file) if cfg.internal_token_file else None
     device = torch.device(cfg.engine.device)
     metrics = ShardMetrics(cfg.shard_name)
     # Weight streaming and host KV pages report on the shard's registry (one process; a group streams nothing).
@@ -161,8 +167,10 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
             health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     loop.fatal_hooks.append(on_device_fault)  # a failed engine loop or group reports NOT_SERVING, like a device fault
+    # The token check first, so an unauthenticated caller learns nothing; then a corrupt body: INVALID_ARGUMENT.
+    interceptors = [internal_auth.TokenInterceptor(token)] if token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=SERVER_OPTIONS,
-                         interceptors=[DecodeGuard()])  # a corrupt request body: INVALID_ARGUMENT
+                         interceptors=[*interceptors, DecodeGuard()])
     shard_pb2_grpc.add_ShardServicer_to_server(ShardService(loop, info, device, on_device_fault), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -189,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("shard serving", extra={"address": f"{cfg.host}:{cfg.port}", "shard": cfg.shard_name,
                                      "device": cfg.engine.device, "metrics_port": cfg.metrics_port,
                                      "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
+                                     "internal_token": cfg.internal_token_file is not None,
                                      "health_port": cfg.health_port})
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -101,7 +101,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def _handle(self, req, sink, out, live, lock) -> None:
         kind = req.WhichOneof("kind")
         if kind == "cancel":
-            self.loop.cancel(req.cancel.request_id)
+            # Only this stream's own sequences: request ids are unique per shard, not secret, and a cancel from
+            # another stream (another router, or a caller that reached the shard) must not stop them.
+            rid = req.cancel.request_id
+            with lock:
+                own = rid in live
+            if own:
+                self.loop.cancel(rid)
+            else:
+                log.info("cancel ignored: not a live request of this stream", extra={"request_id": rid})
             return
         if kind != "submit":
             out.put(shard_pb2.ShardEvent(error=shard_pb2.ShardEvent.Error(

@@ -181,6 +181,8 @@ def test_rendered_manifests_pass_kubernetes_schemas(helm_bin, variant):
     (["--set", "router.http.port=0"], "/router/http/port"),
     (["--set", "router.http.maxBodyBytes=0"], "/router/http/maxBodyBytes"),
     (["--set", "router.http.tls=true"], "at '/router/http': additional properties 'tls' not allowed"),
+    (["--set", "security.internalToken.enabled=false"],
+     "security.internalToken.enabled=false with security.mtls.enabled=false leaves the tokenizer and shards open"),
 ])
 def test_bad_values_are_refused(helm_bin, bad, message):
     proc = subprocess.run([helm_bin, "template", "rel", str(CHART), *bad], capture_output=True, text=True,
@@ -294,6 +296,82 @@ def test_http_api_values_render_into_a_port_the_router_serves(helm_bin):
     container, service_ports = router("--set", "router.http.enabled=false")
     assert not any(a.startswith("--http-") for a in container["args"])
     assert "http" not in {p["name"] for p in container["ports"]} and "http" not in service_ports
+
+
+def _parsed(container: dict):
+    """The container's command line through its own service's argument parser and config (refusals included)."""
+    import argparse
+    import importlib
+
+    command = container["args"][0]
+    module = importlib.import_module({"router": "router.main", "shard": "shard_svc.server.main",
+                                      "tokenizer": "tokenizer_svc.main"}[command])
+    p = argparse.ArgumentParser()
+    module.add_args(p)
+    return module.config_from_args(p.parse_args(container["args"][1:]))
+
+
+def test_internal_token_is_generated_mounted_and_required(helm_bin):
+    """On by default: one generated Secret, mounted in all three, named by --internal-token-file, which each
+    service's parser takes; the tokenizer and shards listen on 0.0.0.0 and accept the configuration only because of
+    it (off with mTLS off is refused at render, and by the services themselves without the explicit opt-out)."""
+    import base64
+
+    from kimiserve.internal_auth import MIN_TOKEN_CHARS, InternalAuthMissing
+
+    docs = helm_template(helm_bin)
+    secret = find(docs, "Secret", "-internal-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= MIN_TOKEN_CHARS and token.isalnum()
+    assert base64.b64decode(find(helm_template(helm_bin), "Secret", "-internal-token")["data"]["token"]) != \
+        token.encode()  # random per fresh render (an installed release keeps its own: `lookup`)
+    path = "/etc/kimiserve/internal-token/token"
+    for kind, name in (("Deployment", "-router"), ("Deployment", "-tokenizer"), ("StatefulSet", "-shard")):
+        workload = find(docs, kind, name)
+        (container,) = _containers(workload)
+        assert f"--internal-token-file={path}" in container["args"], name
+        assert {"name": "internal-token", "mountPath": "/etc/kimiserve/internal-token", "readOnly": True} in \
+            container["volumeMounts"]
+        volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "internal-token")
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        assert str(_parsed(container).internal_token_file) == path
+    own = helm_template(helm_bin, "--set", "security.internalToken.existingSecret=my-token")
+    assert not [d for d in own if d["kind"] == "Secret"]
+    volume = next(v for v in find(own, "Deployment", "-router")["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "internal-token")
+    assert volume["secret"]["secretName"] == "my-token"
+    # Off, with mTLS: the client certificate authenticates the router; no token, no opt-out.
+    mtls = helm_template(helm_bin, "--set", "security.internalToken.enabled=false",
+                         "--set", "security.mtls.enabled=true")
+    (shard,) = _containers(find(mtls, "StatefulSet", "-shard"))
+    assert not any(a.startswith(("--internal-token-file", "--allow-unauthenticated")) for a in shard["args"])
+    assert _parsed(shard).internal_token_file is None
+    # Off, both: only with the explicit opt-out, which the services then need too.
+    opened = helm_template(helm_bin, "--set", "security.internalToken.enabled=false",
+                           "--set", "security.allowUnauthenticatedInternal=true")
+    for kind, name in (("Deployment", "-tokenizer"), ("StatefulSet", "-shard")):
+        (container,) = _containers(find(opened, kind, name))
+        assert "--allow-unauthenticated" in container["args"]
+        _parsed(container)
+        with pytest.raises(InternalAuthMissing):
+            _parsed({**container, "args": [a for a in container["args"] if a != "--allow-unauthenticated"]})
+
+
+def test_http_allowed_hosts_name_the_router_service_without_api_keys(helm_bin):
+    """Without API keys the HTTP API answers only its own names: localhost (port-forward) and the router Service's,
+    plus router.http.allowedHosts; with keys the check is off and no flag is rendered."""
+    (router,) = _containers(find(helm_template(helm_bin, "--set-json", 'router.http.allowedHosts=["llm.example.com"]'),
+                                 "Deployment", "-router"))
+    hosts = _parsed(router).http_allowed_hosts
+    assert {"localhost", "127.0.0.1", "::1", "rel-kimiserve-router", "rel-kimiserve-router.ml.svc.cluster.local",
+            "llm.example.com"} <= set(hosts)
+    (router,) = _containers(find(helm_template(helm_bin, "--set-json", 'router.http.allowedHosts=["*"]'),
+                                 "Deployment", "-router"))
+    assert _parsed(router).http_allowed_hosts == ("*",)
+    (router,) = _containers(find(helm_template(helm_bin, "--set", "security.apiKeys.enabled=true"), "Deployment",
+                                 "-router"))
+    assert not any(a.startswith("--http-allowed-hosts") for a in router["args"])
+    assert "--http-header-timeout=10" in router["args"] and _parsed(router).http_header_timeout_s == 10
 
 
 def _containers(doc):

@@ -229,3 +229,67 @@ def test_bearer_token_parsing():
     assert security.bearer_token([("x-request-id", "r")]) is None
     assert security.bearer_token(None) is None
     assert len(security.key_fingerprint("secret")) == 12 and "secret" not in security.key_fingerprint("secret")
+
+
+# -- the internal token and the HTTP API's guard without keys (kimiserve/internal_auth.py, router/http/origin.py) --
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("localhost", True),
+                                            ("::1", True), ("[::1]", True), ("0.0.0.0", False), ("::", False),
+                                            ("10.0.0.5", False), ("shard-0.svc", False), ("", False)])
+def test_only_loopback_addresses_count_as_loopback(host, loopback):
+    from kimiserve.internal_auth import is_loopback
+
+    assert is_loopback(host) is loopback
+
+
+def test_internal_token_files_are_written_private_and_read_strictly(tmp_path):
+    from kimiserve.internal_auth import MIN_TOKEN_CHARS, read_token, write_token
+
+    path = write_token(tmp_path / "state" / "internal-token")
+    assert oct(path.stat().st_mode & 0o777) == oct(0o600) and oct(path.parent.stat().st_mode & 0o777) == oct(0o700)
+    token = read_token(path)
+    assert len(token) >= MIN_TOKEN_CHARS and write_token(path) and read_token(path) != token  # fresh each time
+    for content, fragment in ((b"short\n", "has 5 characters; at least 32"),
+                              (b"a" * 40 + b" b" * 5, "printable ASCII characters without spaces"),
+                              ("é".encode() * 40, "printable ASCII")):
+        bad = tmp_path / "bad"
+        bad.write_bytes(content)
+        with pytest.raises(security.SecurityConfigError, match=fragment):
+            read_token(bad)
+    with pytest.raises(security.SecurityConfigError, match="cannot read the internal token file"):
+        read_token(tmp_path / "absent")
+
+
+def test_http_allowed_hosts_parse_and_refuse_what_is_not_a_host():
+    from router.http.origin import allowed_hosts
+
+    assert allowed_hosts("llm.example.com, [::1] ,LOCALHOST") == ("llm.example.com", "::1", "localhost")
+    assert allowed_hosts("*") == ("*",)
+    for bad, fragment in (("", "at least one host"), ("*,a", "goes alone"), ("http://a", "not a host name")):
+        with pytest.raises(argparse.ArgumentTypeError, match=fragment):
+            allowed_hosts(bad)
+
+
+@pytest.mark.parametrize("headers, status", [
+    ({"host": "127.0.0.1:8000", "content-type": "application/json", "content-length": "2"}, None),
+    ({"host": "[::1]:8000", "origin": "http://localhost:3000", "content-type": "application/json; charset=utf-8",
+      "content-length": "2"}, None),
+    ({"host": "llm.example.com", "content-type": "application/vnd.api+json", "content-length": "2"}, None),
+    ({"host": "127.0.0.1.evil.example", "content-length": "0"}, 403),
+    ({"host": "localhost", "origin": "https://localhost.evil.example"}, 403),
+    ({"host": "localhost", "origin": "file://"}, 403),
+    ({"host": "localhost", "content-type": "text/plain", "transfer-encoding": "chunked"}, 415),
+    ({"host": "localhost", "content-length": "0"}, None),  # a POST with no body (cancel) needs no type
+])
+def test_local_guard_on_a_post(headers, status):
+    from starlette.datastructures import Headers
+
+    from router.http.errors import HttpError
+    from router.http.origin import LOCAL_HOSTS, LocalGuard
+
+    guard = LocalGuard((*LOCAL_HOSTS, "llm.example.com"))
+    if status is None:
+        guard.check("POST", "/v1/chat/completions", Headers(headers))
+        return
+    with pytest.raises(HttpError) as e:
+        guard.check("POST", "/v1/chat/completions", Headers(headers))
+    assert e.value.status == status

@@ -14,6 +14,7 @@ draining a real shard.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import os
@@ -33,9 +34,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kimiserve import security
+from kimiserve import internal_auth, security
 from kimiserve.ports import free_port
-from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc, shard_pb2
+from kimiserve.v1 import (common_pb2, router_pb2, router_pb2_grpc, shard_pb2, shard_pb2_grpc, tokenizer_pb2,
+                          tokenizer_pb2_grpc)
 from router.discovery import ShardDiscovery, static_resolver
 from router.errors import ShardUnavailable
 from router.shard_client import ShardClient
@@ -101,6 +103,10 @@ class Stack:
             return grpc.ssl_channel_credentials(ca)
         d = self.etc / client_cert_dir
         return grpc.ssl_channel_credentials(ca, (d / "tls.key").read_bytes(), (d / "tls.crt").read_bytes())
+
+    @property
+    def internal_token(self) -> bytes:
+        return internal_auth.read_token(self.etc / "internal-token" / "token")
 
     def logs(self) -> str:
         return "\n".join(p.tail() for p in self.procs.values())
@@ -187,6 +193,10 @@ def stack(helm_bin, tiny_linear, tmp_path_factory):
         values[key] = str(free_port())
     args = [a for k, v in values.items() for a in ("--set", f"{k}={v}")]
     docs = helm_template(helm_bin, *args, *RESIDENT_VALUES)
+    # The chart's generated internal token, where its Secret volume would put it (all three read the same file).
+    token = base64.b64decode(find(docs, "Secret", "-internal-token")["data"]["token"])
+    (etc / "internal-token").mkdir()
+    (etc / "internal-token" / "token").write_bytes(token)
     containers = {c: find(docs, kind, f"-{c}")["spec"]["template"]["spec"]["containers"][0]
                   for c, kind in (("router", "Deployment"), ("tokenizer", "Deployment"), ("shard", "StatefulSet"))}
     streaming = find(helm_template(helm_bin, *args, *STREAMING_VALUES), "StatefulSet", "-shard")
@@ -519,6 +529,23 @@ def test_internal_services_require_the_routers_client_certificate(traffic, name)
     assert not probe_ok(p.host, port)  # plaintext
 
 
+@pytest.mark.parametrize("name", ["tokenizer", "shard-0"])
+def test_internal_services_require_the_internal_token_beside_the_certificate(traffic, name):
+    """The router's certificate alone is not enough: without the chart's token a call is UNAUTHENTICATED."""
+    p = traffic.procs[name]
+    options = [("grpc.ssl_target_name_override", INTERNAL_NAME)]
+    with grpc.secure_channel(f"{p.host}:{p.port('grpc')}", traffic.internal_creds(), options=options) as channel:
+        if name == "tokenizer":
+            call = tokenizer_pb2_grpc.TokenizerStub(channel).Info
+            request = tokenizer_pb2.TokenizerInfoRequest()
+        else:
+            call, request = shard_pb2_grpc.ShardStub(channel).Info, shard_pb2.ShardInfoRequest()
+        with pytest.raises(grpc.RpcError) as e:
+            call(request, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, e.value
+        assert call(request, metadata=((internal_auth.TOKEN_HEADER, traffic.internal_token.decode()),), timeout=10)
+
+
 def test_discovery_drains_a_real_shard_that_leaves(traffic):
     """In-process discovery over the running (mTLS) shards: both join; one leaves while serving a short and a long
     sequence: the short one finishes during the drain, the long one fails UNAVAILABLE when the drain times out."""
@@ -536,7 +563,8 @@ def test_discovery_drains_a_real_shard_that_leaves(traffic):
             return set(found["now"])
 
         d = ShardDiscovery(shards, [dynamic], remove_after=1, drain_timeout_s=0.5,
-                           make_client=lambda a: ShardClient(a, channel=security.aio_channel(a, upstream)))
+                           make_client=lambda a: ShardClient(a, channel=security.aio_channel(
+                               a, upstream, interceptors=internal_auth.client_interceptors(traffic.internal_token))))
         assert await resolve() == addresses
         await d.refresh()
         end = time.monotonic() + 30

@@ -55,6 +55,15 @@ class UpStack:
         self.channel = grpc.insecure_channel(self.router)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
+    @property
+    def internal_token_file(self) -> Path:
+        """Where `up` wrote this run's internal token: its default state directory (under XDG_CACHE_HOME)."""
+        return self.home / "cache" / "kimiserve" / f"stack-127.0.0.1-{self.port}" / "internal-token"
+
+    @property
+    def internal_token(self) -> str:
+        return self.internal_token_file.read_text().strip()
+
     # -- what `up` logged ----------------------------------------------------------------------------------------
     def events(self, msg: str | None = None, service: str = "up") -> list[dict]:
         text = self.log_path.read_bytes().decode(errors="replace")

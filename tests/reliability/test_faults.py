@@ -56,7 +56,7 @@ def faulted_streams(stack, victim_name: str, sig: signal.Signals, join_s: float 
 
     def all_placed() -> bool:
         for s in stack.shards():
-            load = shard_load(s.address)
+            load = shard_load(s.address, stack.internal_token)
             placed[s.name] = load.running_seqs + load.queued_seqs
         return sum(placed.values()) == STREAMS
 
@@ -139,8 +139,9 @@ def test_tokenizer_killed_requests_fail_cleanly_then_succeed_after_restart(up_st
     stack = up_stack
     tokenizer = stack.child("tokenizer")
     in_flight, outcomes, _ = stream_many(stack.stub, 8, MAX_TOKENS)  # detokenized as they stream
-    wait_until(lambda: shard_load(stack.child("shard-0").address).running_seqs
-               + shard_load(stack.child("shard-1").address).running_seqs == 8, 60, "8 running streams")
+    wait_until(lambda: shard_load(stack.child("shard-0").address, stack.internal_token).running_seqs
+               + shard_load(stack.child("shard-1").address, stack.internal_token).running_seqs == 8, 60,
+               "8 running streams")
     os.kill(tokenizer.pid, signal.SIGKILL)
     during = []  # (status code, seconds the failed call took) while the tokenizer is down
     while True:
@@ -208,7 +209,7 @@ def batch_router(stack, db: Path, log: Path) -> RouterProc:
     shards = stack.shards()
     backends = Backends(stack.child("tokenizer").address, [s.address for s in shards],
                         [s.metrics_url for s in shards])
-    return RouterProc(backends, db, log)
+    return RouterProc(backends, db, log, args=("--internal-token-file", str(stack.internal_token_file)))
 
 
 def fill(disk: Path) -> Path:

@@ -11,6 +11,7 @@ from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor
 class FakeChild:
     def __init__(self, name: str):
         self.name, self.address = name, f"{name}:1"
+        self.health_address = self.address
         self.returncode: int | None = None
         self.pid, self.starts = 100, 0
 

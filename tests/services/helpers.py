@@ -10,6 +10,7 @@ import urllib.request
 
 import grpc
 
+from kimiserve.internal_auth import TOKEN_HEADER
 from kimiserve.v1 import common_pb2, router_pb2, shard_pb2, shard_pb2_grpc
 
 
@@ -54,9 +55,11 @@ def total(series: dict[str, float], metric: str) -> float:
     return sum(v for k, v in series.items() if k == metric or k.startswith(metric + "{"))
 
 
-def shard_load(address: str) -> shard_pb2.ShardLoadResponse:
+def shard_load(address: str, internal_token: str | None = None) -> shard_pb2.ShardLoadResponse:
+    """The shard's Load answer; `internal_token`: the stack's (`kimiserve up` always runs with one)."""
+    metadata = ((TOKEN_HEADER, internal_token),) if internal_token else ()
     with grpc.insecure_channel(address) as ch:
-        return shard_pb2_grpc.ShardStub(ch).Load(shard_pb2.ShardLoadRequest(), timeout=10)
+        return shard_pb2_grpc.ShardStub(ch).Load(shard_pb2.ShardLoadRequest(), metadata=metadata, timeout=10)
 
 
 def wait_until(predicate, timeout: float = 30.0, what: str = "condition"):

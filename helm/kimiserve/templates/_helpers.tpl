@@ -111,6 +111,15 @@ readinessProbe:
   secret:
     secretName: {{ .Values.security.mtls.secretName }}
 {{- end }}
+{{- if .Values.security.internalToken.enabled }}
+- name: internal-token
+  secret:
+    secretName: {{ include "kimiserve.internalTokenSecret" . }}
+    defaultMode: 0440 {{- /* root-owned, group the pod's fsGroup: the non-root user reads it, no one else */}}
+    items:
+      - key: token
+        path: token
+{{- end }}
 {{- end }}
 
 {{- define "kimiserve.volumeMounts" -}}
@@ -122,6 +131,11 @@ readinessProbe:
 {{- if .Values.security.mtls.enabled }}
 - name: internal-tls
   mountPath: /etc/kimiserve/internal-tls
+  readOnly: true
+{{- end }}
+{{- if .Values.security.internalToken.enabled }}
+- name: internal-token
+  mountPath: /etc/kimiserve/internal-token
   readOnly: true
 {{- end }}
 {{- end }}
@@ -148,6 +162,26 @@ initContainers:
         mountPath: {{ .Values.model.mountPath }}
       - name: tmp
         mountPath: /tmp
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the internal token (security.internalToken) */}}
+{{- define "kimiserve.internalTokenSecret" -}}
+{{- .Values.security.internalToken.existingSecret | default (printf "%s-internal-token" (include "kimiserve.fullname" .)) }}
+{{- end }}
+
+{{/* How the tokenizer and shards tell the router from other callers: the internal token flag, and where neither
+     the token nor mTLS is on, the explicit opt-out (refused unless security.allowUnauthenticatedInternal). Call with
+     the root context. */}}
+{{- define "kimiserve.internalAuthArgs" -}}
+{{- $sec := .Values.security -}}
+{{- if $sec.internalToken.enabled }}
+- --internal-token-file=/etc/kimiserve/internal-token/token
+{{- else if not $sec.mtls.enabled }}
+{{- if not $sec.allowUnauthenticatedInternal }}
+{{- fail "security.internalToken.enabled=false with security.mtls.enabled=false leaves the tokenizer and shards open to every pod that reaches them, around the router's API keys: enable one of them, or set security.allowUnauthenticatedInternal=true" }}
+{{- end }}
+- --allow-unauthenticated
 {{- end }}
 {{- end }}
 

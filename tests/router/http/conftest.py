@@ -15,6 +15,7 @@ from kimiserve.v1 import router_pb2_grpc
 
 API_KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
+HEAD_TIMEOUT_S = 2.0  # the router's --http-header-timeout (test_edge.py waits for it)
 SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512")
 
 
@@ -45,7 +46,8 @@ def http_stack(tiny_k3, tmp_path_factory) -> HttpStack:
     http_port = free_port()
     children = start_stack(tiny_k3, 1, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS,
                            router_args=("--http-port", str(http_port), "--http-max-body-bytes", str(MAX_BODY),
-                                        "--api-keys-file", str(keys), "--batch-db", str(state / "b.sqlite3")))
+                                        "--api-keys-file", str(keys), "--batch-db", str(state / "b.sqlite3"),
+                                        "--http-header-timeout", str(HEAD_TIMEOUT_S)))
     s = HttpStack(children, http_port, tiny_k3)
     yield s
     s.close()
