@@ -165,22 +165,26 @@ class Generation:
         return min(wanted, room)
 
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
-                  keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
-                  ) -> AsyncIterator[Chunk]:
+                  keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset(), cache_salt: str = "",
+                  message_ends: tuple[int, ...] = ()) -> AsyncIterator[Chunk]:
         """Yields chunks of the sequence `request_id`, which the caller claimed in `live` (and releases: see
         flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
 
-        `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
+        `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token).
+        `cache_salt` (router/cache_salt.py) keys the prompt's prefix-cache entries on the shard and in the prefix
+        index; `message_ends` (chat) are where the rendered messages end, the shard's snapshot points."""
         if not self.live.holds(request_id):
             raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
         validate_sampling(s)
         max_tokens = self._budget(prompt, s)
         arrival = time.monotonic()
-        async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
-                                          arrival):
+        submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
+                                               max_tokens=max_tokens, cache_salt=cache_salt,
+                                               message_boundaries=message_ends)
+        async for chunk in self._admitted(method, request_id, submit, keep_special_tokens, hidden_ids, arrival):
             yield chunk
 
-    async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids, arrival):
+    async def _admitted(self, method, request_id, submit, keep_special_tokens, hidden_ids, arrival):
         span = tracing.current()
         out = _Outcome(arrival)
         admission = span.child("admission", start_s=arrival)
@@ -189,19 +193,20 @@ class Generation:
                 out.admitted = time.monotonic()
                 admission.end(out.admitted)
                 self.metrics.queue_time.labels(method).observe(out.admitted - arrival)
-                async for chunk in self._routed(method, request_id, prompt, s, max_tokens, keep_special_tokens,
-                                                hidden_ids, out, span):
+                async for chunk in self._routed(method, request_id, submit, keep_special_tokens, hidden_ids, out,
+                                                span):
                     yield chunk
         finally:
             if out.admitted is None:  # refused (queue full) or cancelled while waiting
                 admission.fail("not admitted")
                 admission.end()
 
-    async def _routed(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
-                      out: _Outcome, span):
+    async def _routed(self, method, request_id, submit, keep_special_tokens, hidden_ids, out: _Outcome, span):
+        """submit: the sequence's Submit, all but its trace context."""
+        prompt, s = list(submit.prompt_token_ids), submit.sampling
         with span.child("route") as route:
             try:
-                names = block_names(prompt)
+                names = block_names(prompt, submit.cache_salt)
                 shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
             except NoHealthyShard as e:
                 raise ShardUnavailable(str(e)) from e
@@ -210,10 +215,9 @@ class Generation:
         out.shard = shard.name
         shard_client = next(c for c in self.shards if c.view is shard)
         with span.child("stream", shard=shard.name) as stream:
-            submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
-                                                   max_tokens=max_tokens, trace_context=stream.carrier())
+            submit.trace_context.update(stream.carrier())
             log.info("request routed", extra={"request_id": request_id, "shard": shard.name,
-                                              "prompt_tokens": len(prompt), "max_tokens": max_tokens})
+                                              "prompt_tokens": len(prompt), "max_tokens": submit.max_tokens})
             events = await shard_client.submit(submit)
             async for chunk in self._stream(method, request_id, shard_client, events, prompt, s,
                                             keep_special_tokens, hidden_ids, out, stream):
