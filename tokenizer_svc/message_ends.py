@@ -32,7 +32,7 @@ def char_ends(template: ChatTemplate, messages: Messages, tools: Tools, add_gene
             ends.append(at)
     else:
         n = len(messages)
-        starts = sorted({k for k in (*range(1, JINJA_STARTS + 1), *range(n - JINJA_STARTS, n)) if 0 < k < n})
+        starts = sorted({k for k in (*range(1, JINJA_STARTS + 1), *range(n - JINJA_STARTS + 1, n + 1)) if 0 < k <= n})
         ends = []
         for k in starts:
             try:
