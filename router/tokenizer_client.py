@@ -56,7 +56,7 @@ class TokenizerClient:
             except grpc.aio.AioRpcError as e:
                 raise _translate(e) from e
             span.set("tokens", len(reply.token_ids))
-        return list(reply.token_ids), tuple(reply.message_ends)
+        return list(reply.token_ids)
 
     async def render_chat(self, messages, tools) -> tuple[list[int], tuple[int, ...]]:
         """The rendered prompt's ids and the offsets where its messages end (RenderChatResponse.message_ends)."""
