@@ -86,7 +86,7 @@ class Scheduler:
             hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt) if self.prefix_cache is not None else None
             need = self._need(seq, hit)
             while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
-                    self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least recent first
+                    self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least valuable first
                 if hit is not None and not self.prefix_cache.holds(hit):  # evicted: to the host tier, or gone
                     hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt)
                 need = self._need(seq, hit)
