@@ -8,6 +8,8 @@ cache on and one with it off, one request at a time.
 - shared document start: an id prompt, then one that shares only its first part (default 6,000 of 8,192 tokens): the
   second restores the interval snapshot below the divergence.
 - the cache's memory: snapshots made by kind, entries, state bytes against their bound, evictions (shard metrics).
+- what the snapshots cost: the first (cold) chat's and document's TTFT with the cache on against off, since the
+  shard ends a prefill pass at every snapshot point (every --prefix-state-interval tokens and the kept message ends).
 
 On the H200, the 48B shape with dummy weights (from bench/served.py: `--shared-prefix`); anywhere, any checkpoint:
 
@@ -137,19 +139,25 @@ def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: in
         "doc_ttft_shared_over_first": docs[1]["ttft_s"] / docs[0]["ttft_s"],
         "greedy_equal": [a["tokens"] == b["tokens"] for a, b in zip(chats + docs, off["chats"] + off["docs"])],
         "no_cache_chat_ttft_s": [c["ttft_s"] for c in off["chats"]],
+        # what taking the snapshots costs a cold prompt (its prefill ends a pass at every snapshot point)
+        "cold_ttft_cache_over_no_cache": [chats[0]["ttft_s"] / off["chats"][0]["ttft_s"],
+                                          docs[0]["ttft_s"] / off["docs"][0]["ttft_s"]],
     }
     return report
 
 
 def summary_text(report: dict) -> str:
     s, m = report["summary"], report["cache"]["metrics"]
-    kinds = {k.rsplit(".", 1)[1]: int(v) for k, v in m.items() if k.startswith("kimiserve_shard_prefix_cache_snapshots")}
+    kinds = {k.rsplit(".", 1)[1]: int(v) for k, v in m.items()
+             if k.startswith("kimiserve_shard_prefix_cache_snapshots")}
     return (f"shared system message ({report['system_tokens']} tokens): first TTFT {s['chat_ttft_first_s'] * 1e3:.0f} "
             f"ms, later ones at most {s['chat_ttft_later_max_over_first']:.2f}x of it, cached >= "
             f"{s['chat_cached_share_later_min']:.0%} of their prompts\n"
             f"shared document start ({report['doc_shared']} of {report['doc_tokens']} tokens): cached "
             f"{s['doc_shared_cached_tokens']}, TTFT {s['doc_ttft_shared_over_first']:.2f}x of the first\n"
             f"greedy replies equal to the cache-off stack: {sum(s['greedy_equal'])} of {len(s['greedy_equal'])}\n"
+            f"cold prompts (chat, document) with the cache on: "
+            f"{' and '.join(f'{x:.2f}x' for x in s['cold_ttft_cache_over_no_cache'])} the TTFT with it off\n"
             f"snapshots by kind {kinds}; entries {m.get('kimiserve_shard_prefix_cache_entries', 0):.0f}; state "
             f"{m.get('kimiserve_shard_prefix_cache_state_bytes', 0) / 2**20:.1f} of "
             f"{m.get('kimiserve_shard_prefix_cache_state_bytes_limit', 0) / 2**20:.1f} MiB; evictions "

@@ -6,8 +6,9 @@ every block before it (block i's name depends on tokens 0 .. (i+1)*BLOCK) and se
 (router/cache_salt.py), so "shard s saw block i's name" means "shard s saw this whole prefix, under this salt": a
 prompt follows only prefixes its shard can restore for it (the shard keys its entries by the same salt). A request
 that shares only the start of an earlier prompt (a system prompt, a document's first pages) matches that start's
-blocks, and goes where it can restore the longest snapshot the shard took inside them. Per shard, the names live in an LRU bounded by `capacity_blocks`: the router's
-picture is approximate (a shard may have evicted what the router remembers), which costs only a missed hit.
+blocks, and goes where it can restore the longest snapshot the shard took inside them. Per shard, the names live in
+an LRU bounded by `capacity_blocks`: the router's picture is approximate (a shard may have evicted what the router
+remembers), which costs only a missed hit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""Where a rendered chat prompt's messages end, as token offsets: the points the shard's prefix cache snapshots at,
-so requests that share a system prompt, tool declarations or earlier turns restore them (RenderChatResponse
+"""Where a rendered chat prompt's messages end, as token offsets: the points the shard's prefix cache snapshots at, so
+requests that share a system prompt, tool declarations or earlier turns restore them (RenderChatResponse
 .message_ends, README "Prefix cache").
 
 Text first: the built-in Kimi format renders turn by turn, so its ends are known exactly; a checkpoint's Jinja
 template is rendered again for the first and last few starts of the conversation (every one would be quadratic in
-the message count), keeping those whose rendering begins the whole prompt (and skipping those it refuses to render). Then tokens: the text between two ends is
-encoded on its own, and an end is reported only while those pieces, concatenated, equal the whole prompt's ids up to
-it, so an offset is never reported where the tokenizer merges across the end (the Kimi format ends every turn with a
-special token, where encoding always splits).
+the message count), keeping those whose rendering begins the whole prompt (and skipping those it refuses to render).
+Then tokens: the text between two ends is encoded on its own, and an end is reported only while those pieces,
+concatenated, equal the whole prompt's ids up to it, so an offset is never reported where the tokenizer merges
+across the end (the Kimi format ends every turn with a special token, where encoding always splits).
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ def test_interval_snapshots_inside_a_chunked_prefill(family):
     _pools_settle(cached)
 
 
-# -- snapshot points: message boundaries, the interval, salts, the value policy -----------------------------------------
+# -- snapshot points: message boundaries, the interval, salts, the value policy ----------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
