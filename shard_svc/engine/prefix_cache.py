@@ -58,8 +58,8 @@ log = logging.getLogger(__name__)
 
 # Message boundaries a request may send (the router's message limit) and how many of them become snapshot points:
 # the first ones (system prompt, tool declarations: what many requests share) and the last ones (the turns just
-# before the new message), each at least MIN_MESSAGE_GAP tokens past the previous point, so a chat of many short
-# turns neither splits its prefill into many short passes nor floods the cache.
+# before the new message), each at least MIN_MESSAGE_GAP tokens past the previous point and before the prompt's end,
+# so a chat of many short turns neither splits its prefill into many short passes nor floods the cache.
 MAX_BOUNDARIES = 4096
 MAX_MESSAGE_POINTS = 4
 MIN_MESSAGE_GAP = 64
@@ -203,7 +203,9 @@ class PrefixCache:
             previous = b
         kept, last = [], 0
         for b in boundaries:
-            if b - last >= MIN_MESSAGE_GAP:
+            # Near the prompt's end the prompt-end entry, made anyway, serves as well (a chat's last message ends
+            # just before the generation prompt, which the next turn's rendering repeats).
+            if b - last >= MIN_MESSAGE_GAP and prompt_len - b >= MIN_MESSAGE_GAP:
                 kept.append(b)
                 last = b
         half = MAX_MESSAGE_POINTS // 2
