@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 
 # Message boundaries a request may send (the router's message limit) and how many of them become snapshot points:
 # the first ones (system prompt, tool declarations: what many requests share) and the last ones (the turns just
-# before the new message), each at least MIN_MESSAGE_GAP tokens past the previous point and before the prompt's end,
-# so a chat of many short turns neither splits its prefill into many short passes nor floods the cache.
+# before the new message), each at least MIN_MESSAGE_GAP tokens past the previous point, so a chat of many short
+# turns neither splits its prefill into many short passes nor floods the cache. The last message's end is dropped
+# when it is within MIN_MESSAGE_GAP of the prompt's end.
 MAX_BOUNDARIES = 4096
 MAX_MESSAGE_POINTS = 4
 MIN_MESSAGE_GAP = 64
@@ -201,11 +202,13 @@ class PrefixCache:
                 raise InvalidRequest(f"request {request_id!r}: message boundary {b} after {previous}: boundaries "
                                      f"must increase strictly within (0, {prompt_len}) (the prompt's length)")
             previous = b
+        if boundaries and prompt_len - boundaries[-1] < MIN_MESSAGE_GAP:
+            # The last message's end, just before the generation prompt: the prompt-end entry, made anyway, serves
+            # the next turn as well (its rendering repeats the generation prompt).
+            boundaries = boundaries[:-1]
         kept, last = [], 0
         for b in boundaries:
-            # Near the prompt's end the prompt-end entry, made anyway, serves as well (a chat's last message ends
-            # just before the generation prompt, which the next turn's rendering repeats).
-            if b - last >= MIN_MESSAGE_GAP and prompt_len - b >= MIN_MESSAGE_GAP:
+            if b - last >= MIN_MESSAGE_GAP:
                 kept.append(b)
                 last = b
         half = MAX_MESSAGE_POINTS // 2

@@ -161,7 +161,8 @@ def test_an_entry_restored_often_outlives_newer_unused_ones():
 def test_message_points_keep_the_first_and_last_of_those_far_enough_apart_and_from_the_end():
     g = MIN_MESSAGE_GAP
     assert PrefixCache.message_points("r", [g - 1, g, g + 5, 2 * g, 5 * g], 6 * g) == (g, 2 * g, 5 * g)
-    assert PrefixCache.message_points("r", [g, 2 * g, 3 * g - 5], 3 * g) == (g, 2 * g)  # the last: near the end
+    assert PrefixCache.message_points("r", [g, 3 * g - 9, 3 * g - 5], 3 * g) == (g, 3 * g - 9)  # the last: too near
+    assert PrefixCache.message_points("r", [g, 3 * g - 9], 3 * g) == (g,)
     many = [g * (i + 1) for i in range(10)]
     half = MAX_MESSAGE_POINTS // 2
     assert PrefixCache.message_points("r", many, 11 * g) == tuple(many[:half] + many[-half:])
