@@ -12,7 +12,9 @@ the logits row of its last position, so a prompt that is cached whole samples it
 Snapshot points of a prompt (entries are copies of the state there, taken at the end of a prefill pass):
 (1) where its chat messages end (PrefixHints.boundaries: the tokenizer reports them, the router passes them on;
     `message_points` keeps at most MAX_MESSAGE_POINTS of them, each MIN_MESSAGE_GAP tokens past the one before),
-(2) every `interval` tokens (a multiple of the KV block size, so no partial block), and (3) the prompt's end.
+(2) every `interval` tokens (a multiple of the KV block size, so no partial block) up to 16 x interval, then twice as
+    far apart with every doubling of the position (`interval_step`: O(log L) points in a prompt of L tokens), and
+(3) the prompt's end.
 A point inside a prompt is reached exactly because the scheduler ends the sequence's prefill chunk there
 (`next_boundary` caps the chunk), so the state after a pass is the state at the point: no second pass, no state
 read from inside a kernel, and the same on every op backend (eager, Triton, CUDA graphs, weight streaming). The
@@ -64,6 +66,10 @@ log = logging.getLogger(__name__)
 MAX_BOUNDARIES = 4096
 MAX_MESSAGE_POINTS = 4
 MIN_MESSAGE_GAP = 64
+
+# Interval points: the first DENSE_INTERVALS are `interval` apart, then the spacing doubles with every doubling of the
+# position (`interval_step`).
+DENSE_INTERVALS = 16
 
 SNAPSHOT_KINDS = ("prompt_end", "message", "interval", "finish")
 
@@ -214,13 +220,24 @@ class PrefixCache:
         half = MAX_MESSAGE_POINTS // 2
         return tuple(kept if len(kept) <= MAX_MESSAGE_POINTS else kept[:half] + kept[-half:])
 
+    def interval_step(self, position: int) -> int:
+        """The spacing of interval points from `position` on: the interval below DENSE_INTERVALS x the interval,
+        then doubling with every doubling of the position, so a prompt of L tokens has O(log L) points (each one an
+        extra pass and a snapshot) and a restored start keeps more than 1 - 1/DENSE_INTERVALS of what it shares (or
+        all but less than one interval)."""
+        step = self.interval
+        while position >= step * DENSE_INTERVALS:
+            step *= 2
+        return step
+
     def next_boundary(self, seq: Sequence) -> int:
         """Where `seq`'s next prefill chunk must end at the latest: its next snapshot point past what it has
-        computed (a message point, or a multiple of the interval), else its prompt's end. The scheduler caps the
-        sequence's chunk there, so the pass ends on the point and its state can be taken."""
+        computed (a message point, or an interval point), else its prompt's end. The scheduler caps the sequence's
+        chunk there, so the pass ends on the point and its state can be taken."""
         done, end = seq.num_computed, len(seq.prompt)
         if self.interval:
-            end = min(end, (done // self.interval + 1) * self.interval)
+            step = self.interval_step(done)  # every larger step's region starts on a multiple of this one
+            end = min(end, (done // step + 1) * step)
         return min([end, *(b for b in seq.prefix.boundaries if b > done)])
 
     def snapshot_kind(self, seq: Sequence) -> str | None:
@@ -230,7 +247,7 @@ class PrefixCache:
             return "prompt_end"
         if done in seq.prefix.boundaries:
             return "message"
-        if self.interval and done % self.interval == 0:
+        if self.interval and done % self.interval_step(done) == 0:
             return "interval"
         return None
 

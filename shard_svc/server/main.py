@@ -71,10 +71,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "which admissions reclaim when they need them. The least valuable entry (hits x tokens, "
                         "aged) goes first. 0: no prefix cache")
     p.add_argument("--prefix-state-interval", type=int, default=256,
-                   help="also snapshot the state every this many prompt tokens (the prefill chunk ends there), so "
-                        "a prompt sharing only the start of a cached one restores all but less than this many of "
-                        "the shared tokens. A multiple of --kv-block-size; 0: only at prompt ends, chat message "
-                        "boundaries and finishes")
+                   help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
+                        "apart with every doubling of the position (the prefill chunk ends at each point: an extra "
+                        "pass), so a prompt sharing only the start of a cached one restores all but less than this "
+                        "many or 1/16 of the shared tokens. A multiple of --kv-block-size; 0: only at prompt ends, "
+                        "chat message boundaries and finishes")
     p.add_argument("--prefix-host-entries", type=int, default=0,
                    help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
                         "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "

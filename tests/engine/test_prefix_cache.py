@@ -398,3 +398,16 @@ def test_host_kv_offload_with_prefix_hits_from_the_host_tier():
                                                                 {"shard": "kv", "rank": "0"})
     assert engine.prefix_cache.stats.host_hit_tokens == 40
     _pools_settle(engine)
+
+
+def test_interval_points_thin_out_with_the_position():
+    """Interval 16: points every 16 tokens below 256 (16 x interval), every 32 below 512, every 64 below 1024; a
+    prompt sharing 500 tokens of a cached 600-token one restores the point at 480."""
+    cached, plain = _engines(FAMILIES["kimi_linear"], budget=512, blocks=128, prefix_state_interval=BLOCK, entries=30)
+    long = _prompt(600, 50)
+    _run(cached, long, "long", max_tokens=1)
+    points = [*range(16, 256, 16), *range(256, 512, 32), 512, 576]
+    assert cached.prefix_cache.stats.snapshots_interval == len(points) == 25
+    other = long[:500] + _prompt(20, 51)
+    assert _run(cached, other, "other") == (_run(plain, other, "other")[0], 480)
+    _pools_settle(cached)
