@@ -9,7 +9,9 @@ Writes served.json (updated after every phase) and prints a table.
     python -m bench.served --out DIR [--levels 1,16,64,256] [--input-len 1024] [--output-len 128] [--multi-turn]
 
 --multi-turn adds the prefix-cache replay (2k-token start, 8 turns of 300 new and 200 generated tokens) with the
-cache on and off: TTFT per turn, cached tokens, and the memory the entries hold.
+cache on and off: TTFT per turn, cached tokens, and the memory the entries hold. --shared-prefix adds the shared
+boundaries check (bench/shared_prefix.py: one long system message under 12 chats, a document start shared by two
+prompts; TTFT, cached tokens and greedy equality against the cache off).
 
 --long-context adds the fair-prefill comparison (issue 24): for each prefill policy setting in --long-variants, a
 stack of its own runs `kimiserve bench --long-prompt-len` (one --long-len-token prompt solo, 16 short clients of
@@ -31,11 +33,12 @@ from pathlib import Path
 
 import grpc
 
+from bench import shared_prefix
 from bench.configs import KIMI_LINEAR_48B
-from shard_svc.make_tiny import BOS, IM_END, PAD, kimi_linear_config
 from kimiserve.ports import free_port
 from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from shard_svc.make_tiny import BOS, IM_END, PAD, kimi_linear_config
 
 log = logging.getLogger("bench.served")
 BLOCK = 64
@@ -239,6 +242,15 @@ def in_process(args, result: dict, save) -> None:
         save()
 
 
+def shared_boundaries(args, model: Path, result: dict, save) -> None:
+    """bench/shared_prefix.py at the 48B shape: the stacks with this benchmark's block size and prefill budget."""
+    longest = max(args.doc_tokens, args.system_tokens + 256) + BLOCK
+    blocks = 2 * -(-longest // BLOCK) + 64
+    result["shared_prefix"] = shared_prefix.run(model, "cuda", _shard_args(args, 4, blocks, longest),
+                                                args.system_tokens, args.requests, args.doc_tokens, args.doc_shared)
+    save()
+
+
 def table(result: dict) -> str:
     lines = [f"startup {result.get('startup_s', float('nan')):.1f} s; first request TTFT "
              f"{result.get('first_request_ttft_s', float('nan')) * 1e3:.0f} ms vs warm "
@@ -272,6 +284,8 @@ def table(result: dict) -> str:
                      f"{m['prompt_tokens']} prompt tokens; {m['entries']:.0f} entries x "
                      f"{m['entry_state_bytes'] / 2**20:.1f} MiB + {m['cache_only_kv_blocks']:.0f} blocks x "
                      f"{m['kv_block_bytes'] / 2**10:.0f} KiB")
+    if "shared_prefix" in result:
+        lines.append(shared_prefix.summary_text(result["shared_prefix"]).rstrip("\n"))
     return "\n".join(lines) + "\n"
 
 
@@ -300,6 +314,9 @@ def main() -> None:
     p.add_argument("--throughput-prompts", type=int, default=512, help="long-context: requests of the c=256 run")
     p.add_argument("--device", default="cuda", help="cpu with --tiny: a dry run of the script on a CPU machine")
     p.add_argument("--tiny", action="store_true", help="the tiny kimi_linear shape instead of the 48B one")
+    p.add_argument("--shared-prefix", action="store_true",
+                   help="also the shared-boundaries check with the prefix cache on/off (bench/shared_prefix.py)")
+    shared_prefix.add_args(p)
     args = p.parse_args()
     args.levels = [int(x) for x in args.levels.split(",")]
     logging.basicConfig(level=logging.INFO)
@@ -318,6 +335,8 @@ def main() -> None:
             multi_turn(args, model, result, save)
         if args.long_context:
             long_context(args, model, result, save)
+        if args.shared_prefix:
+            shared_boundaries(args, model, result, save)
     if not args.skip_in_process:
         in_process(args, result, save)
     sys.stdout.write(table(result))

@@ -25,6 +25,7 @@ from kimiserve.limits import MAX_N
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import prompts, tool_choice
+from router.cache_salt import cache_salt_for
 from router.errors import InvalidArgument
 from router.generation import Chunk, Generation
 from router.request_ids import sequence_ids
@@ -90,6 +91,15 @@ class Prompt:
     tool_choice: router_pb2.ToolChoice = field(default_factory=router_pb2.ToolChoice)
     # The response_format that enforces tool_choice while decoding (router/tool_choice.py); None: no constraint.
     constraint: common_pb2.ResponseFormat | None = None
+    # Prefix-cache isolation salt (router/cache_salt.py) and, for chat, where the rendered messages end (the shard
+    # snapshots its prefix cache there).
+    cache_salt: str = ""
+    message_ends: tuple[int, ...] = ()
+
+
+def _salt(request_salt: str) -> str:
+    """The request's own salt, checked and hashed here; Generation.run mixes the tenant in."""
+    return cache_salt_for("", request_salt)
 
 
 def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
@@ -100,7 +110,8 @@ def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
 
 async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:
     _no_client_tool_calls(req.sampling)
-    return Prompt(await prompts.generate_prompt(gen, req))
+    salt = _salt(req.cache_salt)
+    return Prompt(await prompts.generate_prompt(gen, req), cache_salt=salt)
 
 
 async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
@@ -108,9 +119,11 @@ async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
     offered = tool_choice.offered_tools(req.tools, req.tool_choice)
     if len(offered) != len(req.tools):
         req = _with_tools(req, offered)
-    ids = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
+    salt = _salt(req.cache_salt)
+    ids, ends = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
     return Prompt(ids, chat=True, tool_choice=req.tool_choice,
-                  constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling))
+                  constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling), cache_salt=salt,
+                  message_ends=ends)
 
 
 def _with_tools(req: router_pb2.ChatRequest, tools: list[common_pb2.Tool]) -> router_pb2.ChatRequest:
@@ -125,7 +138,7 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
               sampling: common_pb2.SamplingParams, tenant: Tenant) -> AsyncIterator[Piece]:
     """One sequence from a prepared prompt, for `tenant`; `request_id` is its sequence id, claimed by `choices`."""
     if not prompt.chat:
-        async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant):
+        async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant, cache_salt=prompt.cache_salt):
             yield _piece(chunk, text=chunk.text)
         return
     if prompt.constraint is not None:
@@ -135,7 +148,8 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
         sampling = constrained
     splitter = ReplySplitter()
     async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
-                               hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info)):
+                               hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info), cache_salt=prompt.cache_salt,
+                               message_ends=prompt.message_ends):
         reasoning, content = splitter.feed(chunk.text)
         calls: list[ToolCall] = []
         if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:

@@ -23,6 +23,7 @@ from kimiserve.limits import (
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
+from router.cache_salt import cache_salt_for
 from router.errors import InvalidArgument, RouterError, ShardUnavailable
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, block_names
@@ -167,23 +168,29 @@ class Generation:
         return min(wanted, room)
 
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
-                  tenant: Tenant, keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset()
-                  ) -> AsyncIterator[Chunk]:
+                  tenant: Tenant, keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset(),
+                  cache_salt: str = "", message_ends: tuple[int, ...] = ()) -> AsyncIterator[Chunk]:
         """Yields chunks of the sequence `request_id` of `tenant`, which the caller claimed in `live` (and
         releases: see flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
 
-        `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token)."""
+        `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token).
+        `cache_salt` (the request's own, from flow; router/cache_salt.py) is mixed with the tenant's name into the
+        salt that keys the prompt's prefix-cache entries on the shard and in the prefix index, so no tenant's
+        requests hit another's; `message_ends` (chat) are where the rendered messages end, the shard's snapshot points."""
         if not self.live.holds(request_id):
             raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
         validate_sampling(s)
         max_tokens = self._budget(prompt, s)
         arrival = time.monotonic()
-        async for chunk in self._admitted(method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
+        submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
+                                               max_tokens=max_tokens,
+                                               cache_salt=cache_salt_for(tenant.name, cache_salt),
+                                               message_boundaries=message_ends)
+        async for chunk in self._admitted(method, request_id, submit, keep_special_tokens, hidden_ids,
                                           _Outcome(arrival, tenant.name)):
             yield chunk
 
-    async def _admitted(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
-                        out: _Outcome):
+    async def _admitted(self, method, request_id, submit, keep_special_tokens, hidden_ids, out: _Outcome):
         span = tracing.current()
         arrival = out.arrival
         admission = span.child("admission", start_s=arrival)
@@ -192,19 +199,20 @@ class Generation:
                 out.admitted = time.monotonic()
                 admission.end(out.admitted)
                 self.metrics.queue_time.labels(method).observe(out.admitted - arrival)
-                async for chunk in self._routed(method, request_id, prompt, s, max_tokens, keep_special_tokens,
-                                                hidden_ids, out, span):
+                async for chunk in self._routed(method, request_id, submit, keep_special_tokens, hidden_ids, out,
+                                                span):
                     yield chunk
         finally:
             if out.admitted is None:  # refused (queue full) or cancelled while waiting
                 admission.fail("not admitted")
                 admission.end()
 
-    async def _routed(self, method, request_id, prompt, s, max_tokens, keep_special_tokens, hidden_ids,
-                      out: _Outcome, span):
+    async def _routed(self, method, request_id, submit, keep_special_tokens, hidden_ids, out: _Outcome, span):
+        """submit: the sequence's Submit, all but its trace context."""
+        prompt, s = list(submit.prompt_token_ids), submit.sampling
         with span.child("route") as route:
             try:
-                names = block_names(prompt)
+                names = block_names(prompt, submit.cache_salt)
                 shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
             except NoHealthyShard as e:
                 raise ShardUnavailable(str(e)) from e
@@ -213,10 +221,9 @@ class Generation:
         out.shard = shard.name
         shard_client = next(c for c in self.shards if c.view is shard)
         with span.child("stream", shard=shard.name) as stream:
-            submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
-                                                   max_tokens=max_tokens, trace_context=stream.carrier())
+            submit.trace_context.update(stream.carrier())
             log.info("request routed", extra={"request_id": request_id, "shard": shard.name,
-                                              "prompt_tokens": len(prompt), "max_tokens": max_tokens})
+                                              "prompt_tokens": len(prompt), "max_tokens": submit.max_tokens})
             events = await shard_client.submit(submit)
             async for chunk in self._stream(method, request_id, shard_client, events, prompt, s,
                                             keep_special_tokens, hidden_ids, out, stream):

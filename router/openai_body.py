@@ -57,11 +57,13 @@ DEFAULT_OPTIONS = Options()
 
 def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
     body = _present(body)
-    _check_fields(body, {"model", "messages", "tools", "tool_choice", "top_logprobs"} | SAMPLING_FIELDS | OPTION_FIELDS)
+    _check_fields(body, {"model", "messages", "tools", "tool_choice", "top_logprobs"} | SAMPLING_FIELDS | OPTION_FIELDS
+                  | set(openai_fields.EXTENSIONS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"messages must be a non-empty list, got {_describe(messages)}", "messages")
-    req = router_pb2.ChatRequest(model=_str(body, "model"), sampling=sampling_params(body))
+    req = router_pb2.ChatRequest(model=_str(body, "model"), sampling=sampling_params(body),
+                                 cache_salt=_str(body, "cache_salt"))
     req.messages.extend(_message(m, i) for i, m in enumerate(messages))
     tools = body.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -79,7 +81,7 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
 def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
     body = _present(body)
-    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS)
+    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS))
     sampling = sampling_params(body)
     top = body.get("logprobs")
     if top is not None:  # the legacy API's logprobs is the number of alternatives per token
@@ -89,7 +91,8 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
             raise BodyError("echo with logprobs needs the prompt tokens' logprobs, which are not computed", "echo")
     requests = []
     for prompt in _prompts(body.get("prompt")):
-        req = router_pb2.GenerateRequest(model=_str(body, "model"), sampling=sampling)
+        req = router_pb2.GenerateRequest(model=_str(body, "model"), sampling=sampling,
+                                         cache_salt=_str(body, "cache_salt"))
         if isinstance(prompt, str):
             req.text = prompt
         else:

@@ -2,7 +2,8 @@
 
 Every field of OpenAI's chat/completions and completions references falls in one of three groups:
 
-- honoured: translated into the Router request (router/openai_body.py);
+- honoured: translated into the Router request (router/openai_body.py), with the fields of other servers' APIs
+  in EXTENSIONS;
 - IGNORED: accepted with any value of the right type, because no value can change the reply (bookkeeping, routing
   and latency hints of OpenAI's own service);
 - NO_OP_VALUES: accepted only at the values that change nothing (a default, or the one thing this server does), and
@@ -17,6 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from kimiserve.text import clip
+
+# Honoured fields that are not OpenAI's: name -> where they come from and what they do.
+EXTENSIONS: dict[str, str] = {
+    "cache_salt": "vLLM's: a string (at most 256 characters) keying the prompt's prefix-cache entries; requests share "
+                  "cached prefixes only under the same salt (GenerateRequest.cache_salt)",
+}
 
 # name -> (the JSON type its value must have, why no value of it can change the reply)
 IGNORED: dict[str, tuple[type, str]] = {

@@ -2,9 +2,13 @@
 
 Each shard keeps its own prefix cache (shard_svc/engine/prefix_cache.py); the router cannot see inside it, so it
 remembers what it sent where. A prompt is cut into BLOCK-token blocks and each block is named by a hash chained over
-every block before it (block i's name depends on tokens 0 .. (i+1)*BLOCK), so "shard s saw block i's name" means
-"shard s saw this whole prefix". Per shard, the names live in an LRU bounded by `capacity_blocks`: the router's
-picture is approximate (a shard may have evicted what the router remembers), which costs only a missed hit.
+every block before it (block i's name depends on tokens 0 .. (i+1)*BLOCK) and seeded by the request's cache salt
+(router/cache_salt.py), so "shard s saw block i's name" means "shard s saw this whole prefix, under this salt": a
+prompt follows only prefixes its shard can restore for it (the shard keys its entries by the same salt). A request
+that shares only the start of an earlier prompt (a system prompt, a document's first pages) matches that start's
+blocks, and goes where it can restore the longest snapshot the shard took inside them. Per shard, the names live in
+an LRU bounded by `capacity_blocks`: the router's picture is approximate (a shard may have evicted what the router
+remembers), which costs only a missed hit.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ BLOCK = 16
 DEFAULT_CAPACITY_BLOCKS = 1 << 16  # per shard: a million prompt tokens' worth of names, ~6 MiB
 
 
-def block_names(prompt: list[int]) -> list[bytes]:
-    """The chained name of every whole block of the prompt (a trailing partial block is not named)."""
-    names, previous = [], b""
+def block_names(prompt: list[int], salt: str = "") -> list[bytes]:
+    """The chained name of every whole block of the prompt under `salt` (a trailing partial block is not named)."""
+    names, previous = [], salt.encode()
     for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
         block = b"".join(t.to_bytes(4, "little") for t in prompt[start:start + BLOCK])
         previous = hashlib.blake2b(previous + block, digest_size=16).digest()

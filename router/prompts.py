@@ -48,7 +48,8 @@ async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> l
     raise InvalidArgument("set either text or prompt_token_ids")
 
 
-async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> list[int]:
+async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> tuple[list[int], tuple[int, ...]]:
+    """The rendered prompt's ids and the offsets where its messages end."""
     check_sizes(limits.check_chat, req)
     check_model(gen, req.model)
     if not req.messages:

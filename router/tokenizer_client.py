@@ -58,7 +58,8 @@ class TokenizerClient:
             span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
 
-    async def render_chat(self, messages, tools) -> list[int]:
+    async def render_chat(self, messages, tools) -> tuple[list[int], tuple[int, ...]]:
+        """The rendered prompt's ids and the offsets where its messages end (RenderChatResponse.message_ends)."""
         with tracing.current().child("render_chat", kind="client", messages=len(messages)) as span:
             try:
                 reply = await self.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools),
@@ -66,7 +67,7 @@ class TokenizerClient:
             except grpc.aio.AioRpcError as e:
                 raise _translate(e) from e
             span.set("tokens", len(reply.token_ids))
-        return list(reply.token_ids)
+        return list(reply.token_ids), tuple(reply.message_ends)
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of `ids`, special tokens included (as the model saw them)."""

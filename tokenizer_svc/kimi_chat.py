@@ -38,6 +38,11 @@ class BuiltinKimiTemplate:
     sha256 = hashlib.sha256(BUILTIN_SOURCE.encode()).hexdigest()
 
     def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
+        return "".join(self.render_parts(messages, tools, add_generation_prompt))
+
+    def render_parts(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> list[str]:
+        """The rendering, one string per turn (tool declarations, default system turn, each message, the generation
+        prompt): where each ends is where a prefix cache may snapshot (tokenizer_svc/message_ends.py)."""
         parts: list[str] = []
         if tools:
             declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -61,4 +66,4 @@ class BuiltinKimiTemplate:
             parts.append(_turn(ROLE_TOKENS[msg.role], msg.name or msg.role, body))
         if add_generation_prompt:
             parts.append(GENERATION_PROMPT)
-        return "".join(parts)
+        return parts

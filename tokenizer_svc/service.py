@@ -17,7 +17,7 @@ from kimiserve import limits
 from kimiserve.text import clip
 from kimiserve.v1 import tokenizer_pb2 as pb
 from kimiserve.v1 import tokenizer_pb2_grpc
-from tokenizer_svc import metrics
+from tokenizer_svc import message_ends, metrics
 from tokenizer_svc.chat_template import ChatTemplate, render_chat
 from tokenizer_svc.convert import messages_from_pb, tools_from_pb
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
@@ -72,17 +72,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         except limits.RequestTooLarge as exc:
             raise InvalidRequest(str(exc)) from exc
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        messages, tools = messages_from_pb(request.messages), tools_from_pb(request.tools)
         prompt = await asyncio.to_thread(
-            render_chat,
-            self._s.template,
-            messages_from_pb(request.messages),
-            tools_from_pb(request.tools),
-            add_generation_prompt,
-            self._s.max_message_chars,
-        )
+            render_chat, self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
         ids = await asyncio.to_thread(self._s.tokenizer.encode, prompt)
+        ends = await asyncio.to_thread(self._message_ends, messages, tools, add_generation_prompt, prompt, ids)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
-        return pb.RenderChatResponse(prompt=prompt, token_ids=ids)
+        return pb.RenderChatResponse(prompt=prompt, token_ids=ids, message_ends=ends)
+
+    def _message_ends(self, messages, tools, add_generation_prompt: bool, prompt: str, ids: list[int]) -> list[int]:
+        ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt)
+        return message_ends.token_ends(self._s.tokenizer.encode, prompt, ids, ends)
 
     @streaming("DetokenizeStream")
     async def DetokenizeStream(

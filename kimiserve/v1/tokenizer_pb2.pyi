@@ -50,12 +50,14 @@ class RenderChatRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
-    __slots__ = ("prompt", "token_ids")
+    __slots__ = ("prompt", "token_ids", "message_ends")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_ENDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    message_ends: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., message_ends: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DetokenizeStreamRequest(_message.Message):
     __slots__ = ("model", "keep_special_tokens", "token_ids")

@@ -17,7 +17,7 @@ from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
-from shard_svc.engine.sequence import Sequence, SequenceTiming
+from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
@@ -38,7 +38,8 @@ class EngineConfig:
     # offload policy, shard_svc/engine/scheduler.py); 0: off, every KV promise stays within the device's blocks.
     host_kv_bytes: int = 0
     # Prefix cache (shard_svc/engine/prefix_cache.py): entries (each one KDA state slot beside the running ones,
-    # plus shared KV blocks); 0: off. Interval: also snapshot a chunked prefill every this many tokens (0: never).
+    # plus shared KV blocks); 0: off. Interval: also snapshot every this many prompt tokens (0: never; a multiple of
+    # kv_block_size), beside prompt ends and the message boundaries requests send.
     prefix_cache_entries: int = 0
     prefix_state_interval: int = 0
     # Host tier of the prefix cache (shard_svc/engine/prefix_host.py): entries evicted from the device kept in host
@@ -164,9 +165,10 @@ class Engine:
                                  f"({self.context_limits})")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    keep_prompt_logits: bool = False, matcher=None) -> Sequence:
+                    keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints()) -> Sequence:
         """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
-        check_request returned for it (compiled here when not given)."""
+        check_request returned for it (compiled here when not given). `prefix`: its cache salt and message
+        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt)."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
         if matcher is None:
@@ -175,12 +177,14 @@ class Engine:
             self._check_sizes(request_id, prompt, params)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
+        points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
         seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
-                       keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher)
+                       keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
+                       prefix=PrefixHints(prefix.salt, points))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         if self.sync:
-            self.sync.on_add(request_id, prompt, params, keep_prompt_logits)
+            self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -255,18 +259,19 @@ class Engine:
                                        list(self.runner.chunk_tokens), len(work) - len(prompts)))
 
     def _snapshot_prefixes(self, work: list[tuple[Sequence, int]], logits: list[torch.Tensor]) -> None:
-        """Cache entries at the end of each prompt this pass completed, and every `interval` tokens of a chunked
-        prefill (at the first pass boundary past each multiple), each with the logits of its last position."""
-        interval = self.engine_cfg.prefix_state_interval
-        for (seq, n), rows in zip(work, logits):
+        """Cache entries where a sequence's pass ended on one of its snapshot points (its prompt's end, a message
+        boundary, a multiple of the interval: the scheduler ends chunks there, PrefixCache.next_boundary), each
+        with the logits of its last position, under the sequence's salt."""
+        for (seq, _), rows in zip(work, logits):
             if seq.finished:
                 continue  # a normal finish handed its slot to the cache already; an error caches nothing
-            done = seq.num_computed
-            crossed = interval and done // interval > (done - n) // interval
-            if seq.is_prefilling and crossed and not bool(torch.isfinite(rows[-1]).all()):
+            kind = self.prefix_cache.snapshot_kind(seq)
+            if kind is None:
+                continue
+            if seq.is_prefilling and not bool(torch.isfinite(rows[-1]).all()):
                 continue  # never cache a state whose logits are not finite (a sampled row was checked already)
-            if done == len(seq.prompt) or (seq.is_prefilling and crossed):
-                self.prefix_cache.snapshot(seq.prompt[:done], seq.slot, seq.request_id, rows[-1])
+            done = seq.num_computed
+            self.prefix_cache.snapshot(seq.prompt[:done], seq.slot, seq.request_id, rows[-1], seq.prefix.salt, kind)
 
     def _emit_cached(self, seqs: list[Sequence], result: StepResult) -> None:
         emitting = [(seq, seq.cached_logits) for seq in seqs]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from shard_svc.config import ModelConfig
 from shard_svc.errors import SchedulingConfigError
@@ -100,10 +100,16 @@ class PrefillShare:
         prefills, so a decode waits one pass for its next token, not a prefill pass and then a decode pass."""
         return self.fold_decodes and self.policy == "fair" and any(len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
 
-    def plan(self, prefilling: list[Prefilling], others_running: bool) -> list[tuple[Prefilling, int]]:
+    def plan(self, prefilling: list[Prefilling], others_running: bool,
+             chunk_end: Callable[[Prefilling], int] | None = None) -> list[tuple[Prefilling, int]]:
         """(sequence, new tokens this pass) for the prompts being prefilled, given in admission order.
-        others_running: sequences outside `prefilling` step this step too (decodes)."""
+        others_running: sequences outside `prefilling` step this step too (decodes). chunk_end: where a sequence's
+        chunk must end at the latest (the prefix cache's next snapshot point); the budget it leaves is not handed
+        on (a snapshot point costs at most one short pass)."""
         taken = self._share(prefilling, others_running)
+        for s in prefilling if chunk_end is not None else ():
+            if id(s) in taken:
+                taken[id(s)] = min(taken[id(s)], chunk_end(s) - s.num_computed)
         return [(s, taken[id(s)]) for s in prefilling if id(s) in taken]
 
     def _share(self, prefilling: list[Prefilling], others_running: bool) -> dict[int, int]:

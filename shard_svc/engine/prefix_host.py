@@ -4,8 +4,8 @@ A device entry is one KDA state slot plus the MLA KV blocks of its prefix (shard
 it is evicted with this tier on, its state, its KV blocks (every block of the prefix, the last partial one too) and
 its logits row are copied into host tensors of their own (pinned on a GPU, so the copies back can overlap), before
 the device slot and blocks are freed. The tier is bounded by an entry count, not bytes, so every rank of a shard
-group (each holding its own head slice, so its own byte sizes) makes the same decisions. Its least recently used
-entry is dropped for good when a new one comes in: nothing reads it again.
+group (each holding its own head slice, so its own byte sizes) makes the same decisions. Its least valuable entry
+(the cache's policy, prefix_cache.py) is dropped for good when a new one comes in: nothing reads it again.
 
 A hit on a host entry copies it straight into the restoring sequence: the state into the sequence's fresh slot, the
 KV into fresh blocks of its own (nothing is shared with a host entry), the logits row back to the device. The entry
@@ -40,6 +40,8 @@ class HostPrefix:
     conv: torch.Tensor  # [num_kda, 3HK, W-1], host
     kv: torch.Tensor  # [num_mla, blocks, block_size, latent], host: every block of the prefix
     logits: torch.Tensor  # fp32 [vocab], host: the model's logits at position len(tokens) - 1
+    salt: str = ""  # as the device entry's (prefix_cache.py CachedPrefix)
+    hits: int = 0
 
     @property
     def length(self) -> int:
@@ -51,7 +53,7 @@ class HostPrefix:
 
 
 class PrefixHostTier:
-    """Copies entries between the device pools and host tensors; the LRU index of host entries is the cache's."""
+    """Copies entries between the device pools and host tensors; the index of host entries is the cache's."""
 
     def __init__(self, kda_pool: KDAStatePool, kv_cache: MLAKVCache, max_entries: int):
         if max_entries < 1:

@@ -86,12 +86,12 @@ class Scheduler:
             if not self.slots.num_free and not (self.prefix_cache is not None and self.prefix_cache.evict_one()):
                 break  # cached prefixes give their state slots back to running sequences
             seq = self.waiting[0]
-            hit = self.prefix_cache.lookup(seq.prompt) if self.prefix_cache is not None else None
+            hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt) if self.prefix_cache is not None else None
             need = self._need(seq, hit)
             while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
-                    self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least recent first
+                    self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least valuable first
                 if hit is not None and not self.prefix_cache.holds(hit):  # evicted: to the host tier, or gone
-                    hit = self.prefix_cache.lookup(seq.prompt)
+                    hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt)
                 need = self._need(seq, hit)
             if need > self.blocks.num_free - promised and not self._fits_with_host(seq):
                 break  # FIFO: a large request is not overtaken forever by small ones
@@ -161,7 +161,7 @@ class Scheduler:
         resident = [s for s in self.running if s.request_id not in self.offloaded]
         decode = [s for s in resident if not s.is_prefilling]
         prefilling = [s for s in resident if s.is_prefilling]
-        plan = StepPlan(self.share.plan(prefilling, bool(decode)), decode)
+        plan = StepPlan(self.share.plan(prefilling, bool(decode), self.prefill_end), decode)
         if plan.prefill and self.share.folds_decodes(prefilling):
             # whole prompts restored from the cache draw their first token from the cached row, in no pass
             plan.prefill += [(s, 1) for s in decode if s.cached_logits is None]
@@ -169,6 +169,11 @@ class Scheduler:
         if self.offload is not None:
             self._fit(plan)
         return plan
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Where `seq`'s next prefill chunk ends at the latest: its prompt's end, or with the prefix cache its next
+        snapshot point, so the pass ends exactly there and the state after it is the point's."""
+        return self.prefix_cache.next_boundary(seq) if self.prefix_cache is not None else len(seq.prompt)
 
     def _fit(self, plan: StepPlan) -> None:
         """Offloads whole sequences until the new blocks of the step fit on the device; they wait, off the plan."""
@@ -208,7 +213,7 @@ class Scheduler:
             adopted = (last_logits is not None and self.prefix_cache is not None and seq.num_computed > 0
                        and seq.request_id not in self.offloaded
                        and self.prefix_cache.adopt(seq.tokens[:seq.num_computed], seq.slot, seq.request_id,
-                                                   last_logits))
+                                                   last_logits, seq.prefix.salt))
             if not adopted:
                 self.slots.free(seq.slot)
             self.blocks.release(seq.request_id)

@@ -39,6 +39,16 @@ class SequenceTiming:
                    since(seq.arrived_at, first), since(first, end), end - seq.arrived_at, seq.prefill_passes)
 
 
+@dataclass(frozen=True)
+class PrefixHints:
+    """What a request tells the prefix cache (shard_svc/engine/prefix_cache.py): the salt its entries are keyed by
+    (requests under different salts never share an entry) and the prompt offsets where its chat messages end, the
+    cache's snapshot points beside the interval and the prompt end (kept ones only: PrefixCache.message_points)."""
+
+    salt: str = ""
+    boundaries: tuple[int, ...] = ()
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no slot
     RUNNING = "running"  # holds a state slot; prefilling until num_computed reaches the prompt length
@@ -54,6 +64,7 @@ class Sequence:
     keep_prompt_logits: bool = False  # for --dump-logits: keep logits at every prompt position
     stop_ids: frozenset[int] = frozenset()  # sampled ids that end the sequence (stop ids, EOS unless ignored)
     matcher: Any = None  # response_format: an llguidance.LLMatcher advanced with every token (engine/grammar.py)
+    prefix: PrefixHints = PrefixHints()
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None

@@ -6,13 +6,17 @@ The requests below cover a prefill of one sequence and of several packed ones, p
 kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, packed passes filling a quarter, half
 and all of the prefill budget (kernels pick tiles by a pass's token count), and decode at batch 1 and at the
 batches the packed rounds reach. Finished requests give back their slots and blocks, so the pools are as fresh as
-before (a slot is zeroed when it is handed out).
+before (a slot is zeroed when it is handed out). The prefix cache is off meanwhile: its snapshot points would cut the
+warm-up's passes short of the shapes they are there to compile, and synthetic prompts have no place among its
+entries or in its counters.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from shard_svc.engine.engine import Engine
 from shard_svc.engine.sampling import SamplingParams
@@ -42,8 +46,23 @@ def packed_rounds(engine: Engine) -> list[list[int]]:
     return rounds
 
 
+@contextmanager
+def _prefix_cache_off(engine: Engine) -> Iterator[None]:
+    cache = engine.prefix_cache
+    engine.prefix_cache = engine.scheduler.prefix_cache = None
+    try:
+        yield
+    finally:
+        engine.prefix_cache = engine.scheduler.prefix_cache = cache
+
+
 def warm_up(engine: Engine) -> dict:
-    """Runs the warm-up requests to completion; returns what ran (for the log)."""
+    """Runs the warm-up requests to completion, with the prefix cache off; returns what ran (for the log)."""
+    with _prefix_cache_off(engine):
+        return _run(engine)
+
+
+def _run(engine: Engine) -> dict:
     start = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     lengths = prompt_lengths(engine)

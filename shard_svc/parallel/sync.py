@@ -39,7 +39,8 @@ PASS_KINDS = ("prefill", "decode")
 @dataclass(frozen=True)
 class StepMessage:
     kind: str  # "step" (then every rank steps) | "idle" (heartbeat: journal only) | "stop" (the group shuts down)
-    journal: tuple[tuple, ...]  # ("add", request_id, prompt, SamplingParams, keep_prompt_logits) | ("cancel", id)
+    # ("add", request_id, prompt, SamplingParams, keep_prompt_logits, PrefixHints) | ("cancel", id)
+    journal: tuple[tuple, ...]
 
 
 class StepSync:
@@ -52,9 +53,9 @@ class StepSync:
         self._journal: list[tuple] = []
 
     # -- leader: requests and messages ---------------------------------------------------------------------------
-    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool) -> None:
+    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix) -> None:
         if self.leader:
-            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits))
+            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits, prefix))
 
     def on_cancel(self, request_id: str) -> None:
         if self.leader:
@@ -83,9 +84,9 @@ class StepSync:
     def apply(self, engine, msg: StepMessage) -> None:
         for entry in msg.journal:
             if entry[0] == "add":
-                _, request_id, prompt, params, keep = entry
+                _, request_id, prompt, params, keep, prefix = entry
                 try:
-                    engine.add_request(request_id, prompt, params, keep)
+                    engine.add_request(request_id, prompt, params, keep, prefix=prefix)
                 except Exception as e:  # noqa: BLE001 - rank 0 accepted it, so refusing it here is a divergence
                     raise GroupDiverged(f"rank {self.group.rank} refused request {request_id!r} that rank 0 "
                                         f"accepted: {e}") from e

@@ -26,7 +26,8 @@ from typing import Any, Callable
 from kimiserve import tracing
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
 from shard_svc.engine.sampling import SamplingParams
-from shard_svc.engine.sequence import Sequence, SequenceTiming
+from shard_svc.engine.prefix_cache import PrefixCache
+from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
 from shard_svc.errors import DuplicateRequest, KimiServeError
 from shard_svc.server import request_trace
 from shard_svc.server.metrics import ShardMetrics
@@ -61,6 +62,7 @@ class _Submitted:
     matcher: Any  # the compiled response_format, or None
     arrived_at: float  # time.monotonic() when the gRPC handler took it
     traced: TracedRequest | None = None
+    prefix: PrefixHints = PrefixHints()
 
 
 @dataclass
@@ -92,15 +94,18 @@ class EngineLoop:
         self._thread.start()
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-               sink: Callable[[TokenEvent], None], trace_context: Mapping[str, str] | None = None) -> None:
+               sink: Callable[[TokenEvent], None], trace_context: Mapping[str, str] | None = None,
+               prefix: PrefixHints = PrefixHints()) -> None:
         """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
-        trace_context: the W3C trace headers of the caller's span (the Submit's), or None.
+        trace_context: the W3C trace headers of the caller's span (the Submit's), or None. prefix: its cache salt
+        and message boundaries.
 
         Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
         ShuttingDown."""
         arrived_at = time.monotonic()
         traced = TracedRequest(dict(trace_context)) if trace_context and tracing.enabled() else None
         matcher = self.engine.check_request(request_id, prompt, params)
+        PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))  # bad boundaries: refused now
         with self._lock:
             if self.failure is not None:
                 raise ShuttingDown(f"request {request_id!r} refused: {self.failure}")
@@ -109,7 +114,7 @@ class EngineLoop:
             if request_id in self._sinks:
                 raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
             self._sinks[request_id] = sink
-            self._intake.append(_Submitted(request_id, list(prompt), params, matcher, arrived_at, traced))
+            self._intake.append(_Submitted(request_id, list(prompt), params, matcher, arrived_at, traced, prefix))
             self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
                                                  queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
@@ -173,7 +178,8 @@ class EngineLoop:
         events = []
         for sub in intake:
             try:
-                seq = self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher)
+                seq = self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher,
+                                              prefix=sub.prefix)
                 seq.arrived_at = sub.arrived_at
                 self._live[sub.request_id] = _Live(seq, sub.traced)
             except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now
@@ -241,7 +247,7 @@ class EngineLoop:
         if cache is not None:
             self.metrics.set_prefix_cache(cache.stats, load.prefix_entries, cache.max_entries, load.prefix_blocks,
                                           cache.host_entries, cache.host.max_entries if cache.host else 0,
-                                          cache.host_bytes)
+                                          cache.host_bytes, self.engine.runner.kda_pool.bytes_per_slot)
 
     def _fail(self, error: Exception) -> None:
         """Every live request ends with the failure and its usage so far; the fatal hooks stop the shard."""

@@ -88,12 +88,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "free up and their pages come back. 0: off, every promise stays on the device")
     p.add_argument("--prefix-cache-entries", type=int, default=16,
                    help="cached prompt prefixes kept for reuse: each holds one KDA state slot (beside the "
-                        "--num-state-slots of running sequences; about 41 MiB at the 48B shape) and shares the "
-                        "prefix's KV blocks, which admissions reclaim when they need them. 0: no prefix cache")
+                        "--num-state-slots of running sequences; about 41 MiB at the 48B shape), so this x a slot "
+                        "bounds the cache's state memory (allocated at startup); each shares its prefix's KV blocks, "
+                        "which admissions reclaim when they need them. The least valuable entry (hits x tokens, "
+                        "aged) goes first. 0: no prefix cache")
     p.add_argument("--prefix-state-interval", type=int, default=4096,
-                   help="also cache the state every this many tokens of a chunked prefill (at the first pass "
-                        "boundary past each multiple), so prompts sharing only the start of a long one hit. "
-                        "A multiple of 64; 0: only at prompt ends and finishes")
+                   help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
+                        "apart with every doubling of the position (the prefill chunk ends at each point: an extra "
+                        "pass), so a prompt sharing only the start of a cached one restores all but less than this "
+                        "many or 1/16 of the shared tokens. A multiple of --kv-block-size; 0: only at prompt ends, "
+                        "chat message boundaries and finishes")
     p.add_argument("--prefix-host-entries", type=int, default=0,
                    help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
                         "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "
@@ -113,9 +117,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
-    if args.prefix_cache_entries < 0 or args.prefix_state_interval < 0 or args.prefix_state_interval % 64:
+    if args.prefix_cache_entries < 0 or args.prefix_state_interval < 0 or \
+            args.prefix_state_interval % args.kv_block_size:
         raise SystemExit(f"--prefix-cache-entries must be >= 0 (got {args.prefix_cache_entries}) and "
-                         f"--prefix-state-interval a multiple of 64 (got {args.prefix_state_interval})")
+                         f"--prefix-state-interval >= 0 and a multiple of --kv-block-size {args.kv_block_size} "
+                         f"(got {args.prefix_state_interval})")
     if args.prefix_host_entries < 0 or (args.prefix_host_entries and not args.prefix_cache_entries):
         raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
                          f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "

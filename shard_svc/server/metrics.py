@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kimiserve import buckets
+from shard_svc.engine.prefix_cache import SNAPSHOT_KINDS
 from shard_svc.engine.sequence import SequenceTiming
 from shard_svc.server.pass_record import PassRecord
 
@@ -99,8 +100,18 @@ class ShardMetrics:
                                                "Prefix cache entries the host tier keeps at most (0: off)", **kw)
         self.prefix_host_bytes = Gauge("kimiserve_shard_prefix_cache_host_bytes",
                                        "Host memory the prefix cache's host entries hold", **kw)
+        self.prefix_snapshots = Counter("kimiserve_shard_prefix_cache_snapshots",
+                                        "Prefix cache entries made, by snapshot point: prompt_end, message (a chat "
+                                        "message boundary), interval, finish (a finished sequence's slot)",
+                                        labelnames=labels + ("kind",), registry=self.registry)
+        self.prefix_state_bytes = Gauge("kimiserve_shard_prefix_cache_state_bytes",
+                                        "Device memory the prefix cache's entries hold in KDA state slots", **kw)
+        self.prefix_state_bytes_limit = Gauge("kimiserve_shard_prefix_cache_state_bytes_limit",
+                                              "The bound on it: --prefix-cache-entries x one state slot's bytes "
+                                              "(allocated at startup)", **kw)
         self.labels = {"shard": shard, "rank": str(rank)}
         self._prefix_seen = (0, 0, 0, 0, 0)
+        self._snapshots_seen = {kind: 0 for kind in SNAPSHOT_KINDS}
 
     def observe_pass(self, p: PassRecord, count_tokens: bool = True) -> None:
         """Under the rank that ran the pass. count_tokens: add to the token counters, which are group facts that
@@ -149,9 +160,14 @@ class ShardMetrics:
         self.finished.labels(reason=reason, **self.labels).inc()
 
     def set_prefix_cache(self, stats, entries: int, max_entries: int, blocks: int, host_entries: int = 0,
-                         max_host_entries: int = 0, host_bytes: int = 0) -> None:
+                         max_host_entries: int = 0, host_bytes: int = 0, slot_bytes: int = 0) -> None:
         """stats: the cache's running totals (PrefixCacheStats); the counters advance by what is new since last.
-        The host tier's series are exported with the cache, at 0 while the tier is off."""
+        The host tier's series are exported with the cache, at 0 while the tier is off. slot_bytes: one KDA state
+        slot's bytes (an entry's state)."""
+        for kind in SNAPSHOT_KINDS:
+            made = getattr(stats, f"snapshots_{kind}")
+            self.prefix_snapshots.labels(kind=kind, **self.labels).inc(made - self._snapshots_seen[kind])
+            self._snapshots_seen[kind] = made
         now = (stats.queried_tokens, stats.hit_tokens, stats.evictions, stats.host_hit_tokens, stats.host_evictions)
         counters = (self.prefix_queried, self.prefix_hit, self.prefix_evictions, self.prefix_host_hit,
                     self.prefix_host_evictions)
@@ -162,5 +178,6 @@ class ShardMetrics:
         for gauge, value in ((self.prefix_entries, entries), (self.prefix_entries_total, max_entries),
                              (self.prefix_blocks, blocks), (self.prefix_host_entries, host_entries),
                              (self.prefix_host_entries_total, max_host_entries),
-                             (self.prefix_host_bytes, host_bytes)):
+                             (self.prefix_host_bytes, host_bytes), (self.prefix_state_bytes, entries * slot_bytes),
+                             (self.prefix_state_bytes_limit, max_entries * slot_bytes)):
             gauge.labels(**self.labels).set(value)

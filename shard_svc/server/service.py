@@ -14,7 +14,7 @@ import torch
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
 from shard_svc.engine.sampling import SamplingParams
-from shard_svc.engine.sequence import SequenceTiming
+from shard_svc.engine.sequence import PrefixHints, SequenceTiming
 from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
 from shard_svc.server.engine_loop import EngineLoop, ShuttingDown
 
@@ -123,7 +123,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 live.add(sub.request_id)
             try:
                 params = SamplingParams.from_proto(sub.sampling, sub.max_tokens)
-                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context)
+                prefix = PrefixHints(sub.cache_salt, tuple(sub.message_boundaries))
+                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context, prefix)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)

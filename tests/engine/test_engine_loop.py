@@ -193,6 +193,24 @@ def test_warm_up_leaves_no_trace_in_pools_or_outputs():
                                                                                         "after").output
 
 
+def test_warm_up_runs_with_the_prefix_cache_off_and_leaves_it_empty_and_on():
+    """Snapshot points would split the warm-up's passes below the shapes it compiles; synthetic prompts must not
+    become entries or count as snapshots."""
+    from shard_svc.engine.warmup import warm_up
+
+    engine = make_engine(linear_config(), num_state_slots=4, num_kv_blocks=64, kv_block_size=16,
+                         prefill_token_budget=48, prefix_cache_entries=4, prefix_state_interval=16)
+    cache = engine.prefix_cache
+    warm_up(engine)
+    assert engine.prefix_cache is cache and engine.scheduler.prefix_cache is cache
+    assert len(cache) == 0 and cache.stats.inserted == 0 and cache.stats.queried_tokens == 0
+    s = engine.scheduler
+    assert s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
+    prompt = list(range(1, 40))
+    engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), "after")
+    assert cache.stats.snapshots_interval == 2  # on again: the points at 16 and 32
+
+
 def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     """The prefill pass record (metrics and one JSON log line per pass) and each request's timing agree with what
     the engine ran: a 16-token budget splits the 20-token prompt over passes that other prompts share."""

@@ -13,8 +13,11 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.prefix_cache import MAX_MESSAGE_POINTS, MIN_MESSAGE_GAP, PrefixCache
 from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sequence import PrefixHints
+from shard_svc.errors import InvalidRequest
 from shard_svc.ops import select_ops
 from shard_svc.state.kv_offload import HostKVProfile
 from shard_svc.streaming.metrics import StreamingMetrics
@@ -39,9 +42,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(1, 250, (n,), generator=g).tolist()
 
 
-def _run(engine, prompt, rid, max_tokens=6, temperature=0.0, **sampling):
-    seq = engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True,
-                                                 **sampling), rid)
+def _run(engine, prompt, rid, max_tokens=6, temperature=0.0, prefix=PrefixHints(), **sampling):
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True, **sampling)
+    seq = engine.add_request(rid, prompt, params, prefix=prefix)
+    while not seq.finished:
+        engine.step()
     return seq.output, seq.cached_tokens
 
 
@@ -100,6 +105,84 @@ def test_interval_snapshots_inside_a_chunked_prefill(family):
     want, _ = _run(plain, other, "other")
     got, hit = _run(cached, other, "other")
     assert got == want and hit == 64
+    _pools_settle(cached)
+
+
+# -- snapshot points: message boundaries, the interval, salts, the value policy ----------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
+    """A boundary at 70 (inside a KV block) in a 150-token prompt, with a budget that would prefill it all in one
+    pass: the pass ends at 70 instead, and a prompt sharing those 70 tokens restores them (its last partial block
+    copied), with the tokens of an engine without a cache."""
+    cached, plain = _engines(FAMILIES[family], budget=512, blocks=128)
+    system = _prompt(70, 40)
+    first = system + _prompt(80, 41)
+    seq = cached.add_request("first", first, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                             prefix=PrefixHints(boundaries=(70,)))
+    step = cached.step()
+    assert [p.seq_tokens for p in step.passes if p.kind == "prefill"] == [[70]]
+    while not seq.finished:
+        cached.step()
+    assert cached.prefix_cache.stats.snapshots_message == 1
+    second = system + _prompt(50, 42)
+    want, _ = _run(plain, second, "second")
+    assert _run(cached, second, "second") == (want, 70)
+    _pools_settle(cached)
+
+
+def test_salts_keep_entries_apart():
+    cached, plain = _engines(FAMILIES["kimi_linear"])
+    prompt = _prompt(40, 43)
+    want, _ = _run(plain, prompt, "p", max_tokens=1)
+    assert _run(cached, prompt, "a1", max_tokens=1, prefix=PrefixHints("tenant-a")) == (want, 0)
+    assert _run(cached, prompt, "b1", max_tokens=1, prefix=PrefixHints("tenant-b")) == (want, 0)
+    assert _run(cached, prompt, "none", max_tokens=1) == (want, 0)
+    assert _run(cached, prompt, "a2", max_tokens=1, prefix=PrefixHints("tenant-a")) == (want, 40)
+    assert _run(cached, prompt, "b2", max_tokens=1, prefix=PrefixHints("tenant-b")) == (want, 40)
+    _pools_settle(cached)
+
+
+def test_an_entry_restored_often_outlives_newer_unused_ones():
+    """Two entries: `hot` restored twice, then `cold` made, then `new`. By recency `hot` would go (least recently
+    used); by value (hits x length) `cold` goes."""
+    cached, _ = _engines(FAMILIES["kimi_linear"], entries=2)
+    hot, cold, new = _prompt(40, 44), _prompt(40, 45), _prompt(40, 46)
+    for rid in ("hot-0", "hot-1", "hot-2"):
+        _run(cached, hot, rid, max_tokens=1)
+    _run(cached, cold, "cold", max_tokens=1)
+    _run(cached, new, "new", max_tokens=1)
+    cache = cached.prefix_cache
+    assert cache.lookup(hot) is not None and cache.lookup(cold) is None and cache.lookup(new) is not None
+    assert cache.stats.evictions == 1
+    _pools_settle(cached)
+
+
+def test_message_points_keep_the_first_and_last_of_those_far_enough_apart_and_from_the_end():
+    g = MIN_MESSAGE_GAP
+    assert PrefixCache.message_points("r", [g - 1, g, g + 5, 2 * g, 5 * g], 6 * g) == (g, 2 * g, 5 * g)
+    assert PrefixCache.message_points("r", [g, 3 * g - 9, 3 * g - 5], 3 * g) == (g, 3 * g - 9)  # the last: too near
+    assert PrefixCache.message_points("r", [g, 3 * g - 9], 3 * g) == (g,)
+    many = [g * (i + 1) for i in range(10)]
+    half = MAX_MESSAGE_POINTS // 2
+    assert PrefixCache.message_points("r", many, 11 * g) == tuple(many[:half] + many[-half:])
+
+
+@pytest.mark.parametrize("bad", [[0], [5, 5], [9, 3], [40]])
+def test_boundaries_outside_the_prompt_or_not_increasing_are_refused(bad):
+    cached, _ = _engines(FAMILIES["kimi_linear"])
+    with pytest.raises(InvalidRequest, match="message boundary .* prompt's length"):
+        cached.add_request("bad", _prompt(40, 47), SamplingParams(max_tokens=2), prefix=PrefixHints(boundaries=bad))
+    assert not cached.has_work()
+
+
+def test_interval_snapshots_land_exactly_on_multiples_whatever_the_budget():
+    cached, plain = _engines(FAMILIES["kimi_linear"], budget=50, prefix_state_interval=32, entries=6)
+    long = _prompt(100, 48)
+    _run(cached, long, "long", max_tokens=1)
+    assert cached.prefix_cache.stats.snapshots_interval == 3  # 32, 64, 96
+    other = long[:97] + _prompt(5, 49)
+    assert _run(cached, other, "other") == (_run(plain, other, "other")[0], 96)
     _pools_settle(cached)
 
 
@@ -315,3 +398,16 @@ def test_host_kv_offload_with_prefix_hits_from_the_host_tier():
                                                                 {"shard": "kv", "rank": "0"})
     assert engine.prefix_cache.stats.host_hit_tokens == 40
     _pools_settle(engine)
+
+
+def test_interval_points_thin_out_with_the_position():
+    """Interval 16: points every 16 tokens below 256 (16 x interval), every 32 below 512, every 64 below 1024; a
+    prompt sharing 500 tokens of a cached 600-token one restores the point at 480."""
+    cached, plain = _engines(FAMILIES["kimi_linear"], budget=512, blocks=128, prefix_state_interval=BLOCK, entries=30)
+    long = _prompt(600, 50)
+    _run(cached, long, "long", max_tokens=1)
+    points = [*range(16, 256, 16), *range(256, 512, 32), 512, 576]
+    assert cached.prefix_cache.stats.snapshots_interval == len(points) == 25
+    other = long[:500] + _prompt(20, 51)
+    assert _run(cached, other, "other") == (_run(plain, other, "other")[0], 480)
+    _pools_settle(cached)

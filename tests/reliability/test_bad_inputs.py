@@ -117,9 +117,9 @@ def deep(levels: int) -> str:
     return '{"a":' + "[" * (levels - 1) + "]" * (levels - 1) + "}"
 
 
-def submit(request_id: str, ids=(1, 2, 3), max_tokens=2) -> shard_pb2.ShardRequest:
+def submit(request_id: str, ids=(1, 2, 3), max_tokens=2, boundaries=()) -> shard_pb2.ShardRequest:
     return shard_pb2.ShardRequest(submit=shard_pb2.ShardRequest.Submit(
-        request_id=request_id, prompt_token_ids=list(ids), max_tokens=max_tokens))
+        request_id=request_id, prompt_token_ids=list(ids), max_tokens=max_tokens, message_boundaries=boundaries))
 
 
 # A serialized GenerateRequest cut in the middle of its text field, and one whose text is not UTF-8.
@@ -143,6 +143,9 @@ CASES = [
     ("generate-ids-over-limit", "router", "Generate", gen(ids=[5] * (limits.MAX_PROMPT_TOKEN_IDS + 1)), INVALID,
      f"prompt_token_ids: {limits.MAX_PROMPT_TOKEN_IDS + 1:,} ids is over the limit"),
     ("generate-unknown-model", "router", "Generate", gen(model="no-such-model"), NOT_FOUND, "no-such-model"),
+    ("generate-cache-salt-too-long", "router", "Generate", router_pb2.GenerateRequest(
+        prompt_token_ids=common_pb2.TokenIds(ids=[1, 2, 3]), cache_salt="s" * 257), INVALID,
+     "cache_salt has 257 characters; at most 256"),
     # -- Generate: sampling --
     ("max-tokens-zero", "router", "Generate", gen(max_tokens=0), INVALID, "max_tokens must be >= 1, got 0"),
     ("max-tokens-negative", "router", "Generate", gen(max_tokens=-3), INVALID, "max_tokens must be >= 1, got -3"),
@@ -294,7 +297,10 @@ def test_bad_input_gets_its_status_and_the_stack_keeps_serving(stack, target, rp
     submit("cat-empty", ids=[]),
     submit("cat-past-vocab", ids=[5, VOCAB + 1]),
     submit("cat-no-budget", max_tokens=0),
-], ids=["neither-submit-nor-cancel", "empty-prompt", "id-past-vocab", "max-tokens-zero"])
+    submit("cat-boundary-past-prompt", boundaries=[1, 3]),
+    submit("cat-boundaries-not-increasing", ids=range(1, 9), boundaries=[4, 2]),
+], ids=["neither-submit-nor-cancel", "empty-prompt", "id-past-vocab", "max-tokens-zero", "boundary-past-prompt",
+        "boundaries-not-increasing"])
 def test_shard_refuses_a_bad_submit_with_an_invalid_argument_event(stack, request_):
     """The shard answers on its stream (ShardEvent.Error), not with a status, and the stream stays usable: a good
     submit after the bad one finishes. The request stream stays open until then (closing it cancels what is live)."""

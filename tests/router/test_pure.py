@@ -1,4 +1,4 @@
-"""Router logic that needs no network: stop strings and shard choice."""
+"""Router logic that needs no network: stop strings, shard choice and the prefix-cache salt."""
 
 import pytest
 
@@ -88,3 +88,28 @@ def test_the_index_forgets_the_least_recently_sent_prefixes_beyond_its_capacity_
     assert index.matched_tokens(block_names(b)) == {}
     with pytest.raises(ValueError, match="capacity"):
         PrefixIndex(capacity_blocks=0)
+
+
+def test_a_prompt_sharing_only_a_system_prompt_goes_where_it_went_and_salts_keep_prefixes_apart():
+    index, views = PrefixIndex(), [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1")]
+    system = [(i * 13) % 200 for i in range(200)]  # 12 whole blocks and a partial one
+    index.record("s1", block_names(system + [1] * 50, "salt-a"))  # the first chat, sent to s1
+    other_user = system + [2] * 30
+    assert index.matched_tokens(block_names(other_user, "salt-a")) == {"s1": 192}  # the shared whole blocks
+    views[0].free_slots = 9  # s0 has a little more room; the snapshot at the system prompt's end is on s1
+    assert pick_shard(views, index.matched_tokens(block_names(other_user, "salt-a"))).name == "s1"
+    for salt in ("salt-b", ""):  # under another salt s1 holds nothing this prompt may restore
+        assert index.matched_tokens(block_names(other_user, salt)) == {}
+        assert pick_shard(views, index.matched_tokens(block_names(other_user, salt))).name == "s0"
+
+
+def test_cache_salt_for_mixes_tenant_and_request_salt():
+    from router.cache_salt import MAX_CACHE_SALT_CHARS, cache_salt_for
+    from router.errors import InvalidArgument
+
+    assert cache_salt_for("", "") == ""
+    salts = {cache_salt_for(t, r) for t, r in [("", "x"), ("x", ""), ("a", "bc"), ("ab", "c"), ("a", "")]}
+    assert len(salts) == 5 and all(len(s) == 64 for s in salts)
+    assert cache_salt_for("a", "b") == cache_salt_for("a", "b")
+    with pytest.raises(InvalidArgument, match=f"cache_salt has {MAX_CACHE_SALT_CHARS + 1} characters"):
+        cache_salt_for("", "x" * (MAX_CACHE_SALT_CHARS + 1))

@@ -110,6 +110,9 @@ def test_render_chat(server: Running) -> None:
     )
     assert reply.prompt == expected
     assert list(reply.token_ids) == list(server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=expected)).token_ids)
+    turns = expected[:expected.index("<|im_user|>")], expected[:-len(GEN_PROMPT)]  # where each message ends
+    assert list(reply.message_ends) == [len(server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=t)).token_ids)
+                                        for t in turns]
     request.add_generation_prompt = False
     assert not server.stub.RenderChat(request).prompt.endswith(GEN_PROMPT)
 

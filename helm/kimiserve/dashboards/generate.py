@@ -239,6 +239,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
           (f"sum by (shard) (rate(kimiserve_shard_prefix_cache_host_evictions_total{{{SEL}}}[{RATE}]))",
            "{{shard}} host")],
          "Entries leaving the device (to the host tier when it is on) and entries dropped from the host tier."),
+        ("Prefix cache snapshots per second by kind", "short",
+         [(f"sum by (kind) (rate(kimiserve_shard_prefix_cache_snapshots_total{{{SEL}}}[{RATE}]))", "{{kind}}")],
+         "Entries made: at prompt ends, chat message ends, every --prefix-state-interval tokens, and finished "
+         "sequences' slots handed over."),
+        ("Prefix cache state memory per shard", "percentunit",
+         usage("kimiserve_shard_prefix_cache_state_bytes", "kimiserve_shard_prefix_cache_state_bytes_limit"),
+         "Device memory the entries' KDA state slots hold / its bound (--prefix-cache-entries x one slot)."),
         ("Sequences finished per second", "short",
          [(f"sum by (reason) (rate(kimiserve_shard_sequences_finished_total{{{SEL}}}[{RATE}]))", "{{reason}}")],
          "Sequences finished on the shards, by finish reason."),

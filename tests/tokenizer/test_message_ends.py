@@ -1,0 +1,63 @@
+"""Where a rendered chat prompt's messages end (RenderChatResponse.message_ends), the prefix cache's snapshot points:
+each reported offset is where the token ids of that start of the conversation, rendered and tokenized on its own
+(by hand-written text for the built-in format), end inside the whole prompt's ids."""
+
+from __future__ import annotations
+
+from tokenizer_svc import message_ends
+from tokenizer_svc.chat_template import BuiltinKimiTemplate, JinjaChatTemplate
+from tokenizer_svc.chat_types import ChatMessage
+
+SYSTEM = "<|im_system|>system<|im_middle|>Answer briefly.<|im_end|>"
+USER = "<|im_user|>user<|im_middle|>Hi there<|im_end|>"
+ASSISTANT = "<|im_assistant|>assistant<|im_middle|>Hello!<|im_end|>"
+USER2 = "<|im_user|>user<|im_middle|>More?<|im_end|>"
+GEN = "<|im_assistant|>assistant<|im_middle|>"
+CHAT = [ChatMessage("system", "Answer briefly."), ChatMessage("user", "Hi there"), ChatMessage("assistant", "Hello!"),
+        ChatMessage("user", "More?")]
+
+
+def _ends(tok, template, messages, tools=()):
+    prompt = template.render(messages, list(tools), True)
+    ids = tok.encode(prompt)
+    return prompt, ids, message_ends.token_ends(tok.encode, prompt, ids,
+                                                message_ends.char_ends(template, messages, list(tools), True, prompt))
+
+
+def test_the_builtin_format_reports_every_turn_end(tok):
+    prompt, ids, ends = _ends(tok, BuiltinKimiTemplate(), CHAT)
+    texts = [SYSTEM, SYSTEM + USER, SYSTEM + USER + ASSISTANT, SYSTEM + USER + ASSISTANT + USER2]
+    assert prompt == texts[-1] + GEN
+    want = [len(tok.encode(t)) for t in texts]
+    assert ends == want
+    for end, text in zip(ends, texts):
+        assert ids[:end] == tok.encode(text)
+
+
+def test_tool_declarations_and_the_default_system_turn_are_ends_too(tok):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    prompt, ids, ends = _ends(tok, BuiltinKimiTemplate(), [ChatMessage("user", "Hi there")], [tool])
+    declared = prompt[:prompt.index("<|im_system|>system")]
+    assert declared.startswith("<|im_system|>tool_declare") and declared.endswith("<|im_end|>")
+    default_system = prompt[len(declared):prompt.index("<|im_user|>")]
+    assert ends == [len(tok.encode(declared)), len(tok.encode(declared + default_system)),
+                    len(tok.encode(declared + default_system + USER))]
+
+
+def test_a_jinja_template_reports_the_starts_that_begin_the_prompt(tok):
+    text = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}" + GEN + "{% endif %}")
+    template = JinjaChatTemplate(text, "chat_template.jinja", {})
+    prompt, ids, ends = _ends(tok, template, CHAT)
+    assert prompt == SYSTEM + USER + ASSISTANT + USER2 + GEN
+    assert ends == [len(tok.encode(t)) for t in (SYSTEM, SYSTEM + USER, SYSTEM + USER + ASSISTANT,
+                                                 SYSTEM + USER + ASSISTANT + USER2)]
+
+
+def test_an_end_inside_a_merged_token_is_left_out_with_every_end_after_it(tok):
+    prompt = "the<|im_end|>there"
+    ids = tok.encode(prompt)
+    assert tok.encode("t") + tok.encode("he") != tok.encode("the")  # the tiny BPE merges "the" across offset 1
+    turn = len("the<|im_end|>")
+    assert message_ends.token_ends(tok.encode, prompt, ids, [turn]) == [len(tok.encode("the<|im_end|>"))]
+    assert message_ends.token_ends(tok.encode, prompt, ids, [1, turn]) == []

@@ -1,0 +1,59 @@
+"""Where a rendered chat prompt's messages end, as token offsets: the points the shard's prefix cache snapshots at, so
+requests that share a system prompt, tool declarations or earlier turns restore them (RenderChatResponse
+.message_ends, README "Prefix cache").
+
+Text first: the built-in Kimi format renders turn by turn, so its ends are known exactly; a checkpoint's Jinja
+template is rendered again for the first and last few starts of the conversation (every one would be quadratic in
+the message count), keeping those whose rendering begins the whole prompt (and skipping those it refuses to render).
+Then tokens: the text between two ends is encoded on its own, and an end is reported only while those pieces,
+concatenated, equal the whole prompt's ids up to it, so an offset is never reported where the tokenizer merges
+across the end (the Kimi format ends every turn with a special token, where encoding always splits).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from tokenizer_svc.chat_template import ChatTemplate
+from tokenizer_svc.errors import RenderError
+from tokenizer_svc.kimi_chat import BuiltinKimiTemplate, Messages, Tools
+
+JINJA_STARTS = 4  # a Jinja template is rendered again for this many first and this many last starts
+
+
+def char_ends(template: ChatTemplate, messages: Messages, tools: Tools, add_generation_prompt: bool,
+              prompt: str) -> list[int]:
+    """Increasing offsets into `prompt` (the whole rendering) where a start of the conversation's rendering ends,
+    each inside (0, len(prompt))."""
+    if isinstance(template, BuiltinKimiTemplate):
+        ends, at = [], 0
+        for part in template.render_parts(messages, tools, add_generation_prompt):
+            at += len(part)
+            ends.append(at)
+    else:
+        n = len(messages)
+        starts = sorted({k for k in (*range(1, JINJA_STARTS + 1), *range(n - JINJA_STARTS + 1, n + 1)) if 0 < k <= n})
+        ends = []
+        for k in starts:
+            try:
+                text = template.render(messages[:k], tools, False)
+            except RenderError:  # a template may refuse a conversation cut short (say, not ending on a user turn)
+                continue
+            if prompt.startswith(text):
+                ends.append(len(text))
+    return sorted({e for e in ends if 0 < e < len(prompt)})
+
+
+def token_ends(encode: Callable[[str], list[int]], prompt: str, ids: list[int], ends: list[int]) -> list[int]:
+    """The token offsets of `ends` (char offsets into `prompt`, whose ids are `ids`), up to the first end no token
+    edge falls on."""
+    out, start, at = [], 0, 0
+    for end in ends:
+        piece = encode(prompt[start:end])
+        if ids[at:at + len(piece)] != piece:
+            break
+        at += len(piece)
+        start = end
+        if 0 < at < len(ids) and (not out or at > out[-1]):
+            out.append(at)
+    return out
