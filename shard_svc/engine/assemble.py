@@ -42,10 +42,6 @@ class EngineOptions:
     op_backend: str = "auto"  # auto | eager | triton (shard_svc/ops)
     load_format: str = "safetensors"  # or "dummy": random weights from config.json alone (benchmarks)
     config: EngineConfig = field(default_factory=EngineConfig)  # capacity, host KV, prefix cache
-    # The operator's capacity flags, sized once the weights are placed (shard_svc/engine/sizing.py): unset ones from
-    # device memory on a GPU, the fixed defaults elsewhere; `config` then gives only the block size, the prefix state
-    # interval and host entries. None: `config` is used as it is (benchmarks, tests, `kimiserve generate`).
-    capacity: CapacityRequest | None = None
     weights: WeightsArgs = field(default_factory=WeightsArgs)  # resident | stream | auto (shard_svc/streaming)
     enforce_eager: bool = False  # no decode CUDA graphs (shard_svc/engine/cuda_graphs.py)
     grammars: bool = True  # load the checkpoint's vocabulary for response_format (False: such requests refused)
@@ -55,6 +51,10 @@ class EngineOptions:
     group_timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer fails
     load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
     cpu_threads: int | None = None  # torch intra-op threads per process on a CPU device; None: leave torch's
+    # The operator's capacity flags, sized once the weights are placed (shard_svc/engine/sizing.py): unset ones from
+    # device memory on a GPU, the fixed defaults elsewhere; `config` then gives only the block size, the prefix state
+    # interval and host entries. None: `config` is used as it is (benchmarks, tests, `kimiserve generate`).
+    capacity: CapacityRequest | None = None
 
     @property
     def world(self) -> int:
