@@ -142,7 +142,7 @@ def cpu_plan(request: CapacityRequest, kv_block_size: int, model_max_len: int, r
     budget = _given(request.prefill_token_budget, CPU_PREFILL_TOKEN_BUDGET)
     max_len = _max_len(request.max_model_len, model_max_len, blocks * kv_block_size)
     return CapacityPlan(slots, blocks, entries, budget, max_len,
-                        f"fixed defaults ({reason}): {_summary(request, slots, blocks, entries, budget, max_len)}")
+                        f"fixed defaults ({reason}): {_summary(request, slots, blocks, entries, budget, max_len, 'default')}")
 
 
 def gpu_prefill_budget(request: CapacityRequest) -> int:
@@ -205,7 +205,7 @@ def plan_from_memory(request: CapacityRequest, sizes: UnitSizes, report: MemoryR
             f"tokens), and one sequence of {one_len} tokens needs {one_blocks}; {budget_text}. Lower "
             "--num-state-slots / --prefix-cache-entries or --max-model-len")
     max_len = _max_len(request.max_model_len, model_max_len, blocks * sizes.kv_block_size)
-    why = (f"from memory: {_summary(request, slots, blocks, entries, prefill, max_len)}; state "
+    why = (f"from memory: {_summary(request, slots, blocks, entries, prefill, max_len, 'sized')}; state "
            f"{_gib(state)} ({_mib(sizes.running_slot_bytes)} a slot, {_mib(sizes.entry_bytes)} an entry), KV "
            f"{_gib(kv)} ({sizes.kv_block_bytes} B a block of {sizes.kv_block_size} tokens); {budget_text}")
     return CapacityPlan(slots, blocks, entries, prefill, max_len, why)
@@ -237,9 +237,10 @@ def _max_len(flag: int | None, model_max_len: int, kv_tokens: int) -> int:
     return min(flag or model_max_len, model_max_len, kv_tokens)
 
 
-def _summary(request: CapacityRequest, slots: int, blocks: int, entries: int, prefill: int, max_len: int) -> str:
+def _summary(request: CapacityRequest, slots: int, blocks: int, entries: int, prefill: int, max_len: int,
+             unset: str) -> str:
     def src(value: int | None) -> str:
-        return "flag" if value is not None else "chosen"
+        return "flag" if value is not None else unset
 
     return (f"{slots} state slots ({src(request.num_state_slots)}), {blocks} KV blocks "
             f"({src(request.num_kv_blocks)}), {entries} prefix-cache entries ({src(request.prefix_cache_entries)}), "
