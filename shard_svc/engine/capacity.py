@@ -141,8 +141,8 @@ def cpu_plan(request: CapacityRequest, kv_block_size: int, model_max_len: int, r
     entries = _given(request.prefix_cache_entries, CPU_PREFIX_CACHE_ENTRIES)
     budget = _given(request.prefill_token_budget, CPU_PREFILL_TOKEN_BUDGET)
     max_len = _max_len(request.max_model_len, model_max_len, blocks * kv_block_size)
-    return CapacityPlan(slots, blocks, entries, budget, max_len,
-                        f"fixed defaults ({reason}): {_summary(request, slots, blocks, entries, budget, max_len, 'default')}")
+    summary = _summary(request, slots, blocks, entries, budget, max_len, "default")
+    return CapacityPlan(slots, blocks, entries, budget, max_len, f"fixed defaults ({reason}): {summary}")
 
 
 def gpu_prefill_budget(request: CapacityRequest) -> int:

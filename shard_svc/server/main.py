@@ -26,6 +26,7 @@ from shard_svc.engine.capacity import (
     CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS, DEFAULT_GPU_MEMORY_UTILIZATION,
     ENTRY_EVERY, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE, CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
+from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.parallel.launch import add_group_args
 from shard_svc.parallel.loop import GroupEngineLoop
 from shard_svc.server.engine_loop import EngineLoop
@@ -160,6 +161,8 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     capacity = engine.advertised_cfg  # as sized once the weights were placed (shard_svc/engine/sizing.py)
     # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/parallel/loop.py).
     loop = EngineLoop(engine, metrics) if built.leader is None else GroupEngineLoop(built.leader, metrics)
+    if cfg.engine.warm_up and built.leader is None and engine.device.type == "cuda":
+        loop.before_serving = warm_request_paths  # the first request's paths, on the thread that will serve it
     info = shard_pb2.ShardInfoResponse(
         model_name=Path(cfg.engine.model_dir).name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
         eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
@@ -193,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"shard: {e}") from e
     server, loop, health_servicer = build_server(cfg)
     loop.start()
+    loop.ready.wait()  # its warm-up done (or failed: then the fatal hook below stops the shard)
     server.start()
     health_server = (security.health_only_server(health_servicer, cfg.host, cfg.health_port)
                      if cfg.health_port is not None else None)
