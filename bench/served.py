@@ -109,7 +109,8 @@ def first_vs_warm(result: dict, stub, http_port: int, input_len: int) -> None:
     """Each path's first request after SERVING against the best of three warm ones; the gRPC Generate is the
     stack's very first request. first_over_warm: the issue-25 target is at most 2."""
     paths = {"grpc_generate": lambda s: first_token_s(stub, input_len, s),
-             "grpc_chat": lambda s: chat_first_token_s(stub, s), "http_chat": lambda s: http_first_token_s(http_port, s)}
+             "grpc_chat": lambda s: chat_first_token_s(stub, s),
+             "http_chat": lambda s: http_first_token_s(http_port, s)}
     out = {}
     for name, call in paths.items():
         first = call(1)

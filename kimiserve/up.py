@@ -92,7 +92,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="checkpoint dir (default: the trained models/kimi-linear-austen of the checkout)")
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--device", default="auto",
-                   help=f"{DEVICE_HELP}; shard i gets cuda:i (with groups of N ranks, cuda:i*N..) (default: %(default)s)")
+                   help=f"{DEVICE_HELP}; shard i gets cuda:i (with groups of N ranks, cuda:i*N..) "
+                        "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="each shard is a group: attention heads split tp ways")
     p.add_argument("--ep", type=int, default=1,
                    help="each shard is a group: routed experts split ep ways (max(tp, ep) processes per shard)")

@@ -105,7 +105,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_memory_args(p)
 
 
-# -- capacity from memory (issue 25; shard_svc/engine/capacity.py) ----------------------------------------------------
+# -- capacity from memory (issue 25; shard_svc/engine/capacity.py) ---------------------------------------------------
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
                    help="share of the GPU's total memory the shard may use: what the weights, the profiled "
@@ -128,7 +128,7 @@ def capacity_from_args(args: argparse.Namespace) -> CapacityRequest:
     except CapacityDoesNotFit as e:
         raise SystemExit(f"shard: {e}") from e
     return request
-# -- end of capacity from memory ----------------------------------------------------------------------------------------
+# -- end of capacity from memory ---------------------------------------------------------------------------------------
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
