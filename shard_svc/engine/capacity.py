@@ -37,7 +37,9 @@ STATE_SHARE_HOST_KV = 0.75  # with host KV offload, whose pool holds the KV page
 ENTRY_EVERY = 4  # one prefix-cache entry per this many running slots, when sized from memory
 HOST_KV_SHARE = 0.5  # `--host-kv-gb auto`: this share of the host's available memory once the weights are placed
 
+GPU_KV_BLOCK_SIZE = 64  # tokens per KV block on a GPU (the block size the served benchmarks run)
 # On the CPU (and in shard groups) nothing is measured: these are the shard's fixed defaults, as before.
+CPU_KV_BLOCK_SIZE = 16
 CPU_STATE_SLOTS = 16
 CPU_KV_BLOCKS = 1024
 CPU_PREFILL_TOKEN_BUDGET = 512
@@ -110,6 +112,13 @@ class CapacityRequest:
     max_model_len: int | None = None
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     host_kv_bytes: int | None = 0  # --host-kv-gb: 0 off, None `auto` (plan_host_kv)
+    kv_block_size: int | None = None
+
+    def block_size(self, measured: bool) -> int:
+        """--kv-block-size, else GPU_KV_BLOCK_SIZE where capacity is sized from memory, CPU_KV_BLOCK_SIZE elsewhere."""
+        if self.kv_block_size is not None:
+            return self.kv_block_size
+        return GPU_KV_BLOCK_SIZE if measured else CPU_KV_BLOCK_SIZE
 
     def check(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -118,7 +127,8 @@ class CapacityRequest:
                                  ("--num-kv-blocks", self.num_kv_blocks, 1),
                                  ("--prefix-cache-entries", self.prefix_cache_entries, 0),
                                  ("--prefill-token-budget", self.prefill_token_budget, 1),
-                                 ("--max-model-len", self.max_model_len, 1)):
+                                 ("--max-model-len", self.max_model_len, 1),
+                                 ("--kv-block-size", self.kv_block_size, 1)):
             if value is not None and value < low:
                 raise CapacityDoesNotFit(f"{name} must be at least {low}, got {value}")
 

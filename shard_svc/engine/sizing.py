@@ -28,27 +28,30 @@ def sized_config(request: CapacityRequest, base: EngineConfig, cfg: ModelConfig,
                  dtype: torch.dtype, build: Callable[[EngineConfig], Engine],
                  capture_graphs: Callable[[Engine], object] | None, in_group: bool,
                  meter: MemoryMeter | None = None) -> EngineConfig:
-    """`base` with the request's capacity filled in. base supplies what is not sized here (block size, prefix state
-    interval, prefix host entries). build: an engine of the served kind for a config (the memory probe's);
+    """`base` with the request's capacity filled in. base supplies what is not sized here (the prefix state interval
+    and host entries). build: an engine of the served kind for a config (the memory probe's);
     capture_graphs: what the served engine captures (None: eager). meter: CudaMeter on a GPU unless given."""
+    measured = meter is not None or (device.type == "cuda" and not in_group)
+    block = request.block_size(measured)
     host_kv_bytes, host_why = 0, "host KV offload off"
     if request.host_kv_bytes != 0:
-        page = HostKVProfile.from_config(cfg).page_bytes(base.kv_block_size, dtype)
+        page = HostKVProfile.from_config(cfg).page_bytes(block, dtype)
         host_kv_bytes, host_why = plan_host_kv(request.host_kv_bytes, host_available_bytes(), page)
     model_max = cfg.max_position_embeddings
-    if meter is None and (device.type != "cuda" or in_group):
+    if not measured:
         reason = "shard group: every rank must size alike" if in_group else f"device {device} is not measured"
-        plan = cpu_plan(request, base.kv_block_size, model_max, reason)
+        plan = cpu_plan(request, block, model_max, reason)
     else:
-        sizes = UnitSizes.for_model(cfg, dtype, base.kv_block_size)
+        sizes = UnitSizes.for_model(cfg, dtype, block)
         report = measure(build, request, sizes, meter or CudaMeter(device), model_max, capture_graphs)
         plan = plan_from_memory(request, sizes, report, model_max, host_kv=host_kv_bytes > 0)
     log.info("capacity chosen", extra={"device": str(device), "state_slots": plan.num_state_slots,
-                                       "kv_blocks": plan.num_kv_blocks, "kv_block_size": base.kv_block_size,
+                                       "kv_blocks": plan.num_kv_blocks, "kv_block_size": block,
                                        "prefix_cache_entries": plan.prefix_cache_entries,
                                        "prefill_token_budget": plan.prefill_token_budget,
                                        "max_model_len": plan.max_model_len, "host_kv_bytes": host_kv_bytes,
                                        "why": f"{plan.why}; {host_why}"})
     return dataclasses.replace(base, num_state_slots=plan.num_state_slots, num_kv_blocks=plan.num_kv_blocks,
+                               kv_block_size=block,
                                prefill_token_budget=plan.prefill_token_budget, max_model_len=request.max_model_len,
                                host_kv_bytes=host_kv_bytes, prefix_cache_entries=plan.prefix_cache_entries)

@@ -23,8 +23,9 @@ from shard_svc.checkpoint import LOAD_FORMATS
 from kimiserve.devices import DEVICE_HELP, resolve_device
 from shard_svc.engine.build import EngineOptions, build_engine
 from shard_svc.engine.capacity import (
-    CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS, DEFAULT_GPU_MEMORY_UTILIZATION,
-    ENTRY_EVERY, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE, CapacityDoesNotFit, CapacityRequest)
+    CPU_KV_BLOCK_SIZE, CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS,
+    DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
+    CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.parallel.launch import add_group_args
@@ -63,7 +64,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"--gpu-memory-utilization), {CPU_STATE_SLOTS} on the CPU")
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help=f"MLA KV cache blocks. Default: sized from memory on a GPU, {CPU_KV_BLOCKS} on the CPU")
-    p.add_argument("--kv-block-size", type=int, default=16)
+    p.add_argument("--kv-block-size", type=int, default=None,
+                   help=f"tokens per KV block. Default: {GPU_KV_BLOCK_SIZE} on a GPU, {CPU_KV_BLOCK_SIZE} on the CPU")
     p.add_argument("--prefill-token-budget", type=int, default=None,
                    help=f"new prompt tokens per prefill pass. Default: {GPU_PREFILL_TOKEN_BUDGET} on a GPU, "
                         f"{CPU_PREFILL_TOKEN_BUDGET} on the CPU")
@@ -122,7 +124,8 @@ def _host_kv_gb(text: str) -> float | None:
 def capacity_from_args(args: argparse.Namespace) -> CapacityRequest:
     host_kv = None if args.host_kv_gb is None else int(args.host_kv_gb * (1 << 30))
     request = CapacityRequest(args.num_state_slots, args.num_kv_blocks, args.prefix_cache_entries,
-                              args.prefill_token_budget, args.max_model_len, args.gpu_memory_utilization, host_kv)
+                              args.prefill_token_budget, args.max_model_len, args.gpu_memory_utilization, host_kv,
+                              args.kv_block_size)
     try:
         request.check()
     except CapacityDoesNotFit as e:
@@ -141,7 +144,7 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                          "evicted from the device cache")
     request = capacity_from_args(args)
     # Only what is not sized once the weights are placed (shard_svc/engine/sizing.py) is read from this config.
-    capacity = EngineConfig(kv_block_size=args.kv_block_size, max_model_len=args.max_model_len,
+    capacity = EngineConfig(max_model_len=args.max_model_len,
                             host_kv_bytes=request.host_kv_bytes or 0,
                             prefix_state_interval=args.prefix_state_interval,
                             prefix_host_entries=args.prefix_host_entries)

@@ -132,6 +132,11 @@ def test_host_kv_auto_takes_half_the_available_host_memory_in_pages():
         plan_host_kv(None, page, page)
 
 
+def test_block_size_is_64_tokens_where_sized_from_memory_and_16_elsewhere():
+    assert (CapacityRequest().block_size(True), CapacityRequest().block_size(False)) == (64, 16)
+    assert CapacityRequest(kv_block_size=32).block_size(True) == 32
+
+
 def test_cpu_keeps_the_fixed_defaults():
     plan = cpu_plan(CapacityRequest(), 16, model_max_len=1 << 20, reason="device cpu is not measured")
     assert (plan.num_state_slots, plan.num_kv_blocks, plan.prefix_cache_entries, plan.prefill_token_budget,
@@ -175,9 +180,9 @@ def test_probe_runs_on_a_tiny_model_and_sizes_the_engine(caplog):
         return built[-1]
 
     meter = FakeMeter(total=8 * GiB, in_use=7 * GiB, peak=100 * MiB)
-    request = CapacityRequest(prefill_token_budget=64, max_model_len=512)
+    request = CapacityRequest(prefill_token_budget=64, max_model_len=512, kv_block_size=16)
     with caplog.at_level(logging.INFO, logger="shard_svc"):
-        config = sized_config(request, EngineConfig(kv_block_size=16, prefix_state_interval=64), cfg,
+        config = sized_config(request, EngineConfig(prefix_state_interval=64), cfg,
                               torch.device("cpu"), torch.float32, build, None, in_group=False, meter=meter)
     sizes = UnitSizes.for_model(cfg, torch.float32, 16)
     expected = plan_from_memory(request, sizes, MemoryReport("fake:0", 8 * GiB, 7 * GiB, 100 * MiB), 4096)
@@ -197,8 +202,8 @@ def test_probe_runs_on_a_tiny_model_and_sizes_the_engine(caplog):
 def test_shard_group_and_cpu_are_not_measured(caplog):
     cfg, model = random_model(linear_config())
     with caplog.at_level(logging.INFO, logger="shard_svc"):
-        config = sized_config(CapacityRequest(), EngineConfig(kv_block_size=16), cfg, torch.device("cpu"),
+        config = sized_config(CapacityRequest(), EngineConfig(kv_block_size=99), cfg, torch.device("cpu"),
                               torch.float32, lambda c: pytest.fail("no probe on the CPU"), None, in_group=False)
-    assert (config.num_state_slots, config.num_kv_blocks, config.prefix_cache_entries,
-            config.prefill_token_budget) == (16, 1024, 16, 512)
+    assert (config.num_state_slots, config.num_kv_blocks, config.kv_block_size, config.prefix_cache_entries,
+            config.prefill_token_budget) == (16, 1024, 16, 16, 512)
     assert "device cpu is not measured" in next(r for r in caplog.records if r.msg == "capacity chosen").why
