@@ -68,12 +68,11 @@ class CudaMeter:
 
 
 def probe_batch(request: CapacityRequest, sizes: UnitSizes, meter: MemoryMeter, model_max_len: int) -> int:
-    """The decode batch to profile: the operator's slot count, else the most a budget without activations holds."""
-    if request.num_state_slots is not None:
-        return request.num_state_slots
+    """The decode batch to profile: the operator's slot count, else the most a budget without activations holds.
+    Flags that cannot fit even without activations are refused here, before the probe allocates anything."""
     total, free = meter.total_and_free()
-    report = MemoryReport(meter.device, total, total - free, 0)
-    return min(MAX_AUTO_STATE_SLOTS, plan_from_memory(request, sizes, report, model_max_len).num_state_slots)
+    plan = plan_from_memory(request, sizes, MemoryReport(meter.device, total, total - free, 0), model_max_len)
+    return min(MAX_AUTO_STATE_SLOTS, plan.num_state_slots) if request.num_state_slots is None else plan.num_state_slots
 
 
 def measure(build: Callable[[EngineConfig], Engine], request: CapacityRequest, sizes: UnitSizes,

@@ -207,3 +207,12 @@ def test_shard_group_and_cpu_are_not_measured(caplog):
     assert (config.num_state_slots, config.num_kv_blocks, config.kv_block_size, config.prefix_cache_entries,
             config.prefill_token_budget) == (16, 1024, 16, 16, 512)
     assert "device cpu is not measured" in next(r for r in caplog.records if r.msg == "capacity chosen").why
+
+
+def test_flags_that_cannot_fit_are_refused_before_the_probe_allocates():
+    cfg = ModelConfig.from_dict(dict(KIMI_LINEAR_48B))
+    meter = FakeMeter(total=int(139.8 * GiB), in_use=int(91.5 * GiB), peak=0)
+    with pytest.raises(CapacityDoesNotFit, match="--num-state-slots 4096"):
+        sized_config(CapacityRequest(num_state_slots=4096), EngineConfig(), cfg, torch.device("cpu"),
+                     torch.bfloat16, lambda c: pytest.fail("the probe must not be built"), None, in_group=False,
+                     meter=meter)
