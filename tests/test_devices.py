@@ -52,3 +52,28 @@ def test_up_and_generate_default_to_auto():
         sub = next(a for a in parser._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
         device = next(a for a in sub.choices[command]._actions if "--device" in a.option_strings)
         assert device.default == "auto", command
+
+
+def test_shard_flags_parse_into_a_capacity_request(tmp_path):
+    """Unset capacity flags stay unset (sized once the weights are placed), set ones are kept, `--host-kv-gb auto`
+    asks for host sizing, and `--device auto` is resolved before the engine options are built."""
+    import argparse
+
+    from shard_svc.server.main import add_args, config_from_args
+
+    def parsed(*flags: str):
+        p = argparse.ArgumentParser()
+        add_args(p)
+        return config_from_args(p.parse_args(["--model", str(tmp_path), *flags])).engine
+
+    opts = parsed()
+    assert opts.device == ("cuda" if torch.cuda.is_available() else "cpu")
+    req = opts.capacity
+    assert (req.num_state_slots, req.num_kv_blocks, req.prefix_cache_entries, req.prefill_token_budget,
+            req.max_model_len, req.kv_block_size, req.gpu_memory_utilization, req.host_kv_bytes) == \
+        (None, None, None, None, None, None, 0.9, 0)
+    req = parsed("--num-state-slots", "8", "--kv-block-size", "32", "--host-kv-gb", "auto",
+                 "--gpu-memory-utilization", "0.8", "--device", "cpu").capacity
+    assert (req.num_state_slots, req.kv_block_size, req.host_kv_bytes, req.gpu_memory_utilization) == \
+        (8, 32, None, 0.8)
+    assert parsed("--host-kv-gb", "1.5").capacity.host_kv_bytes == int(1.5 * (1 << 30))
