@@ -153,7 +153,9 @@ def served(args, model: Path, result: dict, save) -> None:
                            router_args=_router_args(args, http_port, "served"))
     try:
         result["startup_s"] = time.perf_counter() - start
-        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=60)  # the client's own connection is not the stack's
+        stub = router_pb2_grpc.RouterStub(channel)
         first_vs_warm(result, stub, http_port, args.input_len)
         save()
         result["served"] = _bench(port, args.out / "bench", args.bench_timeout, *_level_flags(args))["levels"]
