@@ -52,7 +52,8 @@ bench-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.capacity --out $(BENCH_OUT)/capacity
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served --auto-capacity --long-prompt 262144
 
 # Trains models/ from nothing (training/train.py; about six minutes on an H200) into TRAIN_OUT/<model>/, with the
 # report in TRAIN_OUT/summary.json. Needs only torch, tokenizers, safetensors and numpy beside the checkout.

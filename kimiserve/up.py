@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kimiserve.devices import DEVICE_HELP, shard_devices
 from kimiserve.health import is_serving
 from kimiserve.internal_auth import is_loopback, write_token
 from kimiserve.lifeline import child_env
@@ -103,7 +104,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="checkpoint dir (default: the trained models/kimi-linear-austen of the checkout)")
     p.add_argument("--shards", type=int, default=1)
-    p.add_argument("--device", default="cpu", help="cpu | cuda (shard i gets cuda:i; with groups, cuda:i*N..)")
+    p.add_argument("--device", default="auto",
+                   help=f"{DEVICE_HELP}; shard i gets cuda:i (with groups of N ranks, cuda:i*N..) "
+                        "(default: %(default)s)")
     p.add_argument("--tp", type=int, default=1, help="each shard is a group: attention heads split tp ways")
     p.add_argument("--ep", type=int, default=1,
                    help="each shard is a group: routed experts split ep ways (max(tp, ep) processes per shard)")
@@ -145,7 +148,7 @@ SHARD_FLAGS = (("--num-state-slots", int), ("--num-kv-blocks", int), ("--kv-bloc
                ("--prefill-token-budget", int), ("--prefill-policy", str), ("--long-prefill-threshold", int),
                ("--long-prefill-floor", int), ("--mixed-prefill-cost", int), ("--max-model-len", int),
                ("--prefix-cache-entries", int), ("--prefix-state-interval", int), ("--prefix-host-entries", int),
-               ("--host-kv-gb", float), ("--op-backend", str))
+               ("--host-kv-gb", str), ("--op-backend", str), ("--gpu-memory-utilization", float))
 
 
 def shard_flags(args: argparse.Namespace) -> tuple[str, ...]:
@@ -242,9 +245,8 @@ def start_stack(model: Path, shards: int, device: str, host: str, port: int, tim
                                next(ports), TOKENIZER_STOP_S))
         group = max(tp, ep)  # devices per shard: a shard group of max(tp, ep) ranks (shard_svc/parallel)
         group_args = ("--tp", str(tp), "--ep", str(ep)) if group > 1 else ()
-        for i in range(shards):
+        for i, dev in enumerate(shard_devices(device, shards, group)):
             _check_stop(stop, f"starting shard-{i}")
-            dev = f"cuda:{i * group}" if device == "cuda" else device
             children.append(_spawn(f"shard-{i}", ["shard", "--model", str(model), "--device", dev, *group_args,
                                                   "--shard-name", f"shard-{i}", *token_args, *shard_args], internal,
                                    next(ports), next(ports), SHARD_STOP_S))

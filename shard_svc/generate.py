@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kimiserve.devices import DEVICE_HELP, resolve_device
 from kimiserve.sampling_args import add_sampling_args
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.build import EngineOptions, build_engine
@@ -39,7 +40,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path, help="checkpoint directory")
     add_sampling_args(p)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: float32 on cpu, bfloat16 on cuda")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
@@ -71,7 +72,7 @@ def _check_tokenizer_needs(args: argparse.Namespace) -> None:
 
 def options_from_args(args: argparse.Namespace) -> EngineOptions:
     """One sequence at a time; the response_format vocabulary only when --json-schema asks for it."""
-    return EngineOptions(args.model, args.device, args.dtype, load_format=args.load_format,
+    return EngineOptions(args.model, resolve_device(args.device), args.dtype, load_format=args.load_format,
                          config=EngineConfig(num_state_slots=1), weights=weights_args(args),
                          enforce_eager=args.enforce_eager, grammars=args.json_schema is not None, tp=args.tp,
                          ep=args.ep, group_timeout_s=args.group_timeout)

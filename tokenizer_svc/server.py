@@ -14,8 +14,11 @@ from kimiserve import internal_auth, security
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.chat_template import load_chat_template
+from tokenizer_svc.chat_template import load_chat_template, render_chat
+from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.config import TokenizerServerConfig
+from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tokenizer_svc.errors import TokenizerServiceError
 from tokenizer_svc.registry import load_for_model
 from tokenizer_svc.service import ServedTokenizer, TokenizerServicer
 
@@ -38,10 +41,28 @@ def load_served(cfg: TokenizerServerConfig) -> ServedTokenizer:
     )
 
 
+def warm(served: ServedTokenizer) -> None:
+    """One chat rendered, encoded and detokenized incrementally before SERVING, on the worker threads the RPCs use,
+    so the first request pays for none of it (issue 25: first-request TTFT). A template that cannot render a plain
+    user turn is logged, not fatal: each request's own rendering reports its error."""
+    try:
+        text = render_chat(served.template, [ChatMessage(role="user", content="Hello")], [], True,
+                           served.max_message_chars)
+    except TokenizerServiceError as e:
+        log.warning("chat template warm-up failed; requests will report their own rendering errors",
+                    extra={"error": str(e), "chat_template": served.template.source})
+        text = "Hello"
+    ids = served.tokenizer.encode(text)
+    detok = IncrementalDetokenizer(served.tokenizer)
+    detok.add(ids)
+    detok.flush()
+
+
 async def start_server(
     cfg: TokenizerServerConfig, served: ServedTokenizer
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
+    await asyncio.to_thread(warm, served)  # also starts the worker thread pool the RPCs run their work on
     # Callers without the internal token are refused first; a corrupt request body: INVALID_ARGUMENT. No
     # SO_REUSEPORT: a taken port fails here.
     token_check = ([internal_auth.AioTokenInterceptor(internal_auth.read_token(cfg.internal_token_file))]

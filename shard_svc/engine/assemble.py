@@ -14,9 +14,11 @@ from pathlib import Path
 
 import torch
 
+from shard_svc.engine.capacity import CapacityRequest
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.grammar import Grammars
+from shard_svc.engine.sizing import sized_config
 from shard_svc.engine.warmup import warm_up
 from shard_svc.ops import select_ops
 from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
@@ -49,6 +51,10 @@ class EngineOptions:
     group_timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer fails
     load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
     cpu_threads: int | None = None  # torch intra-op threads per process on a CPU device; None: leave torch's
+    # The operator's capacity flags, sized once the weights are placed (shard_svc/engine/sizing.py): unset ones from
+    # device memory on a GPU, the fixed defaults elsewhere; `config` then gives only the block size, the prefix state
+    # interval and host entries. None: `config` is used as it is (benchmarks, tests, `kimiserve generate`).
+    capacity: CapacityRequest | None = None
 
     @property
     def world(self) -> int:
@@ -83,13 +89,22 @@ def assemble_engine(opts: EngineOptions, device: torch.device, metrics: Streamin
     # In a group every rank advances each sequence's response_format matcher, so all agree on where it ends.
     grammars = (Grammars.for_checkpoint(Path(opts.model_dir), cfg.vocab_size, cfg.eos_token_ids)
                 if opts.grammars else None)
-    engine = Engine(cfg, model, select_ops(device, opts.op_backend), device,
-                    graph_engine_config(opts.config, device, eager), sync=sync, kv_metrics=metrics,
-                    grammars=grammars)
+    ops = select_ops(device, opts.op_backend)
+
+    def build(config: EngineConfig) -> Engine:
+        engine = Engine(cfg, model, ops, device, graph_engine_config(config, device, eager), sync=sync,
+                        kv_metrics=metrics, grammars=grammars, advertised=config)
+        if streamer is not None:
+            streamer.attach(engine.runner)
+        return engine
+
+    config = opts.config
+    if opts.capacity is not None:
+        config = sized_config(opts.capacity, opts.config, cfg, device, dtype, build,
+                              None if eager else enable_cuda_graphs, in_group=group is not None)
+    engine = build(config)
     if not eager:
         enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
-    if streamer is not None:
-        streamer.attach(engine.runner)
     if opts.warm_up and group is None and device.type == "cuda":  # compile every kernel shape before serving
         warm_up(engine)
     return engine

@@ -39,7 +39,7 @@ def check_options(opts: EngineOptions) -> None:
     """Refuses combinations that are not supported, naming the flags."""
     if opts.world > 1 and opts.weights.mode == "stream":
         raise StreamingConfigError("--weights stream runs in one process; it is not supported with --tp/--ep")
-    if opts.world > 1 and opts.config.host_kv_bytes:
+    if opts.world > 1 and (opts.config.host_kv_bytes or (opts.capacity and opts.capacity.host_kv_bytes != 0)):
         raise StreamingConfigError("--host-kv-gb runs in one process; it is not supported with --tp/--ep")
 
 

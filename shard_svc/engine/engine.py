@@ -93,10 +93,13 @@ class StepResult:
 class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
                  engine_cfg: EngineConfig = EngineConfig(), sync=None, kv_metrics: StreamingMetrics | None = None,
-                 grammars: Grammars | None = None):
+                 grammars: Grammars | None = None, advertised: EngineConfig | None = None):
         """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
-        grammars: the checkpoint's vocabulary for response_format (None: such requests are refused)."""
+        grammars: the checkpoint's vocabulary for response_format (None: such requests are refused).
+        advertised: the capacity the shard reports (engine_cfg less the decode graphs' padding slot and block;
+        None: engine_cfg)."""
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
+        self.advertised_cfg = advertised or engine_cfg
         # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
         self.sync = sync
         # The prefix cache's entries hold state slots of their own, beside the running sequences' slots.

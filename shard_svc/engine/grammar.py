@@ -24,7 +24,7 @@ from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, 
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
     JsonTooDeep, loads_json)
-from shard_svc.errors import ConfigError, InvalidRequest
+from shard_svc.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +117,12 @@ def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -
 class Grammars:
     """Compiles response formats against one checkpoint's vocabulary and computes the masks of a pass."""
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer: llguidance.LLTokenizer | None, vocab_size: int, refusal: str | None = None):
+        """refusal: why no grammar can be enforced with this checkpoint (tokenizer None); every response_format
+        request is then refused with it, and the shard serves everything else."""
+        if (tokenizer is None) == (refusal is None):
+            raise ValueError("Grammars needs a tokenizer or a refusal reason, not both or neither")
+        self.tokenizer, self.vocab_size, self.refusal = tokenizer, vocab_size, refusal
         self._executor = llguidance.LLExecutor()
 
     @classmethod
@@ -135,17 +139,39 @@ class Grammars:
             return None
         start = time.perf_counter()
         loaded = load_tokenizer(Path(model_dir))
+        # llguidance ends a grammar on an end-of-sequence id of the tokenizer's own vocabulary; a config.json eos id
+        # past it (a benchmark's full-size config beside a tiny tokenizer) cannot be one.
+        covered = [e for e in eos_token_ids if e < loaded.vocab_size]
+        outside = [e for e in eos_token_ids if e >= loaded.vocab_size]
+        where = f"{model_dir} ({loaded.source}, {loaded.vocab_size} ids; config.json vocab_size {vocab_size})"
+        tokenizer, refusal = None, None
         if loaded.vocab_size > vocab_size:
-            raise ConfigError(f"{model_dir}: the tokenizer has {loaded.vocab_size} ids but the model only "
-                                 f"{vocab_size}")
-        tokenizer = llguidance.LLTokenizer(loaded.hf.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids))
+            refusal = f"{where}: the tokenizer has more ids than the model"
+        elif not covered:
+            refusal = (f"{where}: config.json's eos_token_id {list(eos_token_ids)} is outside the tokenizer's ids, "
+                       "so no constrained output could end")
+        else:
+            try:
+                tokenizer = llguidance.LLTokenizer(loaded.hf.to_str(), n_vocab=vocab_size, eos_token=covered)
+            except ValueError as e:  # llguidance's own checks of the vocabulary: refused per request, named
+                refusal = f"{where}: the grammar engine refused the vocabulary: {e}"
+        if refusal is not None:
+            log.warning("structured output off: response_format requests will be refused", extra={"reason": refusal})
+            return cls(None, vocab_size, refusal)
+        if outside:
+            log.warning("structured output ends only on the eos ids the tokenizer holds",
+                        extra={"model_dir": str(model_dir), "eos_used": covered, "eos_outside_tokenizer": outside,
+                               "tokenizer_ids": loaded.vocab_size})
         log.info("structured output ready", extra={"model_dir": str(model_dir), "source": loaded.source,
-                                                   "vocab_size": vocab_size,
+                                                   "vocab_size": vocab_size, "eos_token_ids": covered,
                                                    "load_s": round(time.perf_counter() - start, 3)})
         return cls(tokenizer, vocab_size)
 
     def compile(self, fmt: ResponseFormat, request_id: str) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence. Raises InvalidRequest naming what the grammar engine refused."""
+        if self.refusal is not None:
+            raise InvalidRequest(f"request {request_id!r}: response_format cannot be enforced by this shard: "
+                                 f"{self.refusal}")
         fmt.validate()
         if fmt.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(fmt.text)

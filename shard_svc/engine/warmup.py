@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shard_svc.engine.engine import Engine
+from shard_svc.engine.grammar import ResponseFormat
+from shard_svc.engine.prefix_cache import PrefixCacheStats
 from shard_svc.engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,61 @@ def _run(engine: Engine) -> dict:
         while engine.has_work():
             engine.step()
             steps += 1
+    forget_prefixes(engine)
     summary = {"seconds": round(time.perf_counter() - start, 3), "single_lengths": lengths,
                "packed_lengths": together, "packed_steps": steps}
     log.info("engine warmed up", extra=summary)
+    return summary
+
+
+def forget_prefixes(engine: Engine) -> None:
+    """Empties the prefix cache of the warm-up's prompts and zeroes its counters: users meet the cache, and its
+    metrics, a fresh shard has. Before the engine loop first publishes the counters (they only ever advance)."""
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+        engine.prefix_cache.stats = PrefixCacheStats()
+
+
+def request_path_params(engine: Engine) -> dict[str, SamplingParams]:
+    """One request of each sampling path a first user request may take: greedy; seeded temperature with top-k,
+    top-p, the three penalties and top logprobs; unseeded temperature; and a response_format where the shard can
+    enforce one."""
+    params = {"greedy": SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True),
+              "sampled": SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1, max_tokens=OUTPUT_TOKENS,
+                                        ignore_eos=True, logprobs=True, top_logprobs=5, presence_penalty=0.1,
+                                        frequency_penalty=0.1, repetition_penalty=1.1),
+              "unseeded": SamplingParams(temperature=1.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)}
+    if engine.grammars is not None and engine.grammars.refusal is None:
+        params["json"] = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS,
+                                        response_format=ResponseFormat("json_object"))
+    return params
+
+
+def warm_request_paths(engine: Engine) -> dict:
+    """Runs on the engine loop's own thread before the shard reports SERVING (EngineLoop.before_serving).
+
+    `warm_up` compiles every pass shape, but on the thread that built the engine; what a library creates per thread
+    (a cuBLAS handle and workspace, a device generator's first kernels) and what loads on first use (sampling,
+    penalty and grammar-mask kernels) the first user request would still pay on the engine thread. This runs each
+    sampling path, packed, then the prefix cache's hit paths, then forgets the prefixes it cached."""
+    start = time.perf_counter()
+    prompt = [(11 * i) % 89 + 1 for i in range(min(48, engine.max_model_len - OUTPUT_TOKENS))]
+    params = request_path_params(engine)
+    steps = 0
+    for name, p in params.items():  # packed: the passes mix the paths, as a burst of users would
+        engine.add_request(f"warmup-path-{name}", list(prompt), p)
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    # The prefix cache's paths, one request at a time: a new prompt, the same prompt (cached whole: its first token
+    # from the cached logits row, sampled), then a longer one (a cached prefix restored, the rest prefilled).
+    other = [(13 * i) % 83 + 2 for i in range(len(prompt))]
+    for k, ids in enumerate((other, other, other + prompt[:8])):
+        if len(ids) + OUTPUT_TOKENS <= engine.max_model_len:
+            engine.generate(ids, params["sampled"], request_id=f"warmup-prefix-{k}")
+    hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
+    forget_prefixes(engine)
+    summary = {"seconds": round(time.perf_counter() - start, 3), "paths": sorted(params), "steps": steps,
+               "prefix_hit_tokens": hits}
+    log.info("request paths warmed on the engine thread", extra=summary)
     return summary

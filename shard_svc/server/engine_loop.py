@@ -86,6 +86,10 @@ class EngineLoop:
         self.failure: str | None = None
         self.fatal_hooks: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # Run on the engine thread before it takes any request (shard_svc/engine/warmup.py warm_request_paths:
+        # per-thread library handles and the first request's paths); `ready` is set once it returned or failed.
+        self.before_serving: Callable[[Engine], object] | None = None
+        self.ready = threading.Event()
 
     def start(self) -> None:
         with self._lock:
@@ -144,9 +148,14 @@ class EngineLoop:
     # -- the engine thread ---------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            if self.before_serving is not None:
+                self.before_serving(self.engine)
+            self.ready.set()
             self._serve()
         except Exception as e:  # noqa: BLE001 - a step that raised leaves the engine unknown: fatal, reported
             self._fail(e)
+        finally:
+            self.ready.set()
 
     def _serve(self) -> None:
         while True:

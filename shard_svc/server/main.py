@@ -17,12 +17,18 @@ from grpc_reflection.v1alpha import reflection
 
 from kimiserve import internal_auth, security, tracing
 from kimiserve.decode_guard import DecodeGuard
+from kimiserve.devices import DEVICE_HELP, resolve_device
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.build import EngineOptions, build_engine
+from shard_svc.engine.capacity import (
+    CPU_KV_BLOCK_SIZE, CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS,
+    DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
+    CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
+from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.errors import SchedulingConfigError
 from shard_svc.parallel.launch import add_group_args
 from shard_svc.parallel.loop import GroupEngineLoop
@@ -51,16 +57,21 @@ class ShardServerConfig:
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, type=Path)
     p.add_argument("--shard-name", default="shard-0")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="auto", help=f"{DEVICE_HELP} (default: %(default)s)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50061)
     p.add_argument("--metrics-port", type=int, default=9101)
-    p.add_argument("--num-state-slots", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
-    p.add_argument("--kv-block-size", type=int, default=16)
-    p.add_argument("--prefill-token-budget", type=int, default=512,
-                   help="new prompt tokens per prefill pass; every step runs one prefill pass and one decode pass")
+    p.add_argument("--num-state-slots", type=int, default=None,
+                   help="concurrent sequences (one KDA state slot each). Default: sized from memory on a GPU (see "
+                        f"--gpu-memory-utilization), {CPU_STATE_SLOTS} on the CPU")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help=f"MLA KV cache blocks. Default: sized from memory on a GPU, {CPU_KV_BLOCKS} on the CPU")
+    p.add_argument("--kv-block-size", type=int, default=None,
+                   help=f"tokens per KV block. Default: {GPU_KV_BLOCK_SIZE} on a GPU, {CPU_KV_BLOCK_SIZE} on the CPU")
+    p.add_argument("--prefill-token-budget", type=int, default=None,
+                   help=f"new prompt tokens per prefill pass. Default: {GPU_PREFILL_TOKEN_BUDGET} on a GPU, "
+                        f"{CPU_PREFILL_TOKEN_BUDGET} on the CPU")
     p.add_argument("--prefill-policy", choices=POLICIES, default="fair",
                    help="how a pass's budget is shared (docs/scheduling.md). fair: short prompts go into the next "
                         "pass whole, a long prompt takes what is left but at least --long-prefill-floor, and its "
@@ -79,19 +90,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="while a long prompt prefills, run the step's decodes in its prefill pass (one pass per "
                         "step). Off by default: today's MLA prefill pads every row to the pass's longest context, "
                         "which makes such passes several times slower at long context (docs/scheduling.md)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--host-kv-gb", type=float, default=0.0,
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence (prompt + max_tokens) served. Default: the model's own maximum, capped by "
+                        "what the KV cache holds for one sequence")
+    p.add_argument("--host-kv-gb", type=_host_kv_gb, default=0.0,
                    help="host memory (GiB, pinned on a GPU) for the MLA KV cache of sequences moved off the device. "
                         "With it, admission may promise more KV than the device's blocks hold (up to device + host "
                         "minus one sequence's promise); when a step's blocks run short, whole sequences' KV pages "
                         "move to the host, the most recently admitted first, and those sequences wait until blocks "
-                        "free up and their pages come back. 0: off, every promise stays on the device")
-    p.add_argument("--prefix-cache-entries", type=int, default=16,
+                        "free up and their pages come back. 0: off, every promise stays on the device; auto: "
+                        f"{HOST_KV_SHARE:g} of the host's available memory once the weights are placed")
+    p.add_argument("--prefix-cache-entries", type=int, default=None,
                    help="cached prompt prefixes kept for reuse: each holds one KDA state slot (beside the "
                         "--num-state-slots of running sequences; about 41 MiB at the 48B shape), so this x a slot "
                         "bounds the cache's state memory (allocated at startup); each shares its prefix's KV blocks, "
                         "which admissions reclaim when they need them. The least valuable entry (hits x tokens, "
-                        "aged) goes first. 0: no prefix cache")
+                        "aged) goes first. 0: no prefix cache. "
+                        f"Default: one per {ENTRY_EVERY} state slots when sized from memory on a GPU, "
+                        f"{CPU_PREFIX_CACHE_ENTRIES} on the CPU")
     p.add_argument("--prefix-state-interval", type=int, default=4096,
                    help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
                         "apart with every doubling of the position (the prefill chunk ends at each point: an extra "
@@ -114,34 +130,67 @@ def add_args(p: argparse.ArgumentParser) -> None:
     internal_auth.add_server_args(p)
     add_group_args(p)
     add_weights_args(p)  # --weights resident|stream|auto, --prefetch-depth, --weight-slots, --pinned-memory-gb
+    add_memory_args(p)
+
+
+# -- capacity from memory (issue 25; shard_svc/engine/capacity.py) ---------------------------------------------------
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION,
+                   help="share of the GPU's total memory the shard may use: what the weights, the profiled "
+                        "activation peak and the decode graphs leave of it goes to state slots, prefix-cache entries "
+                        "and KV blocks (capacity flags that are set are taken as they are). Not used on the CPU "
+                        "(default: %(default)s)")
+
+
+def _host_kv_gb(text: str) -> float | None:
+    """--host-kv-gb: GiB, or `auto` (None: sized from the host's memory)."""
+    return None if text == "auto" else float(text)
+
+
+def capacity_from_args(args: argparse.Namespace) -> CapacityRequest:
+    host_kv = None if args.host_kv_gb is None else int(args.host_kv_gb * (1 << 30))
+    request = CapacityRequest(args.num_state_slots, args.num_kv_blocks, args.prefix_cache_entries,
+                              args.prefill_token_budget, args.max_model_len, args.gpu_memory_utilization, host_kv,
+                              args.kv_block_size)
+    try:
+        request.check()
+    except CapacityDoesNotFit as e:
+        raise SystemExit(f"shard: {e}") from e
+    return request
+# -- end of capacity from memory ---------------------------------------------------------------------------------------
 
 
 def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
-    if args.prefix_cache_entries < 0 or args.prefix_state_interval < 0 or \
-            args.prefix_state_interval % args.kv_block_size:
+    device = resolve_device(args.device)
+    on_gpu = device.startswith("cuda")
+    block_size = args.kv_block_size or (GPU_KV_BLOCK_SIZE if on_gpu else CPU_KV_BLOCK_SIZE)
+    if (args.prefix_cache_entries or 0) < 0 or args.prefix_state_interval < 0 or \
+            args.prefix_state_interval % block_size:
         raise SystemExit(f"--prefix-cache-entries must be >= 0 (got {args.prefix_cache_entries}) and "
-                         f"--prefix-state-interval >= 0 and a multiple of --kv-block-size {args.kv_block_size} "
+                         f"--prefix-state-interval >= 0 and a multiple of the KV block size {block_size} "
                          f"(got {args.prefix_state_interval})")
-    if args.prefix_host_entries < 0 or (args.prefix_host_entries and not args.prefix_cache_entries):
+    if args.prefix_host_entries < 0 or (args.prefix_host_entries and args.prefix_cache_entries == 0):
         raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
                          f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "
                          "evicted from the device cache")
     try:
-        PrefillShare(args.prefill_token_budget, args.prefill_policy, args.long_prefill_threshold,
-                     args.long_prefill_floor, args.mixed_prefill_cost)
+        PrefillShare(args.prefill_token_budget or (GPU_PREFILL_TOKEN_BUDGET if on_gpu else CPU_PREFILL_TOKEN_BUDGET),
+                     args.prefill_policy, args.long_prefill_threshold, args.long_prefill_floor,
+                     args.mixed_prefill_cost)
     except SchedulingConfigError as e:
-        raise SystemExit(str(e)) from None
-    capacity = EngineConfig(args.num_state_slots, args.num_kv_blocks, args.kv_block_size, args.prefill_token_budget,
-                            args.max_model_len, host_kv_bytes=int(args.host_kv_gb * (1 << 30)),
-                            prefix_cache_entries=args.prefix_cache_entries,
+        raise SystemExit(f"shard: {e}") from None
+    request = capacity_from_args(args)
+    # Only what is not sized once the weights are placed (shard_svc/engine/sizing.py) is read from this config.
+    capacity = EngineConfig(max_model_len=args.max_model_len,
+                            host_kv_bytes=request.host_kv_bytes or 0,
                             prefix_state_interval=args.prefix_state_interval,
                             prefix_host_entries=args.prefix_host_entries, prefill_policy=args.prefill_policy,
                             long_prefill_threshold=args.long_prefill_threshold,
                             long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost,
                             fold_decodes=args.fold_decodes)
-    engine = EngineOptions(args.model, args.device, args.dtype, args.op_backend, args.load_format, capacity,
-                           weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
-                           group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads)
+    engine = EngineOptions(args.model, device, args.dtype, args.op_backend, args.load_format,
+                           capacity, weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
+                           group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads, capacity=request)
     tls = security.server_tls_from_args(args)
     token_file = internal_auth.check_server_args(args, args.host, tls, "shard")
     return ShardServerConfig(args.shard_name, args.host, args.port, args.metrics_port, engine, tls,
@@ -155,9 +204,12 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     metrics = ShardMetrics(cfg.shard_name)
     # Weight streaming and host KV pages report on the shard's registry (one process; a group streams nothing).
     built = build_engine(cfg.engine, StreamingMetrics(metrics.registry, cfg.shard_name))
-    engine, model_cfg, capacity = built.engine, built.engine.cfg, cfg.engine.config
+    engine, model_cfg = built.engine, built.engine.cfg
+    capacity = engine.advertised_cfg  # as sized once the weights were placed (shard_svc/engine/sizing.py)
     # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/parallel/loop.py).
     loop = EngineLoop(engine, metrics) if built.leader is None else GroupEngineLoop(built.leader, metrics)
+    if cfg.engine.warm_up and built.leader is None and engine.device.type == "cuda":
+        loop.before_serving = warm_request_paths  # the first request's paths, on the thread that will serve it
     info = shard_pb2.ShardInfoResponse(
         model_name=Path(cfg.engine.model_dir).name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
         eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
@@ -193,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"shard: {e}") from e
     server, loop, health_servicer = build_server(cfg)
     loop.start()
+    loop.ready.wait()  # its warm-up done (or failed: then the fatal hook below stops the shard)
     server.start()
     health_server = (security.health_only_server(health_servicer, cfg.host, cfg.health_port)
                      if cfg.health_port is not None else None)

@@ -211,6 +211,42 @@ def test_warm_up_runs_with_the_prefix_cache_off_and_leaves_it_empty_and_on():
     assert cache.stats.snapshots_interval == 2  # on again: the points at 16 and 32
 
 
+def test_request_paths_warm_up_on_the_engine_thread_and_leave_a_fresh_shard(tmp_path):
+    """EngineLoop.before_serving runs warm_request_paths on the engine thread (every sampling path, a format, a
+    whole prompt from the prefix cache) before `ready`; the pools, the prefix cache and its metrics are then those
+    of a fresh shard, and a request gets a fresh engine's tokens."""
+    from shard_svc.engine.grammar import Grammars
+    from shard_svc.engine.warmup import warm_request_paths
+    from tokenizer_svc.tiny import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    raw = linear_config(vocab_size=1024, eos_token_id=514)
+    kw = dict(num_state_slots=4, num_kv_blocks=64, prefix_cache_entries=4, prefix_state_interval=64)
+    engine = make_engine(raw, grammars=Grammars.for_checkpoint(tmp_path, 1024, (514,)), **kw)
+    threads, summary = [], {}
+
+    def warm(e):
+        threads.append(threading.current_thread().name)
+        summary.update(warm_request_paths(e))
+
+    loop = EngineLoop(engine, ShardMetrics("shard-test"))
+    loop.before_serving = warm
+    loop.start()
+    assert loop.ready.wait(60) and loop.failure is None
+    assert threads == ["engine-loop"] and summary["paths"] == ["greedy", "json", "sampled", "unseeded"]
+    assert summary["prefix_hit_tokens"] >= 2 * 48  # a prompt from the cache whole, then as the prefix of another
+    s, cache = engine.scheduler, engine.prefix_cache
+    assert not engine.sequences and s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
+    assert len(cache) == 0 and cache.stats.hit_tokens == 0 and cache.stats.queried_tokens == 0
+    tokens = []
+    loop.submit("after", [3, 1, 4, 1, 5], GREEDY, lambda e: tokens.append(e.token_id))
+    loop.stop(30)  # drains: the request finishes first
+    fresh = make_engine(raw, **kw).generate([3, 1, 4, 1, 5], GREEDY, "after").output
+    assert [t for t in tokens if t is not None] == fresh
+    assert loop.metrics.registry.get_sample_value("kimiserve_shard_prefix_cache_hit_tokens_total",
+                                                  {"shard": "shard-test", "rank": "0"}) == 0
+
+
 def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     """The prefill pass record (metrics and one JSON log line per pass) and each request's timing agree with what
     the engine ran: a 16-token budget splits the 20-token prompt over passes that other prompts share."""

@@ -225,3 +225,23 @@ def test_sandbox_refuses_mutation_and_dunder_access(tmp_path: Path) -> None:
 def test_template_that_does_not_compile_is_refused_at_load(tmp_path: Path) -> None:
     with pytest.raises(TokenizerLoadError, match="does not compile"):
         load_chat_template(tmp_path, write_config(tmp_path, chat_template="{% for %}"))
+
+
+def test_startup_warm_up_renders_encodes_and_survives_a_failing_template(tmp_path: Path, tok, caplog) -> None:
+    """tokenizer_svc/server.py warm: one chat through render, encode and the incremental detokenizer before SERVING;
+    a template that refuses a plain user turn is logged, and the service still starts."""
+    import logging
+
+    from tokenizer_svc.server import warm
+    from tokenizer_svc.service import ServedTokenizer
+
+    rendered = []
+    good = load_chat_template(tmp_path, write_config(tmp_path, chat_template="{{ messages[0].content }}!"))
+    good_render = good.render
+    good.render = lambda *a: rendered.append(good_render(*a)) or rendered[-1]
+    warm(ServedTokenizer(tok, good, "m", "kimi_linear", LIMIT, LIMIT))
+    assert rendered == ["Hello!"]
+    bad = load_chat_template(tmp_path, write_config(tmp_path, chat_template="{{ raise_exception('no users') }}"))
+    with caplog.at_level(logging.WARNING, logger="tokenizer_svc.server"):
+        warm(ServedTokenizer(tok, bad, "m", "kimi_linear", LIMIT, LIMIT))
+    assert any("chat template warm-up failed" in r.getMessage() and "no users" in r.error for r in caplog.records)
