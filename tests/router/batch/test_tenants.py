@@ -245,3 +245,22 @@ def test_the_batch_database_and_its_directory_are_private(tenants):
     assert stat.S_IMODE(os.stat(db.parent).st_mode) == 0o700
     for path in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+
+
+def test_the_prefix_cache_answers_no_tenant_about_another(tenants):
+    """The issue's probe: alice's chat names a secret; bob (over gRPC) and the admin ops (over HTTP) send the same
+    prompt, the right guess, and see no cached tokens; alice's own repeat still hits in full."""
+    messages = [{"role": "user", "content": "The vault code of Mr 893005 is 45"}]
+
+    def chat(name: str):
+        return tenants.http[name].chat.completions.create(model="", messages=messages, max_tokens=1, temperature=0)
+
+    first = chat("alice")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    request = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(**m) for m in messages],
+                                     sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+    last = list(tenants.router.stub.Chat(request, metadata=tenants.md("bob"), timeout=60))[-1]
+    assert last.usage.prompt_tokens == first.usage.prompt_tokens and last.usage.cached_prompt_tokens == 0
+    assert chat("ops").usage.prompt_tokens_details.cached_tokens == 0  # an admin key reads files, not prompts
+    again = chat("alice")  # the same tenant shares its own prefixes as before
+    assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens > 0
