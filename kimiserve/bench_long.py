@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kimiserve.bench_serve import Load, RequestRecord, _pcts
+from kimiserve.bench_load import Load, RequestRecord, percentiles
 
 
 async def _clients(load: Load, concurrency: int, stop: asyncio.Event) -> list[RequestRecord]:
@@ -41,7 +41,7 @@ def _window(records: list[RequestRecord], start: float, end: float) -> dict:
     """Requests sent in [start, end) and token gaps that end in it."""
     sent = [r for r in records if start <= r.sent < end and r.ok]
     gaps = [b - a for r in records for a, b in zip(r.chunk_times, r.chunk_times[1:]) if start <= b < end]
-    return {"requests": len(sent), "ttft_ms": _pcts([r.ttft for r in sent]), "itl_ms": _pcts(gaps),
+    return {"requests": len(sent), "ttft_ms": percentiles([r.ttft for r in sent]), "itl_ms": percentiles(gaps),
             "failures": sum(1 for r in records if not r.ok)}
 
 

@@ -13,62 +13,20 @@ import argparse
 import asyncio
 import json
 import logging
-import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
 
-from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from kimiserve.bench_load import PERCENTILES, BenchArgs, Load, RequestRecord, percentiles
+from kimiserve.bench_long import long_prompt_report
+from kimiserve.bench_long import table as long_table
+from kimiserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class RequestRecord:
-    prompt_tokens: int
-    sent: float
-    turn: int = 0
-    first: float | None = None
-    done: float | None = None
-    output_tokens: int = 0
-    chunk_times: list[float] = field(default_factory=list)
-    status: str = "OK"
-    cached_tokens: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "OK" and self.first is not None and self.done is not None
-
-    @property
-    def ttft(self) -> float:
-        return self.first - self.sent
-
-    @property
-    def tpot(self) -> float | None:
-        return (self.done - self.first) / (self.output_tokens - 1) if self.output_tokens > 1 else None
-
-    @property
-    def itls(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
-
-
-@dataclass
-class BenchArgs:
-    router: str
-    input_len: int
-    input_spread: float
-    output_len: int
-    num_prompts: int
-    seed: int
-    turns: int
-    turn_len: int
-    slo_ttft_s: float | None
-    slo_tpot_s: float | None
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -100,57 +58,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-class Load:
-    """Prompts and the streaming of one request."""
-
-    def __init__(self, stub: router_pb2_grpc.RouterStub, args: BenchArgs, vocab: int):
-        self.stub, self.args = stub, args
-        self.rng = random.Random(args.seed)
-        # Ordinary ids only: the low part of the vocabulary holds no special tokens in Kimi's or the tiny tokenizer.
-        self.id_range = max(2, min(vocab, 500))
-
-    def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(1, self.id_range) for _ in range(n)]
-
-    def first_prompt(self) -> list[int]:
-        s = self.args.input_spread
-        n = round(self.args.input_len * self.rng.uniform(1 - s, 1 + s)) if s else self.args.input_len
-        return self.tokens(max(1, n))
-
-    async def one(self, prompt: list[int], turn: int = 0,
-                  max_tokens: int | None = None) -> tuple[RequestRecord, list[int]]:
-        record = RequestRecord(len(prompt), time.perf_counter(), turn)
-        req = router_pb2.GenerateRequest(
-            prompt_token_ids=common_pb2.TokenIds(ids=prompt),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens or self.args.output_len, temperature=0.0,
-                                               ignore_eos=True))
-        output: list[int] = []
-        try:
-            async for chunk in self.stub.Generate(req):
-                now = time.perf_counter()
-                if chunk.token_ids:
-                    record.first = record.first or now
-                    record.chunk_times.append(now)
-                    output.extend(chunk.token_ids)
-                if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    record.output_tokens = chunk.usage.completion_tokens
-                    record.cached_tokens = chunk.usage.cached_prompt_tokens
-            record.done = time.perf_counter()
-        except grpc.aio.AioRpcError as e:
-            record.status = e.code().name
-        return record, output
-
-    async def conversation(self, records: list[RequestRecord], progress) -> None:
-        prompt = self.first_prompt()
-        for turn in range(self.args.turns):
-            record, output = await self.one(prompt, turn)
-            records.append(record)
-            progress.update(1)
-            if not record.ok:
-                return
-            prompt = prompt + output + self.tokens(self.args.turn_len)
-
-
 async def run_level(load: Load, concurrency: int | None, rate: float | None, n: int, progress) -> dict:
     records: list[RequestRecord] = []
     conversations = max(1, n // load.args.turns)
@@ -175,15 +82,6 @@ async def run_level(load: Load, concurrency: int | None, rate: float | None, n: 
     return summarize(records, time.perf_counter() - start, load.args, concurrency, rate)
 
 
-def _pcts(values: list[float], scale: float = 1e3) -> dict:
-    if not values:
-        return {}
-    ordered = sorted(values)
-    out = {f"p{p}": ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))] * scale for p in PERCENTILES}
-    out["mean"] = statistics.fmean(ordered) * scale
-    return out
-
-
 def summarize(records: list[RequestRecord], seconds: float, args: BenchArgs, concurrency, rate) -> dict:
     ok = [r for r in records if r.ok]
     failures: dict[str, int] = {}
@@ -200,12 +98,12 @@ def summarize(records: list[RequestRecord], seconds: float, args: BenchArgs, con
         "prompt_tokens": sum(r.prompt_tokens for r in ok), "output_tokens": sum(r.output_tokens for r in ok),
         "output_tokens_per_s": sum(r.output_tokens for r in ok) / seconds,
         "requests_per_s": len(ok) / seconds, "goodput_requests_per_s": len(good) / seconds,
-        "ttft_ms": _pcts([r.ttft for r in ok]), "tpot_ms": _pcts(tpots), "itl_ms": _pcts(itls),
-        "e2e_ms": _pcts([r.done - r.sent for r in ok]), "max_stall_ms": max(itls, default=0.0) * 1e3,
+        "ttft_ms": percentiles([r.ttft for r in ok]), "tpot_ms": percentiles(tpots), "itl_ms": percentiles(itls),
+        "e2e_ms": percentiles([r.done - r.sent for r in ok]), "max_stall_ms": max(itls, default=0.0) * 1e3,
         "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "by_turn": [{"turn": t, "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in rs),
                      "cached_tokens_mean": statistics.fmean(r.cached_tokens for r in rs),
-                     "ttft_ms": _pcts([r.ttft for r in rs])}
+                     "ttft_ms": percentiles([r.ttft for r in rs])}
                     for t in range(args.turns) if (rs := [r for r in ok if r.turn == t])] if args.turns > 1 else [],
     }
 
@@ -268,8 +166,6 @@ async def bench(ns: argparse.Namespace) -> dict:
         levels = ([None] if ns.request_rate is not None
                   else [int(c) for c in str(ns.concurrency).split(",") if c.strip()])
         if ns.long_prompt_len:
-            from kimiserve.bench_long import long_prompt_report  # it builds on Load: imported late, no cycle
-
             report = await long_prompt_report(load, levels[0] or 1, ns.long_prompt_len)
             return {"model": model.name, "max_context_tokens": model.max_context_tokens, "args": asdict(args),
                     "long_prompt": report}
@@ -296,8 +192,6 @@ def run(ns: argparse.Namespace) -> int:
     except grpc.aio.AioRpcError as e:
         sys.stderr.write(f"kimiserve bench: router {ns.router}: {e.code().name}: {e.details()}\n")
         return 1
-    from kimiserve.bench_long import table as long_table
-
     sys.stdout.write(long_table(report["long_prompt"]) if "long_prompt" in report else table(report["levels"]))
     if ns.out is not None:
         ns.out.mkdir(parents=True, exist_ok=True)
