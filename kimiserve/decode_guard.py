@@ -65,21 +65,33 @@ def _rebuild(handler: grpc.RpcMethodHandler, method: str, wrap: Callable[[str, C
 
 
 # -- asyncio servers (router, tokenizer) -------------------------------------------------------------------------
+async def call_unary(behavior: Callable, request, context):
+    """A unary-reply handler's reply, whether `behavior` is a coroutine function or a plain one."""
+    result = behavior(request, context)
+    return (await result) if inspect.isawaitable(result) else result
+
+
+async def call_stream(behavior: Callable, request, context):
+    """A streaming handler's replies, whether `behavior` is an async generator, a coroutine that writes with
+    context.write(), or a plain iterator."""
+    result = behavior(request, context)
+    if inspect.isasyncgen(result):
+        async for response in result:
+            yield response
+    elif inspect.isawaitable(result):
+        await result
+    else:
+        for response in result:
+            yield response
+
+
 def _aio_behavior(kind: str, inner: Callable) -> Callable:
     async def run(request, context):
-        result = inner(request, context)
-        return (await result) if inspect.isawaitable(result) else result
+        return await call_unary(inner, request, context)
 
     async def run_stream(request, context):
-        result = inner(request, context)
-        if inspect.isasyncgen(result):
-            async for response in result:
-                yield response
-        elif inspect.isawaitable(result):
-            await result  # a handler that writes with context.write()
-        else:
-            for response in result:
-                yield response
+        async for response in call_stream(inner, request, context):
+            yield response
 
     def guard_requests(requests, context):
         async def checked():

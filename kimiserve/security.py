@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import inspect
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from kimiserve.decode_guard import HANDLER_FACTORIES
+from kimiserve.decode_guard import HANDLER_FACTORIES, call_stream, call_unary
 from kimiserve.ports import SERVER_OPTIONS, PortInUse
 from kimiserve.tenants import ADMIN_MARK, DEFAULT, NAME, Tenant, set_grpc_tenant
 
@@ -348,20 +347,12 @@ def _as_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethod
 
     async def unary(request_or_iterator, context):
         set_grpc_tenant(tenant)
-        result = behavior(request_or_iterator, context)
-        return (await result) if inspect.isawaitable(result) else result
+        return await call_unary(behavior, request_or_iterator, context)
 
     async def streaming(request_or_iterator, context):
         set_grpc_tenant(tenant)
-        result = behavior(request_or_iterator, context)
-        if inspect.isasyncgen(result):
-            async for reply in result:
-                yield reply
-        elif inspect.isawaitable(result):
-            await result  # a handler that writes with context.write()
-        else:
-            for reply in result:
-                yield reply
+        async for reply in call_stream(behavior, request_or_iterator, context):
+            yield reply
 
     return HANDLER_FACTORIES[kind](streaming if kind.endswith("_stream") else unary,
                                    request_deserializer=handler.request_deserializer,
