@@ -1,9 +1,11 @@
 """Every fast or distributed path gives the eager reference's greedy tokens (TOKENS of them for each chat prompt: 128
-for Kimi-Linear, 16 for the 93-layer K3) on the trained models: weight streaming through the native ring, host KV offload under a KV cache too small for the batch,
-and a TP=2 shard group. The Triton kernels run in Triton's CPU interpreter, which executes each kernel launch in
+for Kimi-Linear) on the trained models: weight streaming through the native ring, host KV offload under a KV cache too
+small for the batch, and a TP=2 shard group. The Triton kernels run in Triton's CPU interpreter, which executes each kernel launch in
 Python (about 2 s of CPU per Kimi-Linear decode step): there the check is the prefill kernels' argmax at every prompt
-position (teacher-forced greedy tokens) plus the first TRITON_DECODE_TOKENS decoded tokens, on Kimi-Linear; the K3's
-93 layers would take minutes per token in the interpreter (its kernels are checked on the GPU by the benchmark)."""
+position (teacher-forced greedy tokens) plus the first TRITON_DECODE_TOKENS decoded tokens, on Kimi-Linear.
+
+No trained K3 is committed yet (its training run did not beat the unigram baseline): K3 joins MODELS, TOKENS and
+PROMPTS when one is (issue 29). Until then these cases do not exist rather than skip on every run."""
 
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ from shard_svc.streaming.host_loader import load_streamed
 # Imported at collection, before anything imports Triton compiled: decorates the kernels for Triton's CPU interpreter
 # (tests/kernels/conftest.py); Triton cannot be imported a second time in one process.
 from tests.kernels.conftest import SKIP_REASON as TRITON_SKIP_REASON
-from tests.trained.conftest import (BLOCK, CPU, K3, LINEAR, PROMPTS, TOKENS, assert_same_tokens, chat_ids,
+from tests.trained.conftest import (BLOCK, CPU, LINEAR, PROMPTS, TOKENS, assert_same_tokens, chat_ids,
                                     engine_for, generate, model_dir)
 
-MODELS = [LINEAR, K3]
+MODELS = [LINEAR]
 TRITON_DECODE_TOKENS = 4
 
 
@@ -95,4 +97,5 @@ def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(reference, 
     got = generate(engine_for(path, ops, num_state_slots=1), chat_ids(path)[:1], TRITON_DECODE_TOKENS)
     assert got.prompt_logits[0].argmax(-1).tolist() == ref.prompt_logits[0].argmax(-1).tolist(), \
         "Triton prefill: another argmax at some prompt position"
+    assert got.finish_reasons == ["length"], f"Triton run: {got.errors}"
     assert got.tokens[0] == ref.tokens[0][:TRITON_DECODE_TOKENS], "Triton decode: other greedy tokens"
