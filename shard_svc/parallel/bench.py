@@ -178,6 +178,16 @@ def _wait(queue, procs, spec: str) -> dict:
     return result
 
 
+def add_speedups(layouts: list[dict]) -> None:
+    """Each prefill and decode row gains `speedup_vs_<TP>x<EP>`: its tokens/s over the first layout's row of the same
+    shape (the first layout's rows get 1.0)."""
+    base = layouts[0]
+    for lay in layouts:
+        for kind in ("prefill", "decode"):
+            for mine, ref in zip(lay[kind], base[kind], strict=True):
+                mine[f"speedup_vs_{base['tp']}x{base['ep']}"] = mine["tokens_per_s"] / ref["tokens_per_s"]
+
+
 def main() -> None:
     from kimiserve.ports import free_port
     from shard_svc.make_tiny import make_tiny
@@ -208,11 +218,7 @@ def main() -> None:
                      for r in range(world)]
             [proc.start() for proc in procs]
             result["layouts"].append(_wait(queue, procs, spec))
-    base = result["layouts"][0]
-    for lay in result["layouts"]:
-        for kind, key in (("prefill", "tokens_per_s"), ("decode", "tokens_per_s")):
-            for mine, ref in zip(lay[kind], base[kind]):
-                mine[f"speedup_vs_{base['tp']}x{base['ep']}"] = mine[key] / ref[key]
+    add_speedups(result["layouts"])
     (args.out / "group_bench.json").write_text(json.dumps(result, indent=1))
     for lay in result["layouts"]:
         lines = [f"tp={lay['tp']} ep={lay['ep']}"]

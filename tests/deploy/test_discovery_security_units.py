@@ -138,7 +138,16 @@ def test_dns_resolver_resolves_real_names():
     assert format_address("::1", 5) == "[::1]:5" and format_address("10.0.0.1", 5) == "10.0.0.1:5"
     with pytest.raises(ValueError):
         split_host_port("no-port")
-    assert socket.EAI_NONAME  # the "no such name" code the resolver maps to an empty set
+
+
+def test_dns_resolver_raises_on_a_failure_that_is_not_no_such_name(monkeypatch):
+    """Only "no such name" means no ready shard; a resolver outage (EAI_AGAIN) must not empty the shard set."""
+    async def outage(self, host, port, **kw):
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(asyncio.BaseEventLoop, "getaddrinfo", outage)
+    with pytest.raises(DiscoveryError, match="shard.ns:50061"):
+        run(dns_resolver("shard.ns:50061")())
 
 
 # -- security ---------------------------------------------------------------------------------------------------

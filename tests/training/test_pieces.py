@@ -17,10 +17,11 @@ from shard_svc.checkpoint.loader import load_model
 from shard_svc.checkpoint.writer import published_tensors, write_shards
 from shard_svc.config import ModelConfig
 from tests.engine.conftest import k3_config, random_model
+from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
 from training.corpus import CORPUS_FILE, NOVELS, load_corpus
 from training.data import pack_dialogues
-from training.dialogues import make_dialogues
+from training.dialogues import make_dialogues, tokenize_dialogue
 from training.models import round_experts_to_mxfp4
 from training.mxfp4 import mxfp4_round
 from training.rdata import read_lazy_load
@@ -96,7 +97,19 @@ def test_dialogue_ids_are_the_whole_renderings_ids_and_masks_cover_replies(token
         assert learned[-1] == im_end and text.startswith("<|im_system|>")
         reply = tokenizer.decode(learned, skip_special_tokens=False)
         assert "<|im_user|>" not in reply and "<|im_middle|>" not in reply and reply.endswith("<|im_end|>")
-    assert BuiltinKimiTemplate().render  # the same renderer the tokenizer service uses (tokenizer_svc.kimi_chat)
+
+
+def test_a_dialogue_is_the_chat_services_rendering_of_its_messages(tokenizer):
+    """Training text is what the tokenizer service renders for the same turns (tokenizer_svc.kimi_chat), with every
+    role kept: a system turn and two exchanges."""
+    messages = [ChatMessage("system", "You are terse."), ChatMessage("user", "Who wrote Emma?"),
+                ChatMessage("assistant", "Jane Austen."), ChatMessage("user", "When?"),
+                ChatMessage("assistant", "In 1815.")]
+    d = tokenize_dialogue(messages, tokenizer)
+    assert tokenizer.decode(d.ids, skip_special_tokens=False) == \
+        BuiltinKimiTemplate().render(messages, (), add_generation_prompt=False)
+    replies = tokenizer.decode([i for i, m in zip(d.ids, d.mask, strict=True) if m], skip_special_tokens=False)
+    assert "Jane Austen." in replies and "In 1815." in replies and "Who wrote Emma?" not in replies
 
 
 def test_packed_rows_learn_only_reply_tokens(tokenizer):
