@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import regex
 
+from tests.fresh_process import run_python
 from tests.tokenizer.texts import MIXED_TEXT
 from tokenizer_svc.errors import TokenizerLoadError
 from tokenizer_svc.kimi_format import KIMI_PAT_STR
@@ -94,7 +95,9 @@ def test_decode_bytes_table_matches_hf_decode(tok: LoadedTokenizer) -> None:
 
 
 def test_tiny_tokenizer_is_deterministic_per_seed(tmp_path: Path, tiny_dir: Path) -> None:
-    write_tiny_tokenizer(tmp_path / "same")
+    # Another process with another hash seed: the fixture's tokenizer was written in this one.
+    run_python(f"from pathlib import Path; from tokenizer_svc.tiny import write_tiny_tokenizer; "
+               f"write_tiny_tokenizer(Path({str(tmp_path / 'same')!r}))")
     write_tiny_tokenizer(tmp_path / "other", seed=1)
     for name in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json"):
         assert (tmp_path / "same" / name).read_bytes() == (tiny_dir / name).read_bytes(), name
