@@ -3,11 +3,9 @@ prefill, status timestamps and usage, paging, results while running, metrics."""
 
 from __future__ import annotations
 
-import time
-
 from kimiserve.v1 import common_pb2, router_pb2
 from tests.router.batch.lines import assert_each_once, line, mixed_spec, run_singles, single_request, slow_lines
-from tests.services.helpers import scrape, total
+from tests.services.helpers import scrape, total, wait_until
 
 N = 500
 
@@ -27,6 +25,11 @@ def test_500_requests_over_two_shards_equal_single_requests(router, backends):
     assert (done.created_at_ms <= done.in_progress_at_ms <= done.finalizing_at_ms <= done.completed_at_ms)
     assert not done.HasField("failed_at_ms") and not done.HasField("cancelled_at_ms")
 
+    # Before the single requests below, which also reach both shards.
+    prefill_after = [total(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
+    assert len(prefill_before) == 2 and all(a > b for a, b in zip(prefill_after, prefill_before, strict=True)), \
+        f"both shards should have served the batch: prefill tokens {prefill_before} -> {prefill_after}"
+
     results = router.results(batch.id)
     assert_each_once(results, ids)
     by_id = {r.custom_id: r for r in results}
@@ -34,17 +37,15 @@ def test_500_requests_over_two_shards_equal_single_requests(router, backends):
     assert done.usage.completion_tokens == sum(r.response.usage.completion_tokens for r in results)
 
     singles = run_singles(router.address, [single_request(url, body) for url, body in specs])
-    mismatched = [cid for cid, single in zip(ids, singles) if by_id[cid].response != single]
+    mismatched = [cid for cid, single in zip(ids, singles, strict=True) if by_id[cid].response != single]
     assert not mismatched, (f"{len(mismatched)} batch results differ from the single request, e.g. "
                             f"{mismatched[0]}: batch {by_id[mismatched[0]].response} single "
                             f"{singles[ids.index(mismatched[0])]}")
-    for cid, (_, body) in zip(ids, specs):
+    for cid, (_, body) in zip(ids, specs, strict=True):
         r = by_id[cid].response
         assert r.usage.completion_tokens == len(r.token_ids) <= body["max_tokens"]
         if body["max_tokens"] == 1:
             assert r.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
-    prefill_after = [total(scrape(u), "kimiserve_shard_prefill_tokens_total") for u in backends.shard_metrics]
-    assert all(a > b for a, b in zip(prefill_after, prefill_before)), "both shards should have served the batch"
 
 
 def test_max_tokens_1_completes_at_prefill(router, backends):
@@ -105,18 +106,26 @@ def test_inline_requests_and_paging(router):
     assert len(seen) == len(set(seen))
 
 
-def test_metrics_after_batches(router):
-    deadline = time.monotonic() + 10
-    while True:  # gauges are refreshed by the runner's tick
-        series = scrape(router.metrics_url)
-        if series.get('kimiserve_router_batches{status="completed"}', 0) >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert series['kimiserve_router_batches{status="completed"}'] >= 1
-    assert series['kimiserve_router_batches{status="in_progress"}'] == 0
-    assert total(series, "kimiserve_router_batch_requests_total") > 0
-    assert series['kimiserve_router_batch_requests_total{code="ok",outcome="completed"}'] > 0
-    assert total(series, "kimiserve_router_batch_generation_tokens_total") > 0
-    assert series["kimiserve_router_batch_throughput_tokens_per_second"] > 0
-    assert series["kimiserve_router_batch_queue_depth"] == 0
-    assert "kimiserve_router_batch_running_requests" in series
+def test_metrics_count_one_batch(router):
+    """Before/after deltas around one batch of its own: earlier tests' batches raised the same counters."""
+    in_progress, completed = (f'kimiserve_router_batches{{status="{s}"}}' for s in ("in_progress", "completed"))
+    ok = 'kimiserve_router_batch_requests_total{code="ok",outcome="completed"}'
+    # gauges are refreshed by the runner's tick
+    wait_until(lambda: scrape(router.metrics_url).get(in_progress, 0) == 0, 30, "earlier batches to finish")
+    before = scrape(router.metrics_url)
+    jsonl = "\n".join(line(f"m-{i}", url, **body) for i, (url, body) in enumerate(map(mixed_spec, range(4))))
+    done = router.wait(router.create(jsonl).id, timeout=60)
+    assert done.status == router_pb2.BATCH_STATUS_COMPLETED and done.request_counts.completed == 4, done
+
+    def delta(series: dict[str, float], key: str) -> float:
+        return total(series, key) - total(before, key)
+
+    wait_until(lambda: delta(scrape(router.metrics_url), completed) == 1, 10, "the batch counted as completed")
+    after = scrape(router.metrics_url)
+    assert delta(after, completed) == 1 and after[in_progress] == 0
+    assert delta(after, ok) == 4 and delta(after, "kimiserve_router_batch_requests_total") == 4
+    assert delta(after, "kimiserve_router_batch_generation_tokens_total") == done.usage.completion_tokens > 0
+    assert delta(after, "kimiserve_router_batch_prompt_tokens_total") == done.usage.prompt_tokens > 0
+    assert after["kimiserve_router_batch_throughput_tokens_per_second"] > 0
+    assert after["kimiserve_router_batch_queue_depth"] == 0
+    assert "kimiserve_router_batch_running_requests" in after

@@ -113,11 +113,17 @@ def test_a_negative_int64_seed_is_its_uint64_twos_complement(http_stack):
 
 
 def test_developer_role_is_the_system_role(http_stack):
-    def reply(role: str) -> str:
-        messages = [{"role": role, "content": "Answer briefly."}, *HELLO]
-        return http_stack.client.chat.completions.create(**merged(messages=messages)).choices[0].message.content
+    """The developer turn reaches the prompt as the system turn: the same prompt length and greedy reply as "system",
+    and a longer prompt than the default system turn it replaces (a dropped turn would give that one)."""
+    instruction = "Answer briefly, in plain words, and name every novel by its full title and year. " * 4
 
-    assert reply("developer") == reply("system")
+    def reply(*first: dict) -> tuple[int, str]:
+        out = http_stack.client.chat.completions.create(**merged(messages=[*first, *HELLO]))
+        return out.usage.prompt_tokens, out.choices[0].message.content
+
+    developer = reply({"role": "developer", "content": instruction})
+    assert developer == reply({"role": "system", "content": instruction})
+    assert developer[0] > reply()[0] + 40, "the developer turn did not reach the prompt"
 
 
 def test_stop_as_a_string_or_a_list(http_stack):
