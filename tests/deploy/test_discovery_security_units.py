@@ -21,6 +21,7 @@ class FakeClient:
     def __init__(self, address: str):
         self.address, self.view = address, ShardView(address, healthy=True)
         self.started = self.closed = False
+        self.closed_event = asyncio.Event()
         self.down_reason: str | None = None
 
     def start(self):
@@ -28,6 +29,7 @@ class FakeClient:
 
     async def close(self):
         self.closed = True
+        self.closed_event.set()
 
     def _mark_down(self, reason):
         self.down_reason = reason
@@ -69,31 +71,47 @@ def test_new_addresses_join_and_absent_ones_leave_after_hysteresis():
         assert "b:1" in d.addresses
         await d.refresh()  # second miss in a row: out of rotation, drained, closed
         assert d.addresses == ["a:1", "c:1"] and removed == ["b:1"]
-        await asyncio.sleep(0.05)
         b = first[1]
-        assert b.closed and b.down_reason == "removed by shard discovery"
+        await asyncio.wait_for(b.closed_event.wait(), 10)  # nothing in flight: the drain closes it at once
+        assert b.down_reason == "removed by shard discovery"
         await d.stop()
 
     run(main())
 
 
 def test_a_leaving_shard_drains_in_flight_then_fails_what_is_left():
+    """Event order, not sleeps against the drain timeout: a drain far longer than the test ends as soon as its last
+    request does, and a short one closes no earlier than its timeout with the requests still in flight."""
+    async def closes(client: FakeClient) -> None:
+        await asyncio.wait_for(client.closed_event.wait(), 10)
+
     async def main():
         shards, found = [], Found("a:1", "b:1")
-        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=1, drain_timeout_s=0.6)
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=1, drain_timeout_s=60)
         await d.refresh()
         a, b = shards
         a.view.in_flight, b.view.in_flight = 2, 1
         found.addresses = set()
         await d.refresh()
         assert shards == []
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)  # the drains poll every 0.1 s: several rounds with requests in flight
         assert not a.closed and not b.closed  # still draining: their requests may finish
         b.view.in_flight = 0  # b's request finished
-        await asyncio.sleep(0.25)
-        assert b.closed and not a.closed
-        await asyncio.sleep(0.4)  # past the drain timeout: a's leftovers fail (UNAVAILABLE via _mark_down)
+        await closes(b)
+        assert b.down_reason and not a.closed
+        await d.stop()  # pending drains end at once: a's leftovers fail (UNAVAILABLE via _mark_down)
         assert a.closed and a.down_reason
+
+        shards, found = [], Found("c:1")
+        d = ShardDiscovery(shards, [found], make_client=FakeClient, remove_after=1, drain_timeout_s=0.3)
+        await d.refresh()
+        c, = shards
+        c.view.in_flight = 1
+        found.addresses = set()
+        start = asyncio.get_running_loop().time()
+        await d.refresh()
+        await closes(c)  # past the drain timeout: the request still in flight fails
+        assert asyncio.get_running_loop().time() - start >= 0.3 and c.view.in_flight == 1 and c.down_reason
         await d.stop()
 
     run(main())
