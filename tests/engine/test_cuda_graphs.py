@@ -141,7 +141,7 @@ def test_padded_buffers_match_the_plain_runner(name):
     seqs = run(engine)
     # every decode step went through the graph path (the first token of each sequence comes from prefill)
     assert sum(steps) == sum(m - 1 for _, m in PROMPTS) and steps[0] == 3 and steps[-1] == 1
-    for a, b in zip(plain, seqs):
+    for a, b in zip(plain, seqs, strict=True):
         assert a.output == b.output
         ref, got = torch.cat(a.step_logits), torch.cat(b.step_logits)
         assert ((got - ref).abs().max() / ref.abs().max()) <= 1e-9

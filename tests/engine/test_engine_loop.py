@@ -268,7 +268,7 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     prefills = [p for p in passes if p.kind == "prefill"]
     lines = [r for r in handler.records if r.getMessage() == "prefill pass"]
     assert [line.request_ids for line in lines] == [p.request_ids for p in prefills]
-    for line, p in zip(lines, prefills):
+    for line, p in zip(lines, prefills, strict=True):
         assert (line.seconds, line.sequences, line.tokens) == (round(p.seconds, 6), len(p.request_ids), p.tokens)
         assert (line.min_seq_tokens, line.max_seq_tokens) == (min(p.seq_tokens), max(p.seq_tokens))
         assert sum(p.seq_tokens) == p.tokens <= 16

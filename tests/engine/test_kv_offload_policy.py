@@ -157,7 +157,7 @@ def test_a_cache_too_small_for_the_batch_gives_the_big_cache_tokens(name):
     registry = CollectorRegistry()
     small, most, engine = run(CONFIGS[name], num_kv_blocks=12, host_pages=23, registry=registry)
     assert most == 4
-    for a, b in zip(big, small):
+    for a, b in zip(big, small, strict=True):
         assert b.finish_reason == "length" and b.output == a.output, (a.request_id, a.output, b.output)
         torch.testing.assert_close(torch.cat(b.step_logits), torch.cat(a.step_logits), rtol=1e-9, atol=1e-9)
     value = lambda metric: registry.get_sample_value(metric, {"shard": "kv", "rank": "0"})  # noqa: E731

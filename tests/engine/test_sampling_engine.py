@@ -67,7 +67,7 @@ def test_greedy_penalties_over_the_sequence_history(params):
     seq, events = run(make_engine(CONFIG), {"a": (PROMPT, params)}, keep_logits=True)["a"]
     steps = torch.cat(seq.step_logits)  # the raw logits each token was drawn from
     assert len(seq.output) == len(events) == params.max_tokens
-    for i, (token, event) in enumerate(zip(seq.output, events)):
+    for i, (token, event) in enumerate(zip(seq.output, events, strict=True)):
         ref = penalised(steps[i], params, PROMPT, seq.output[:i])
         ref_lp = torch.log_softmax(ref, 0)
         assert token == int(torch.argmax(ref)), f"step {i}"
@@ -93,7 +93,7 @@ def test_penalised_sequences_do_not_depend_on_batch_neighbours():
     assert crowd[0].output == alone[0].output
     # The model's fp32 logits move in the last bits with the batch (the sampler itself is exact per row:
     # test_sampling.py); the reported values agree to that precision.
-    for c, a in zip(crowd[1], alone[1]):
+    for c, a in zip(crowd[1], alone[1], strict=True):
         assert c.logprob == pytest.approx(a.logprob, abs=1e-5)
         assert [t for t, _ in c.top_logprobs] == [t for t, _ in a.top_logprobs]
         assert [lp for _, lp in c.top_logprobs] == pytest.approx([lp for _, lp in a.top_logprobs], abs=1e-5)
@@ -208,7 +208,7 @@ def test_a_prompt_restored_from_the_prefix_cache_samples_as_a_fresh_one(grammars
     seq, events = run(engine, {"a": (prompt, params)})["a"]
     assert seq.cached_tokens == len(prompt), "the second run restored the whole prompt"
     assert seq.output == fresh_seq.output and seq.finish_reason == fresh_seq.finish_reason == "stop"
-    for e, f in zip(events, fresh_events):
+    for e, f in zip(events, fresh_events, strict=True):
         assert e.logprob == pytest.approx(f.logprob, abs=1e-5)
         assert [t for t, _ in e.top_logprobs] == [t for t, _ in f.top_logprobs]
 

@@ -41,7 +41,7 @@ def test_triton_linear_in_model_matches_eager(family):
     skinny = [s for s, _ in paths]
     assert any(skinny) and not all(skinny), "decode must run the skinny kernel and long prefill F.linear"
     assert (True, False) in paths, "decode must feed the skinny kernel a column view of a packed group's product"
-    for a, b in zip(eager, triton):
+    for a, b in zip(eager, triton, strict=True):
         assert a.output == b.output
         for la, lb in ((torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)),
                        (torch.cat(a.step_logits), torch.cat(b.step_logits))):

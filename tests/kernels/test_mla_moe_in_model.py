@@ -38,7 +38,7 @@ def test_triton_backend_with_decode_graph_buffers_matches_eager():
     assert unsafe_decode_ops(triton_ops) == [], "every decode op of the Triton backend must be graph-safe"
     eager = generate(linear_config(), select_ops(DEVICE, "eager"), graphs=False)
     triton = generate(linear_config(), triton_ops, graphs=True)
-    for a, b in zip(eager, triton):
+    for a, b in zip(eager, triton, strict=True):
         assert a.output == b.output
         la, lb = torch.cat(a.step_logits), torch.cat(b.step_logits)
         err = float((la - lb).abs().max() / la.abs().max())

@@ -415,7 +415,7 @@ def test_routing_hand_computed():
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     weights, ids = moe_route(x, torch.eye(4), torch.tensor([0.0, 0.0, 0.0, 1.0]), 2, True, 2.5)
     s0, s3 = refs.sigmoid(2.0), refs.sigmoid(-1.0)
-    got = dict(zip(ids[0].tolist(), weights[0].tolist()))
+    got = dict(zip(ids[0].tolist(), weights[0].tolist(), strict=True))
     assert set(got) == {0, 3}
     assert math.isclose(got[0], 2.5 * s0 / (s0 + s3), rel_tol=1e-6)
     assert math.isclose(got[3], 2.5 * s3 / (s0 + s3), rel_tol=1e-6)
@@ -432,8 +432,8 @@ def test_routing_matches_reference(renormalize):
     unbiased = refs.route(x, gate_w, torch.zeros(e), k, renormalize, 2.446)
     assert any({i for i, _ in a} != {i for i, _ in b} for a, b in zip(expected, unbiased)), \
         "the bias must change some selections here, or this test cannot see it"
-    for row, (w_row, id_row) in enumerate(zip(weights.tolist(), ids.tolist())):
-        got = dict(zip(id_row, w_row))
+    for row, (w_row, id_row) in enumerate(zip(weights.tolist(), ids.tolist(), strict=True)):
+        got = dict(zip(id_row, w_row, strict=True))
         want = dict(expected[row])
         assert set(got) == set(want), f"token {row}: experts {sorted(got)} != {sorted(want)}"
         for expert, weight in want.items():

@@ -109,7 +109,7 @@ def test_packed_weights_keep_names_values_and_outputs(family, request):
 
     cfg, model = load_model(request.getfixturevalue(family), dtype="float32")
     unpacked = generate(cfg, model, packed=False)
-    for a, b in zip(packed, unpacked):
+    for a, b in zip(packed, unpacked, strict=True):
         assert a.output == b.output
         assert torch.equal(torch.cat(a.prompt_logits), torch.cat(b.prompt_logits))
         assert torch.equal(torch.cat(a.step_logits), torch.cat(b.step_logits))
@@ -164,4 +164,4 @@ def test_meta_placeholders_are_left_alone():
         model = KimiForCausalLM(ModelConfig.from_dict(linear_config()), torch.float32)
     weights = [m.weight for g in groups(model) for m in g]
     assert pack_weights(model) == 0
-    assert all(m.weight is w for m, w in zip((m for g in groups(model) for m in g), weights))
+    assert all(m.weight is w for m, w in zip((m for g in groups(model) for m in g), weights, strict=True))

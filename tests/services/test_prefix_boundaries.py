@@ -155,7 +155,7 @@ def test_snapshot_memory_stays_within_its_bound_under_a_mixed_run(stacks):
                enumerate([(0, 700), (1200, 40), (600, 300), (0, 1400), (900, 90), (300, 650), (1200, 200), (0, 520)])]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: generate(cached.stub, p, max_tokens=4, **GREEDY)[0], prompts))
-    for p, tokens in zip(prompts, got):
+    for p, tokens in zip(prompts, got, strict=True):
         assert tokens == generate(plain.stub, p, max_tokens=4, **GREEDY)[0]
     entries = cached.shard_series("kimiserve_shard_prefix_cache_entries")
     made = cached.shard_series("kimiserve_shard_prefix_cache_snapshots_total")
@@ -163,6 +163,6 @@ def test_snapshot_memory_stays_within_its_bound_under_a_mixed_run(stacks):
     state = cached.shard_series("kimiserve_shard_prefix_cache_state_bytes")
     limit = cached.shard_series("kimiserve_shard_prefix_cache_state_bytes_limit")
     assert sum(made) > 2 * ENTRIES and sum(evicted) > 0  # the run made more snapshots than the cache keeps
-    for e, m, v, s, bound in zip(entries, made, evicted, state, limit):
+    for e, m, v, s, bound in zip(entries, made, evicted, state, limit, strict=True):
         assert e == m - v <= ENTRIES  # every snapshot made is held or was evicted
         assert s <= bound and s == bound * e / ENTRIES

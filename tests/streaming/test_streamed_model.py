@@ -37,7 +37,7 @@ def run(cfg, model, streamer=None, prompts=PROMPTS, max_tokens=4):
 
 
 def assert_identical(resident, streamed):
-    for a, b in zip(resident, streamed):
+    for a, b in zip(resident, streamed, strict=True):
         assert a.output == b.output, (a.request_id, a.output, b.output)
         assert torch.equal(torch.cat(a.prompt_logits), torch.cat(b.prompt_logits))
         assert torch.equal(torch.cat(a.step_logits), torch.cat(b.step_logits))

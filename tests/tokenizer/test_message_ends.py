@@ -30,7 +30,7 @@ def test_the_builtin_format_reports_every_turn_end(tok):
     assert prompt == texts[-1] + GEN
     want = [len(tok.encode(t)) for t in texts]
     assert ends == want
-    for end, text in zip(ends, texts):
+    for end, text in zip(ends, texts, strict=True):
         assert ids[:end] == tok.encode(text)
 
 

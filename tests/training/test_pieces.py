@@ -93,7 +93,7 @@ def test_dialogue_ids_are_the_whole_renderings_ids_and_masks_cover_replies(token
     for d in dialogues:
         text = tokenizer.decode(d.ids, skip_special_tokens=False)
         assert tokenizer.encode(text) == d.ids
-        learned = [i for i, m in zip(d.ids, d.mask) if m]
+        learned = [i for i, m in zip(d.ids, d.mask, strict=True) if m]
         assert learned[-1] == im_end and text.startswith("<|im_system|>")
         reply = tokenizer.decode(learned, skip_special_tokens=False)
         assert "<|im_user|>" not in reply and "<|im_middle|>" not in reply and reply.endswith("<|im_end|>")
@@ -120,7 +120,7 @@ def test_packed_rows_learn_only_reply_tokens(tokenizer):
     n = len(ids)
     assert packed.inputs.shape == (2, seq_len)
     assert packed.inputs[0, :n - 1].tolist() == ids[:-1] and set(packed.inputs[0, n - 1:].tolist()) == {767}
-    assert packed.targets[0, :n - 1].tolist() == [t if m else -100 for t, m in zip(ids[1:], mask[1:])]
+    assert packed.targets[0, :n - 1].tolist() == [t if m else -100 for t, m in zip(ids[1:], mask[1:], strict=True)]
     assert set(packed.targets[0, n - 1:].tolist()) == {-100}
     assert packed.inputs[1, :len(c.ids) - 1].tolist() == c.ids[:-1]
 
@@ -136,7 +136,10 @@ def test_writer_then_loader_give_the_model_back(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(raw))
     write_shards(published_tensors(cfg, model), tmp_path, shards=3)
     _, loaded = load_model(tmp_path)
-    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
-        assert torch.equal(a, b), name
+    written, read = dict(model.named_parameters()), dict(loaded.named_parameters())
+    assert written.keys() == read.keys(), f"only written: {written.keys() - read.keys()}, only read: " \
+                                          f"{read.keys() - written.keys()}"
+    for name, a in written.items():
+        assert torch.equal(a, read[name]), name
     w = next(p for n, p in model.named_parameters() if n.endswith("experts.w1"))
     assert torch.equal(w.float(), mxfp4_round(w)), "rounded experts are fixed points of the rounding"

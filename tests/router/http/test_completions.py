@@ -100,5 +100,5 @@ def test_legacy_top_logprobs(http_stack):
                                                extra_body={"ignore_eos": True})
     lp = out.choices[0].logprobs
     assert len(lp.top_logprobs) == 4
-    for chosen, alternatives in zip(lp.token_logprobs, lp.top_logprobs):
+    for chosen, alternatives in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert 1 <= len(alternatives) <= 2 and max(alternatives.values()) == pytest.approx(chosen)
