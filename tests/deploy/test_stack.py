@@ -372,8 +372,10 @@ def test_the_http_port_serves_the_openai_api_over_tls_with_api_keys(stack):
             "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
-    with pytest.raises(httpx.HTTPError):  # TLS only, like the gRPC port
+    with pytest.raises(httpx.HTTPError) as plain:  # TLS only, like the gRPC port
         httpx.get(f"http://127.0.0.1:{stack.router.port('http')}/health", timeout=10)
+    # A refused connection (nothing listening) would raise too: the port must take it and drop plain HTTP.
+    assert not isinstance(plain.value, httpx.ConnectError), f"plain HTTP was not refused by TLS: {plain.value!r}"
 
 
 def test_router_uses_both_shards_from_dns_and_static_list(traffic):
@@ -548,7 +550,9 @@ def test_internal_services_require_the_internal_token_beside_the_certificate(tra
 
 def test_discovery_drains_a_real_shard_that_leaves(traffic):
     """In-process discovery over the running (mTLS) shards: both join; one leaves while serving a short and a long
-    sequence: the short one finishes during the drain, the long one fails UNAVAILABLE when the drain times out."""
+    sequence: the short one finishes during the drain, the long one fails UNAVAILABLE when discovery stops and ends
+    the drain. The drain timeout is far longer than the test so no step races the clock (the timeout itself is
+    checked in test_discovery_security_units)."""
     upstream = security.UpstreamTls(traffic.etc / "internal-tls" / "ca.crt", traffic.etc / "internal-tls" / "tls.crt",
                                     traffic.etc / "internal-tls" / "tls.key", INTERNAL_NAME)
     port = traffic.procs["shard-0"].port("grpc")
@@ -562,7 +566,7 @@ def test_discovery_drains_a_real_shard_that_leaves(traffic):
         async def dynamic():
             return set(found["now"])
 
-        d = ShardDiscovery(shards, [dynamic], remove_after=1, drain_timeout_s=0.5,
+        d = ShardDiscovery(shards, [dynamic], remove_after=1, drain_timeout_s=120,
                            make_client=lambda a: ShardClient(a, channel=security.aio_channel(
                                a, upstream, interceptors=internal_auth.client_interceptors(traffic.internal_token))))
         assert await resolve() == addresses
@@ -589,10 +593,11 @@ def test_discovery_drains_a_real_shard_that_leaves(traffic):
                 if isinstance(event, Exception) or event.WhichOneof("kind") == "finished":
                     return event
 
-        short_end, long_end = await last(short), await last(long)
+        short_end = await last(short)
         assert not isinstance(short_end, Exception) and short_end.finished.usage.completion_tokens == 3
+        await d.stop()  # the long sequence (497 tokens to go) is still in the drain: it fails now
+        long_end = await last(long)
         assert isinstance(long_end, ShardUnavailable) and "removed by shard discovery" in str(long_end)
-        await d.stop()
         for c in shards:
             await c.close()
 

@@ -5,9 +5,9 @@ the allowed range and the file."""
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
+import torch
 
 from bench.configs import KIMI_LINEAR_48B
 from bench.streaming import k3_slice_config
@@ -36,13 +36,21 @@ def test_real_model_configs_are_accepted():
     assert (k3.moe.num_experts, k3.hidden_size, k3.num_layers) == (896, 7168, 93)
 
 
-def test_float_num_experts_is_refused_before_allocation(linear):
-    """`num_experts: 1e7` used to build ten million expert modules (gigabytes) before anything failed."""
+def test_float_num_experts_is_refused_before_allocation(linear, monkeypatch):
+    """`num_experts: 1e7` used to build ten million expert modules (gigabytes) before anything failed: now the config
+    is refused before a single module is built (counted at torch.nn.Module.__init__, not by the clock)."""
     edit_config(linear, lambda raw: raw.update(num_experts=1e7))
-    start = time.monotonic()
+    built = []
+    module_init = torch.nn.Module.__init__
+
+    def counting_init(self, *args, **kwargs):
+        built.append(type(self).__name__)
+        module_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", counting_init)
     with pytest.raises(ConfigValueError) as e:
         load_model(linear)
-    assert time.monotonic() - start < 5
+    assert built == [], f"modules built before the refusal: {built[:5]} ({len(built)} in all)"
     message = str(e.value)
     assert f"{linear / 'config.json'}: num_experts = 10000000.0 (float) is not an integer in [0, 16,384]" == message
 

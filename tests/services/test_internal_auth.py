@@ -248,7 +248,9 @@ def test_up_passes_api_keys_and_tls_to_the_router(tiny_linear, tmp_path):
         reply = httpx.post(https + "/v1/chat/completions", json=CHAT, verify=verify, timeout=60,
                            headers={"authorization": f"Bearer {key}"})
         assert reply.status_code == 200, reply.text
-        with pytest.raises(httpx.HTTPError):  # TLS only
+        with pytest.raises(httpx.HTTPError) as plain:  # TLS only
             httpx.get(up_tls.http + "/health", timeout=10)
+        # A refused connection (nothing listening) would raise too: the port must take it and drop plain HTTP.
+        assert not isinstance(plain.value, httpx.ConnectError), f"plain HTTP was not refused by TLS: {plain.value!r}"
     finally:
         stack.close()

@@ -194,15 +194,23 @@ def test_bad_input_is_rejected_and_the_server_keeps_serving(
 
 
 def test_metrics_scrape_counts_requests(server: Running) -> None:
-    server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="count me"))
+    """Before/after deltas: the server is shared with earlier tests, which raised the same counters."""
+    def samples() -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+        lines = [line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#")]
+        return {name: float(value) for name, value in lines}
+
+    before = samples()
+    for text in ("count me", "and me"):
+        server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text))
     with pytest.raises(grpc.RpcError):
         server.stub.Info(tokenizer_pb2.TokenizerInfoRequest(model="other"))
-    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-    lines = [line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#")]
-    samples = {name: float(value) for name, value in lines}
-    assert samples['kimiserve_tokenizer_requests_total{code="OK",rpc="Tokenize"}'] >= 1
-    assert samples['kimiserve_tokenizer_requests_total{code="NOT_FOUND",rpc="Info"}'] >= 1
-    assert samples['kimiserve_tokenizer_request_duration_seconds_count{rpc="Tokenize"}'] >= 1
+    after = samples()
+    moved = {k: after[k] - before.get(k, 0.0) for k in (
+        'kimiserve_tokenizer_requests_total{code="OK",rpc="Tokenize"}',
+        'kimiserve_tokenizer_requests_total{code="NOT_FOUND",rpc="Info"}',
+        'kimiserve_tokenizer_request_duration_seconds_count{rpc="Tokenize"}')}
+    assert list(moved.values()) == [2, 1, 2], moved
 
 
 def test_sigterm_stops_gracefully(tiktoken_dir: Path, tmp_path: Path) -> None:
