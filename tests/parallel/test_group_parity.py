@@ -79,7 +79,7 @@ def test_group_equals_one_process(runs, name):
     leader, _ = runs[name]
     assert "error" not in leader, leader.get("error")
     group, ref = leader["group"], leader["reference"]
-    assert group.keys() == ref.keys()
+    assert ref and group.keys() == ref.keys()
     for rid in ref:
         g, r = group[rid], ref[rid]
         assert (g["tokens"], g["finish"], g["usage"]) == (r["tokens"], r["finish"], r["usage"]), rid
@@ -95,7 +95,9 @@ def test_group_equals_one_process(runs, name):
 @pytest.mark.parametrize("name", PARITY)
 def test_every_rank_holds_the_same_logits(runs, name):
     leader, followers = runs[name]
+    assert followers and leader["group"], f"{name}: {len(followers)} followers, {len(leader['group'])} requests"
     for rank, follower in enumerate(followers, start=1):
+        assert follower["group"].keys() == leader["group"].keys(), rank
         for rid, mine in follower["group"].items():
             for key in ("prompt_logits", "step_logits"):
                 ref = leader["group"][rid][key]
