@@ -6,54 +6,36 @@ from Debian's `prometheus`. A fixture that cannot get its tool FAILS with the co
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.ci_tools import debian_tool, install
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "kimiserve"
-CI_TOOLS = REPO / "scripts" / "ci_tools.sh"
-
-
-def _install(tool: str) -> None:
-    proc = subprocess.run(["bash", str(CI_TOOLS), tool], cwd=REPO, capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        pytest.fail(f"could not install {tool} with `bash scripts/ci_tools.sh {tool}` (exit {proc.returncode}):\n"
-                    f"{proc.stdout}\n{proc.stderr}")
 
 
 @pytest.fixture(scope="session")
 def helm_bin() -> str:
     local = REPO / ".cache" / "tools" / "bin" / "helm"
     if not local.exists():
-        _install("helm")
+        install("helm")
     if not local.exists():
         pytest.fail(f"scripts/ci_tools.sh helm ran but {local} does not exist")
     return str(local)
 
 
-def _debian_tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None and os.geteuid() == 0:
-        _install("prometheus")
-        path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"{name} not found: run `sudo bash scripts/ci_tools.sh prometheus` (Debian package prometheus)")
-    return path
-
-
 @pytest.fixture(scope="session")
 def promtool_bin() -> str:
-    return _debian_tool("promtool")
+    return debian_tool("promtool", "prometheus")
 
 
 @pytest.fixture(scope="session")
 def prometheus_bin() -> str:
-    return _debian_tool("prometheus")
+    return debian_tool("prometheus", "prometheus")
 
 
 def helm_template(helm: str, *args: str, release: str = "rel", namespace: str = "ml") -> list[dict]:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 
 import httpx
 
+from tests.ci_tools import debian_tool
 from tests.router.http.conftest import API_KEY
 from tests.services.helpers import scrape, total, wait_until
 
@@ -16,10 +16,10 @@ LONG = {"model": "", "prompt": [1, 2, 3], "max_tokens": 400, "temperature": 0, "
 
 
 def test_curl_sse(http_stack):
-    assert shutil.which("curl"), "curl is not installed: `scripts/ci_tools.sh curl` installs it (CI runs it)"
+    curl = debian_tool("curl", "curl")
     body = {"model": "", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True,
             "stream_options": {"include_usage": True}}
-    out = subprocess.run(["curl", "-N", "-sS", "--fail-with-body", f"{http_stack.base}/v1/chat/completions",
+    out = subprocess.run([curl, "-N", "-sS", "--fail-with-body", f"{http_stack.base}/v1/chat/completions",
                           "-H", f"Authorization: Bearer {API_KEY}", "-H", "Content-Type: application/json",
                           "-d", json.dumps(body)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
