@@ -61,7 +61,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, work: list[tuple[Sequence, int]], is_decode: bool) -> list[torch.Tensor]:
         """Runs one pass; returns per sequence fp32 logits [n_rows, vocab]: every new position for sequences that
-        keep prompt logits, else only the last one. Advances each sequence's num_computed."""
+        keep or score prompt logits, else only the last one. Advances each sequence's num_computed."""
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
             self.chunk_tokens = [len(work)]
@@ -77,7 +77,7 @@ class ModelRunner:
         rows, spans, end = [], [], 0
         for seq, n in work:
             end += n  # host-side offsets: reading cu_seqlens back would sync once per sequence
-            first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
+            first = end - n if seq.wants_prompt_rows and seq.is_prefilling else end - 1
             spans.append(end - first)
             rows.extend(range(first, end))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], self.ops)
