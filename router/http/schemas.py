@@ -26,7 +26,7 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # alternatives: not available yet
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(BaseModel):
@@ -96,8 +96,8 @@ class ChatCompletionChunk(BaseModel):
 
 class LegacyLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None  # alternatives: not available yet
+    token_logprobs: list[float | None]  # an echoed prompt's first token: None (nothing before it to score it by)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 
