@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kimiserve.v1 import common_pb2, router_pb2
 from tests.router.http.conftest import API_KEY
 from tokenizer_svc.loading import load_tokenizer
 
@@ -49,6 +50,20 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(http_stack, refere
     assert choice.text == "".join(lp.tokens)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 1)]
     assert out.usage.prompt_tokens == n and out.usage.completion_tokens == 1
+
+
+def test_grpc_generate_carries_the_scored_prompt_on_the_first_chunk(http_stack, reference):
+    sampling = common_pb2.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=2)
+    req = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=PROMPT), sampling=sampling)
+    chunks = list(http_stack.grpc.Generate(req, metadata=http_stack.auth, timeout=120))
+    scored = chunks[0].prompt_logprobs
+    assert all(not c.HasField("prompt_logprobs") for c in chunks[1:])
+    assert list(scored.logprobs) == pytest.approx(_expected(reference), abs=2e-4)
+    assert len(scored.top_logprobs) == len(PROMPT) - 1
+    for i, top in enumerate(scored.top_logprobs):
+        best = reference[i].topk(2)
+        assert [c.token_id for c in top.candidates] == best.indices.tolist()
+        assert [c.logprob for c in top.candidates] == pytest.approx(best.values.tolist(), abs=2e-4)
 
 
 def test_max_tokens_zero_with_echo_returns_the_scored_prompt_alone(http_stack, reference):
