@@ -16,6 +16,7 @@ class PromptScores:
     logprobs: list[torch.Tensor] = field(default_factory=list)  # float32 [rows] per chunk, on the host
     top_ids: list[torch.Tensor] = field(default_factory=list)  # int64 [rows, k] per chunk (k = 0: empty)
     top_logprobs: list[torch.Tensor] = field(default_factory=list)  # float32 [rows, k] per chunk
+    ranks: list[torch.Tensor] = field(default_factory=list)  # int64 [rows] per chunk: 1 + tokens likelier
 
     def add_chunk(self, rows: torch.Tensor, prompt: list[int], start: int, k: int) -> None:
         """rows: the fp32 logits [n, vocab] of prompt positions start .. start + n - 1 of `prompt`. Row j predicts
@@ -26,14 +27,18 @@ class PromptScores:
             return
         lp = torch.log_softmax(rows[:n].float(), dim=-1)
         targets = torch.tensor(prompt[start + 1:start + 1 + n], dtype=torch.int64, device=rows.device)
-        self.logprobs.append(lp.gather(1, targets[:, None]).squeeze(1).cpu())
+        chosen = lp.gather(1, targets[:, None])
+        self.logprobs.append(chosen.squeeze(1).cpu())
+        self.ranks.append(((lp > chosen).sum(dim=-1) + 1).cpu())
         values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
         self.top_ids.append(ids.cpu())
         self.top_logprobs.append(values.cpu())
 
-    def entries(self) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        """(logprob per scored position, (id, logprob) alternatives per position, most likely first)."""
+    def entries(self) -> tuple[list[float], list[list[tuple[int, float]]], list[int]]:
+        """(logprob per scored position, (id, logprob) alternatives per position, most likely first, the prompt
+        token's rank per position)."""
         if not self.logprobs:
-            return [], []
+            return [], [], []
         ids, values = torch.cat(self.top_ids).tolist(), torch.cat(self.top_logprobs).tolist()
-        return torch.cat(self.logprobs).tolist(), [list(zip(i, v)) for i, v in zip(ids, values)]
+        return (torch.cat(self.logprobs).tolist(), [list(zip(i, v)) for i, v in zip(ids, values)],
+                torch.cat(self.ranks).tolist())

@@ -58,8 +58,8 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
 
 
 def prompt_logprobs_to_pb(scores: PromptScores) -> common_pb2.PromptLogprobs:
-    logprobs, tops = scores.entries()
-    out = common_pb2.PromptLogprobs(logprobs=logprobs)
+    logprobs, tops, ranks = scores.entries()
+    out = common_pb2.PromptLogprobs(logprobs=logprobs, ranks=ranks)
     if any(tops):
         out.top_logprobs.extend(common_pb2.TopLogprobs(candidates=[common_pb2.TopLogprob(token_id=t, logprob=lp)
                                                                    for t, lp in top]) for top in tops)

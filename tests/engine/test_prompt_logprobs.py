@@ -35,10 +35,12 @@ def test_scored_prompt_equals_one_shot_log_softmax_whatever_the_chunking(budget)
         events += engine.step().events
     first = [e for e in events if e.index == 0 and e.token_id is not None]
     assert len(first) == 1 and all(e.prompt_scores is None for e in events if e is not first[0])
-    logprobs, tops = first[0].prompt_scores.entries()
+    logprobs, tops, ranks = first[0].prompt_scores.entries()
     assert len(logprobs) == len(ids) - 1
     expected = ref.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(logprobs, dtype=F64), expected, atol=1e-6)
+    order = ref.argsort(dim=-1, descending=True)  # the rank of each prompt token by the reference's ordering
+    assert ranks == [int((order[i] == t).nonzero()) + 1 for i, t in enumerate(ids[1:])]
     values, top_ids = ref.topk(3, dim=-1)
     assert [[t for t, _ in row] for row in tops] == top_ids.tolist()
     assert torch.allclose(torch.tensor([[lp for _, lp in row] for row in tops], dtype=F64), values, atol=1e-6)
@@ -53,7 +55,7 @@ def test_one_token_prompt_scores_nothing_and_unasked_prompts_are_not_scored():
     while engine.has_work():
         events += engine.step().events
     by_id = {e.request_id: e for e in events}
-    assert by_id["a"].prompt_scores.entries() == ([], [])
+    assert by_id["a"].prompt_scores.entries() == ([], [], [])
     assert by_id["b"].prompt_scores is None and b.prompt_scores is None and a.finished
 
 
@@ -69,7 +71,7 @@ def test_a_scored_prompt_is_prefilled_whole_despite_a_cached_prefix():
     while engine.has_work():
         events += engine.step().events
     assert scored.cached_tokens == 0
-    logprobs, _ = next(e for e in events if e.token_id is not None).prompt_scores.entries()
+    logprobs, _, _ = next(e for e in events if e.token_id is not None).prompt_scores.entries()
     expected = _reference(ids).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(logprobs, dtype=F64), expected, atol=1e-6)
 
