@@ -50,6 +50,7 @@ class Options:
     top_logprobs: int = 0  # alternatives per token (none available yet: only 0 is accepted)
     echo: bool = False  # completions: the prompt text before the completion
     score_only: bool = False  # completions' max_tokens 0 with echo: the scored prompt and no completion
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs (alternatives per prompt position)
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
 
     def non_default(self) -> list[str]:
@@ -85,7 +86,8 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
 def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
     body = _present(body)
-    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS))
+    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS)
+                  | set(openai_fields.COMPLETIONS_EXTENSIONS))
     sampling = sampling_params(body)
     echo = _bool(body, "echo")
     top = body.get("logprobs")
@@ -94,11 +96,15 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
         sampling.logprobs, sampling.top_logprobs = True, top
         if echo:  # the echoed prompt's tokens carry theirs too, scored by the shard during its prefill
             sampling.prompt_logprobs = top
+    prompt_top = body.get("prompt_logprobs")
+    if prompt_top is not None:  # vLLM's: the scored prompt in a field of its own (the shard computes the larger k)
+        prompt_top = _int(prompt_top, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+        sampling.prompt_logprobs = max(prompt_top, sampling.prompt_logprobs)
     score_only = sampling.HasField("max_tokens") and sampling.max_tokens == 0
     if score_only:
-        if not echo:
-            raise BodyError("max_tokens 0 generates nothing; it is accepted only with echo: true (the prompt, scored "
-                            "with logprobs)", "max_tokens")
+        if not (echo or prompt_top is not None):
+            raise BodyError("max_tokens 0 generates nothing; it is accepted only with echo: true or prompt_logprobs "
+                            "(the prompt, scored)", "max_tokens")
         # The shard's prefill always draws one token; the reply drops it (OpenAI's and vLLM's max_tokens 0 + echo).
         sampling.max_tokens = 1
     requests = []
@@ -111,7 +117,7 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
             req.prompt_token_ids.ids.extend(prompt)
         requests.append(req)
     return requests, _options(body, logprobs=top is not None, top_logprobs=top or 0, echo=echo,
-                              score_only=score_only)
+                              score_only=score_only, prompt_logprobs=prompt_top)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:

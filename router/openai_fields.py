@@ -29,6 +29,13 @@ EXTENSIONS: dict[str, str] = {
     "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",
 }
 
+# Honoured on /v1/completions only (chat refuses them): name -> where it comes from and what it does.
+COMPLETIONS_EXTENSIONS: dict[str, str] = {
+    "prompt_logprobs": "vLLM's: 0-20; each choice also carries the prompt scored (first position null, then per "
+                       "position the prompt token and that many alternatives by id with logprob, rank and "
+                       "decoded_token); with max_tokens 0, the scored prompt alone",
+}
+
 # Honoured stream_options keys that are not OpenAI's (router/openai_body.STREAM_OPTIONS).
 STREAM_OPTION_EXTENSIONS: dict[str, str] = {
     "continuous_usage_stats": "vLLM's: with stream, every chunk carries the usage so far (the prompt's tokens and "

@@ -33,23 +33,26 @@ async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, r
     echoed = None
     if opts.echo and opts.logprobs:  # the echo is the prompt's tokens' pieces, so text_offset indexes into it
         names = await gen.tokenizer.token_bytes([i for p in prompts for i in p.ids])
-        echoed = [replies.EchoedPrompt(p.ids, replies.token_pieces(p.ids, names)) for p in prompts]
+        echoed = [replies.EchoedPrompt(p.ids, replies.token_pieces(p.ids, names), opts.top_logprobs) for p in prompts]
         echoes = [e.text for e in echoed]
     else:
         echoes = await echo_texts(gen, requests) if opts.echo else [""] * len(requests)
+    scored = (replies.ScoredPrompts([p.ids for p in prompts], opts.prompt_logprobs)
+              if opts.prompt_logprobs is not None else None)
+    shown = [e.ids for e in echoed or ()] + (scored.ids if scored else [])  # prompts whose tokens are named
     head = dict(completion_id=f"cmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:
         async def whole() -> schemas.Completion:
             got = [flow.Reply() for _ in range(count)]
             async for i, piece in merged:
                 got[i].add(piece)
-            names = await replies.token_bytes(gen, got, [e.ids for e in echoed or ()]) if opts.logprobs else {}
-            return replies.completion(**head, replies=got, per_prompt=opts.n, echoes=echoes,
-                                      logprobs=opts.logprobs, request_id=request_id, names=names, echoed=echoed)
+            names = await replies.token_bytes(gen, got, shown) if opts.logprobs or scored else {}
+            return replies.completion(**head, replies=got, per_prompt=opts.n, echoes=echoes, logprobs=opts.logprobs,
+                                      request_id=request_id, names=names, echoed=echoed, scored=scored)
         return await unless_disconnected(receive, whole())
     first = await unless_disconnected(receive, merged.__anext__())  # refusals before the 200 (see chat.py)
     chunks = Chunks(gen, **head, per_prompt=opts.n, echoes=echoes, logprobs=opts.logprobs, echoed=echoed,
-                    prompt_tokens=[len(p.ids) for p in prompts] if opts.continuous_usage else None)
+                    prompt_tokens=[len(p.ids) for p in prompts] if opts.continuous_usage else None, scored=scored)
     return EventStream(sse_events(first, merged, chunks, opts.include_usage, request_id), request_id)
 
 
@@ -75,8 +78,9 @@ class Chunks:
 
     def __init__(self, gen: Generation, completion_id: str, created: int, model: str, per_prompt: int,
                  echoes: list[str], logprobs: bool, echoed: list[replies.EchoedPrompt] | None = None,
-                 prompt_tokens: list[int] | None = None):
-        """prompt_tokens: each prompt's length, for usage on every chunk (continuous_usage_stats); None: none."""
+                 prompt_tokens: list[int] | None = None, scored: replies.ScoredPrompts | None = None):
+        """prompt_tokens: each prompt's length, for usage on every chunk (continuous_usage_stats); None: none.
+        scored: vLLM's prompt_logprobs, sent with each choice's first chunk."""
         self.gen, self.head = gen, dict(id=completion_id, created=created, model=model)
         self.per_prompt, self.echoes, self.logprobs = per_prompt, echoes, logprobs
         self.echoed, self.prompt_tokens = echoed, prompt_tokens
@@ -86,6 +90,7 @@ class Chunks:
         self.generated = [0] * count  # tokens each choice has streamed, for continuous usage
         # echo + logprobs: the echo goes out with the choice's first piece, which carries the prompt's scores
         self.echo_pending = [echoed is not None] * count
+        self.scored, self.scores_pending = scored, [scored is not None] * count
 
     def chunk(self, choices: list[schemas.CompletionChoice], usage: schemas.Usage | None = None) -> str:
         return event(schemas.Completion(**self.head, choices=choices, usage=usage).model_dump())
@@ -108,16 +113,19 @@ class Chunks:
             self.finals[i] = p
         self.generated[i] += len(p.token_ids)
         echoed = self.echoed[i // self.per_prompt] if self.echo_pending[i] else None
-        if not (p.text or p.final or echoed or (self.logprobs and p.token_ids)):
+        scored = self.scored.ids[i // self.per_prompt] if self.scores_pending[i] else None
+        if not (p.text or p.final or echoed or scored or (self.logprobs and p.token_ids)):
             return None
-        self.echo_pending[i] = False
-        logprobs = None
-        if self.logprobs:
-            names = await replies.token_bytes(self.gen, [p], [echoed.ids] if echoed else [])
-            logprobs = replies.legacy_logprobs(p, self.offsets[i], names, echoed)
+        self.echo_pending[i] = self.scores_pending[i] = False
+        logprobs = prompt_logprobs = None
+        if self.logprobs or scored:
+            names = await replies.token_bytes(self.gen, [p], [ids for ids in (echoed and echoed.ids, scored) if ids])
+            logprobs = replies.legacy_logprobs(p, self.offsets[i], names, echoed) if self.logprobs else None
+            prompt_logprobs = replies.prompt_logprobs(p, scored, self.scored.top_n, names) if scored else None
         self.offsets[i] += sum(len(t) for t in p.token_texts)
         text = (echoed.text if echoed else "") + p.text
-        return self.chunk([schemas.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason)],
+        return self.chunk([schemas.CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=reason,
+                                                    prompt_logprobs=prompt_logprobs)],
                           usage=(replies.usage_so_far(p, self.prompt_tokens[i // self.per_prompt], self.generated[i])
                                  if self.prompt_tokens is not None else None))
 

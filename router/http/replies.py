@@ -93,6 +93,7 @@ class EchoedPrompt:
 
     ids: list[int]
     pieces: list[str]
+    top_n: int = 0  # alternatives per position the legacy shape shows (the shard may have computed more)
 
     @property
     def text(self) -> str:
@@ -117,12 +118,9 @@ def legacy_logprobs(p: Piece, offset: int, names: dict[int, bytes],
     tokens, logprobs, offsets = [], [], []
     top: list[dict[str, float] | None] = []
     if echoed is not None:
-        scored = p.prompt_logprobs
-        if scored is None or len(scored.logprobs) != len(echoed.ids) - 1:
-            raise PromptNotScored(f"the shard scored {0 if scored is None else len(scored.logprobs)} positions of "
-                                  f"a {len(echoed.ids)}-token prompt, expected {len(echoed.ids) - 1}")
+        scored = _scored(p, echoed.ids)
         tokens, logprobs = list(echoed.pieces), [None, *scored.logprobs]
-        top = [None, *(_by_key(t, names) for t in scored.top_logprobs)]
+        top = [None, *(_by_key(t, names, echoed.top_n) for t in scored.top_logprobs)]
         at = 0
         for t in echoed.pieces:
             offsets.append(at)
@@ -135,13 +133,46 @@ def legacy_logprobs(p: Piece, offset: int, names: dict[int, bytes],
                                   top_logprobs=top if any(t is not None for t in top) else None, text_offset=offsets)
 
 
+@dataclass(frozen=True)
+class ScoredPrompts:
+    """vLLM's prompt_logprobs asked on a completions request: each prompt's ids and the alternatives to show."""
+
+    ids: list[list[int]]
+    top_n: int
+
+
 class PromptNotScored(RouterError):
     """A reply asked to echo the prompt with logprobs came back without the prompt's scores."""
 
 
-def _by_key(top, names: dict[int, bytes]) -> dict[str, float]:
+def _by_key(top, names: dict[int, bytes], limit: int | None = None) -> dict[str, float]:
     """The legacy shape keys candidates by name (token_key: one per id, so candidates never merge)."""
-    return {token_key(c.token_id, names[c.token_id]): c.logprob for c in top.candidates}
+    return {token_key(c.token_id, names[c.token_id]): c.logprob for c in top.candidates[:limit]}
+
+
+def prompt_logprobs(p: Piece, ids: list[int], top_n: int, names: dict[int, bytes]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: None for the first position, then per position the prompt token and the
+    top_n most likely, each keyed by its id (as a string) with its logprob, rank (1: the most likely) and
+    decoded_token (token_key)."""
+    scored = _scored(p, ids)
+    out: list[dict | None] = [None]
+    for pos, (lp, rank) in enumerate(zip(scored.logprobs, scored.ranks)):
+        token = ids[pos + 1]
+        entry = {str(token): {"logprob": lp, "rank": rank, "decoded_token": token_key(token, names[token])}}
+        candidates = scored.top_logprobs[pos].candidates[:top_n] if scored.top_logprobs else []
+        for r, c in enumerate(candidates, 1):
+            entry.setdefault(str(c.token_id), {"logprob": c.logprob, "rank": r,
+                                               "decoded_token": token_key(c.token_id, names[c.token_id])})
+        out.append(entry)
+    return out
+
+
+def _scored(p: Piece, ids: list[int]) -> common_pb2.PromptLogprobs:
+    scored = p.prompt_logprobs
+    if scored is None or len(scored.logprobs) != len(ids) - 1:
+        raise PromptNotScored(f"the shard scored {0 if scored is None else len(scored.logprobs)} positions of "
+                              f"a {len(ids)}-token prompt, expected {len(ids) - 1}")
+    return scored
 
 
 def tool_calls(calls: list[ToolCall]) -> list[schemas.ToolCall]:
@@ -164,15 +195,18 @@ def chat_completion(completion_id: str, created: int, model: str, replies: list[
 
 def completion(completion_id: str, created: int, model: str, replies: list[Reply], per_prompt: int,
                echoes: list[str], logprobs: bool, request_id: str, names: dict[int, bytes] | None = None,
-               echoed: list[EchoedPrompt] | None = None) -> schemas.Completion:
-    """`echoes`: the text put before each prompt's choices ("" without echo); `names` as for chat_completion;
-    `echoed`: with echo and logprobs, each prompt's ids and pieces (its echo is their text)."""
+               echoed: list[EchoedPrompt] | None = None, scored: ScoredPrompts | None = None) -> schemas.Completion:
+    """`echoes`: the text put before each prompt's choices ("" without echo); `names` as for chat_completion (the
+    prompts' ids included where echoed or scored); `echoed`: with echo and logprobs, each prompt's ids and pieces
+    (its echo is their text); `scored`: vLLM's prompt_logprobs asked."""
     choices = []
     for i, r in enumerate(replies):
         echo = echoes[i // per_prompt]
         prompt = echoed[i // per_prompt] if echoed else None
         choices.append(schemas.CompletionChoice(
             index=i, text=echo + r.text, finish_reason=finish_reason(r, request_id),
-            logprobs=legacy_logprobs(r, len(echo), names or {}, prompt) if logprobs else None))
+            logprobs=legacy_logprobs(r, len(echo), names or {}, prompt) if logprobs else None,
+            prompt_logprobs=(prompt_logprobs(r, scored.ids[i // per_prompt], scored.top_n, names or {})
+                             if scored else None)))
     return schemas.Completion(id=completion_id, created=created, model=model, choices=choices,
                               usage=usage(replies, per_prompt))

@@ -3,7 +3,7 @@ null). Requests are parsed by router/openai_body.py, the translation batch lines
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -106,6 +106,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: LegacyLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's extension, asked with prompt_logprobs: None first, then {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class Completion(BaseModel):

@@ -6,6 +6,7 @@ and token bytes that are the tokenizer's own (a token inside a multi-byte charac
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -142,3 +143,31 @@ def test_logprob_bytes_are_the_tokenizers_own(http_stack):
                 partial += 1
                 assert alt.token == "bytes:" + "".join(f"\\x{x:02x}" for x in real)
     assert partial > 0  # the tiny tokenizer's byte tokens >= 0x80 are among the alternatives
+
+
+def test_vllm_prompt_logprobs_extension(http_stack, reference):
+    def post(body: dict) -> dict:
+        r = httpx.post(http_stack.base + "/v1/completions", headers={"authorization": f"Bearer {API_KEY}"},
+                       json={"model": "", "prompt": PROMPT, "prompt_logprobs": 2, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    whole = post({"max_tokens": 1, "temperature": 0})
+    scored = whole["choices"][0]["prompt_logprobs"]
+    assert len(scored) == len(PROMPT) and scored[0] is None
+    for pos, entry in enumerate(scored[1:]):
+        token, row = PROMPT[pos + 1], reference[pos]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token].item(), abs=2e-4)
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        best = row.topk(2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2]
+        assert set(entry) == {str(token), *map(str, best)}
+    streamed = httpx.post(http_stack.base + "/v1/completions", headers={"authorization": f"Bearer {API_KEY}"},
+                          json={"model": "", "prompt": PROMPT, "prompt_logprobs": 2, "max_tokens": 0,
+                                "stream": True}, timeout=60)
+    chunks = [json.loads(line.removeprefix("data: ")) for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    with_scores = [c for c in chunks if c["choices"] and c["choices"][0].get("prompt_logprobs")]
+    assert len(with_scores) == 1 and with_scores[0]["choices"][0]["prompt_logprobs"] == scored
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ""  # max_tokens 0: no completion
