@@ -241,12 +241,9 @@ class Engine:
             self.runner.weights.expect_next_pass(next_tokens)
         try:
             logits = self.runner.forward(work, is_decode=kind == "decode")
-            for (seq, n), rows, prompt_row in zip(work, logits, prompt_rows):
+            for (seq, _), rows, prompt_row in zip(work, logits, prompt_rows):
                 if seq.keep_prompt_logits:
                     (seq.prompt_logits if prompt_row else seq.step_logits).append(rows.cpu())
-                if prompt_row and seq.params.prompt_logprobs is not None:
-                    seq.prompt_scores = seq.prompt_scores or PromptScores()
-                    seq.prompt_scores.add_chunk(rows, seq.prompt, seq.num_computed - n, seq.params.prompt_logprobs)
             emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
             drawn = self._draw(emitting)
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving

@@ -104,10 +104,5 @@ class Sequence:
         return self.num_computed < len(self.prompt)
 
     @property
-    def wants_prompt_rows(self) -> bool:
-        """Its prefill passes return logits at every position (kept for --dump-logits, or scored)."""
-        return self.keep_prompt_logits or self.params.prompt_logprobs is not None
-
-    @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

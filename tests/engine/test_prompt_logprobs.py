@@ -5,6 +5,7 @@ prefix must not be restored for it (a cached prefix has no logits)."""
 import pytest
 import torch
 
+from shard_svc.engine import runner
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.errors import InvalidRequest
 from tests.engine.conftest import linear_config, make_engine
@@ -23,8 +24,10 @@ def _reference(ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(torch.cat(seq.prompt_logits)[:-1], dim=-1)
 
 
-@pytest.mark.parametrize("budget", [5, 16, 1000])
-def test_scored_prompt_equals_one_shot_log_softmax_whatever_the_chunking(budget):
+@pytest.mark.parametrize("budget, score_rows", [(5, 512), (16, 3), (1000, 512), (1000, 7)])
+def test_scored_prompt_equals_one_shot_log_softmax_whatever_the_chunking(budget, score_rows, monkeypatch):
+    """score_rows: positions scored at once inside a pass (runner.SCORE_ROWS), smaller than the pass or not."""
+    monkeypatch.setattr(runner, "SCORE_ROWS", score_rows)
     ids = _prompt(41, seed=3)
     ref = _reference(ids)
     engine = make_engine(linear_config(), dtype=F64, prefill_token_budget=budget)
