@@ -186,7 +186,7 @@ async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.Ch
 def choice_count(n: int) -> int:
     """A Generate / Chat request's `n`: 0 (unset) is 1; above MAX_N is INVALID_ARGUMENT naming the bound."""
     if n > MAX_N:
-        raise InvalidArgument(f"n must be in [1, {MAX_N}] (0 or unset: 1), got {n}")
+        raise InvalidArgument(f"n must be in [1, {MAX_N}] (0 or unset: 1), got {n}", "n")
     return n or 1
 
 

@@ -165,7 +165,7 @@ class Generation:
         bad = [t for t in prompt if t >= info.vocab_size]
         if bad:
             raise InvalidArgument(f"{len(bad)} token ids >= the model's vocab size {info.vocab_size}, first: "
-                                  f"{bad[:8]}")
+                                  f"{bad[:8]}", "prompt")
         context = self.max_context_tokens()
         room = context - len(prompt)
         if room < 1:
