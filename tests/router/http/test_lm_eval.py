@@ -51,11 +51,27 @@ def _reference(engine, context: list[int], continuation: list[int], rid: str) ->
     return rows.gather(1, targets[:, None]).sum().item(), bool((rows.argmax(-1) == targets).all())
 
 
+def _greedy_pair(lm, engine) -> tuple[str, str]:
+    """(context, the model's own greedy next tokens as text) whose text re-tokenizes to those tokens, so the
+    request is greedy and is_greedy is tested both ways."""
+    for i, (context, _) in enumerate(PAIRS):
+        for n in (2, 1):
+            ids = lm.tok_encode(context)
+            seq = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+                                  request_id=f"greedy-{i}-{n}")
+            continuation = lm.decode_batch([seq.output])[0]
+            if lm._encode_pair(context, continuation) == (ids, seq.output):
+                return context, continuation
+    raise AssertionError("no greedy continuation of PAIRS' contexts re-tokenizes to itself")
+
+
 def test_loglikelihoods_match_the_eager_reference(lm, eager):
-    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(PAIRS)]
+    pairs = [*PAIRS, _greedy_pair(lm, eager)]
+    requests = [Instance("loglikelihood", doc={}, arguments=pair, idx=i) for i, pair in enumerate(pairs)]
     got = lm.loglikelihood(requests, disable_tqdm=True)
-    assert len(got) == len(PAIRS)
-    refs = [_reference(eager, *lm._encode_pair(*pair), f"ref-{i}") for i, pair in enumerate(PAIRS)]
+    assert len(got) == len(pairs)
+    refs = [_reference(eager, *lm._encode_pair(*pair), f"ref-{i}") for i, pair in enumerate(pairs)]
+    assert refs[-1][1] and not all(greedy for _, greedy in refs)
     errors = [abs(ll - ref_ll) for (ll, _), (ref_ll, _) in zip(got, refs)]
     assert max(errors) <= TOLERANCE_NATS, errors
     assert [greedy for _, greedy in got] == [greedy for _, greedy in refs]
