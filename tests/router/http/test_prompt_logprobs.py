@@ -171,3 +171,32 @@ def test_vllm_prompt_logprobs_extension(http_stack, reference):
     with_scores = [c for c in chunks if c["choices"] and c["choices"][0].get("prompt_logprobs")]
     assert len(with_scores) == 1 and with_scores[0]["choices"][0]["prompt_logprobs"] == scored
     assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == ""  # max_tokens 0: no completion
+
+
+def test_each_choice_of_several_prompts_echoes_its_own_scored_prompt(http_stack, reference):
+    other = PROMPT[3:]
+    kw = dict(model="", prompt=[PROMPT, other], n=2, max_tokens=2, logprobs=0, echo=True, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = http_stack.client.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    for c in whole.choices:
+        prompt = PROMPT if c.index < 2 else other
+        assert len(c.logprobs.tokens) == len(prompt) + 2 and c.logprobs.token_logprobs[0] is None
+    assert whole.choices[0].logprobs.token_logprobs[1:len(PROMPT)] == pytest.approx(_expected(reference), abs=2e-4)
+    streamed: dict[int, list] = {}
+    for chunk in http_stack.client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.logprobs.token_logprobs if c.logprobs else [])
+    assert sorted(streamed) == [0, 1, 2, 3]
+    for c in whole.choices:  # equal but for the float noise of other batch neighbours
+        mine = streamed[c.index]
+        assert mine[0] is None and mine[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=2e-4)
+
+
+def test_grpc_chat_carries_the_scored_rendered_prompt(http_stack):
+    req = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content="Score me")],
+                                 sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    chunks = list(http_stack.grpc.Chat(req, metadata=http_stack.auth, timeout=120))
+    prompt_tokens = chunks[-1].usage.prompt_tokens
+    assert len(chunks[0].prompt_logprobs.logprobs) == prompt_tokens - 1 > 0
+    assert all(lp <= 0 for lp in chunks[0].prompt_logprobs.logprobs)
