@@ -92,11 +92,6 @@ class TokenizerClient:
             self._token_bytes.update(zip(part, reply.token_bytes))
         return {i: self._token_bytes[i] for i in ids}
 
-    async def token_texts(self, ids: list[int]) -> dict[int, str]:
-        """Each id's own text (special tokens included), e.g. for top-logprob candidates: its bytes as UTF-8, a
-        byte that is not (part of a token inside a multi-byte character) as U+FFFD, as Detokenize would give."""
-        return {i: b.decode("utf-8", errors="replace") for i, b in (await self.token_bytes(ids)).items()}
-
     def detokenizer(self, keep_special_tokens: bool,
                     metadata: tuple[tuple[str, str], ...] = ()) -> "StreamingDetokenizer":
         """metadata: the trace context (and request id) of the span the stream belongs to."""
