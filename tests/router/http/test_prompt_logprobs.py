@@ -95,12 +95,21 @@ def test_a_cached_prompt_is_scored_again(http_stack, reference):
     ({"prompt": PROMPT, "max_tokens": -3}, "max_tokens"),
     ({"prompt": PROMPT, "max_tokens": 1, "temperature": -1.0}, "temperature"),
     ({"prompt": PROMPT, "max_tokens": 1, "top_p": 0}, "top_p"),
+    ({"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": PROMPT, "max_tokens": 1, "logprobs": 6, "echo": True}, "logprobs"),
 ])
 def test_every_400_names_its_param(http_stack, body, param):
     r = httpx.post(http_stack.base + "/v1/completions", json={"model": "", **body},
                    headers={"authorization": f"Bearer {API_KEY}"}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_chat_refuses_prompt_logprobs_by_name(http_stack):
+    r = httpx.post(http_stack.base + "/v1/chat/completions", headers={"authorization": f"Bearer {API_KEY}"},
+                   json={"model": "", "messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_continuous_usage_stats_puts_usage_on_every_chunk(http_stack):
