@@ -49,6 +49,7 @@ def _pair(text: str) -> tuple[str, str]:
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    p.epilog = "Each subcommand's --help lists its flags with their defaults (e.g. --router 127.0.0.1:50051)."
     sub = p.add_subparsers(dest="batch_command", required=True)
     submit = sub.add_parser("submit", help="create a batch from an OpenAI-format JSONL file; prints its id")
     submit.add_argument("file", type=Path)

@@ -66,11 +66,13 @@ class DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
-    """--log-level, --log-format and --debug, before or after the subcommand (after wins)."""
+    """--log-level, --log-format and --debug, before or after the subcommand (after wins). After it their default is
+    SUPPRESS (a value given before the subcommand stands), so its help states the real default itself."""
     d = (lambda v: v) if defaults else (lambda v: argparse.SUPPRESS)
-    p.add_argument("--log-level", default=d("INFO"), help="DEBUG, INFO, WARNING or ERROR")
+    shown = (lambda v: "") if defaults else (lambda v: f" (default: {v})")
+    p.add_argument("--log-level", default=d("INFO"), help="DEBUG, INFO, WARNING or ERROR" + shown("INFO"))
     p.add_argument("--log-format", choices=LOG_FORMATS, default=d("auto"),
-                   help="auto: readable text on a terminal, JSON lines otherwise")
+                   help="auto: readable text on a terminal, JSON lines otherwise" + shown("auto"))
     p.add_argument("--debug", action="store_true", default=d(False),
                    help="show the traceback of an error instead of one line")
 

@@ -45,6 +45,8 @@ MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 2.0
 # Alternatives per generated token (OpenAI's top_logprobs cap).
 MAX_TOP_LOGPROBS = 20
+# Ids in one tokenizer TokenBytes call (the router asks for a long scored prompt's bytes in pieces of this size).
+MAX_TOKEN_BYTES_IDS = 65_536
 # Choices one request may fan out to (OpenAI's n; each is a sequence taking a shard slot), gRPC and HTTP alike.
 MAX_N = 16
 # Calls in one reply under tool_choice 'required' (ResponseFormat.tool_calls.max_calls): the grammar numbers the

@@ -21,7 +21,7 @@ def cache_salt_for(tenant: str, request_salt: str) -> str:
     length-prefixed so no two pairs collide by concatenation; '' when both are empty. Raises InvalidArgument for a
     request salt over MAX_CACHE_SALT_CHARS."""
     if len(request_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(f"cache_salt has {len(request_salt)} characters; at most {MAX_CACHE_SALT_CHARS}")
+        raise InvalidArgument(f"cache_salt has {len(request_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", "cache_salt")
     if not tenant and not request_salt:
         return ""
     both = f"{len(tenant)}:{tenant}{len(request_salt)}:{request_salt}"

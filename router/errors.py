@@ -7,6 +7,11 @@ import grpc
 class RouterError(Exception):
     code = grpc.StatusCode.INTERNAL
 
+    def __init__(self, message: str = "", param: str | None = None):
+        """param: the request field at fault, where one is (OpenAI's error.param on HTTP)."""
+        super().__init__(message)
+        self.param = param
+
 
 class InvalidArgument(RouterError):
     code = grpc.StatusCode.INVALID_ARGUMENT

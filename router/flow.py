@@ -45,6 +45,7 @@ class Piece:
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: common_pb2.Usage | None = None
     error_message: str = ""
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None  # the scored prompt, on a choice's first piece
 
     @property
     def final(self) -> bool:
@@ -66,6 +67,7 @@ class Reply(Piece):
         self.text += p.text
         self.reasoning += p.reasoning
         self.tool_calls += p.tool_calls
+        self.prompt_logprobs = self.prompt_logprobs or p.prompt_logprobs
         if p.final:
             self.finish_reason, self.usage, self.error_message = p.finish_reason, p.usage, p.error_message
 
@@ -79,7 +81,8 @@ async def collect(pieces: AsyncIterator[Piece]) -> Reply:
 
 def _piece(chunk: Chunk, **text) -> Piece:
     return Piece(list(chunk.token_ids), list(chunk.logprobs), list(chunk.top_logprobs), list(chunk.token_texts),
-                 finish_reason=chunk.finish_reason, usage=chunk.usage, error_message=chunk.error_message, **text)
+                 finish_reason=chunk.finish_reason, usage=chunk.usage, error_message=chunk.error_message,
+                 prompt_logprobs=chunk.prompt_logprobs, **text)
 
 
 @dataclass(frozen=True)
@@ -183,7 +186,7 @@ async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.Ch
 def choice_count(n: int) -> int:
     """A Generate / Chat request's `n`: 0 (unset) is 1; above MAX_N is INVALID_ARGUMENT naming the bound."""
     if n > MAX_N:
-        raise InvalidArgument(f"n must be in [1, {MAX_N}] (0 or unset: 1), got {n}")
+        raise InvalidArgument(f"n must be in [1, {MAX_N}] (0 or unset: 1), got {n}", "n")
     return n or 1
 
 

@@ -74,31 +74,38 @@ class Chunk:
     # What each token added to the detokenized text (before stop strings; "" for hidden ids and for a token that
     # only starts a multi-byte character): OpenAI's per-token `token` strings.
     token_texts: list[str] = field(default_factory=list)
+    # With SamplingParams.prompt_logprobs: the scored prompt, on the sequence's first token only.
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None
 
 
 def validate_sampling(s: common_pb2.SamplingParams) -> None:
-    problems = []
+    """Raises InvalidArgument naming every problem; its param is the first field at fault."""
+    problems: list[tuple[str, str]] = []  # (field, what is wrong)
     if s.HasField("max_tokens") and s.max_tokens <= 0:
-        problems.append(f"max_tokens must be >= 1, got {s.max_tokens}")
+        problems.append(("max_tokens", f"max_tokens must be >= 1, got {s.max_tokens}"))
     if s.HasField("temperature") and not 0 <= s.temperature <= MAX_TEMPERATURE:
-        problems.append(f"temperature must be in [0, {MAX_TEMPERATURE}], got {s.temperature}")
+        problems.append(("temperature", f"temperature must be in [0, {MAX_TEMPERATURE}], got {s.temperature}"))
     if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        problems.append(f"top_p must be in (0, 1], got {s.top_p}")
+        problems.append(("top_p", f"top_p must be in (0, 1], got {s.top_p}"))
     if s.HasField("top_k") and s.top_k < 0:
-        problems.append(f"top_k must be >= 0, got {s.top_k}")
+        problems.append(("top_k", f"top_k must be >= 0, got {s.top_k}"))
     for name in ("presence_penalty", "frequency_penalty"):
         if s.HasField(name) and not -MAX_PENALTY <= getattr(s, name) <= MAX_PENALTY:
-            problems.append(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(s, name)}")
+            problems.append((name, f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(s, name)}"))
     if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
-        problems.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {s.repetition_penalty}")
+        problems.append(("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                                               f"{s.repetition_penalty}"))
     if s.top_logprobs > MAX_TOP_LOGPROBS:
-        problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}")
+        problems.append(("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}"))
     elif s.top_logprobs and not s.logprobs:
-        problems.append(f"top_logprobs={s.top_logprobs} needs logprobs")
+        problems.append(("top_logprobs", f"top_logprobs={s.top_logprobs} needs logprobs"))
+    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_TOP_LOGPROBS:
+        problems.append(("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
+                                            f"{s.prompt_logprobs}"))
     if s.HasField("response_format"):
-        problems += _response_format_problems(s.response_format, s.ignore_eos)
+        problems += [("response_format", p) for p in _response_format_problems(s.response_format, s.ignore_eos)]
     if problems:
-        raise InvalidArgument("; ".join(problems))
+        raise InvalidArgument("; ".join(p for _, p in problems), problems[0][0])
 
 
 def _response_format_problems(f: common_pb2.ResponseFormat, ignore_eos: bool) -> list[str]:
@@ -158,7 +165,7 @@ class Generation:
         bad = [t for t in prompt if t >= info.vocab_size]
         if bad:
             raise InvalidArgument(f"{len(bad)} token ids >= the model's vocab size {info.vocab_size}, first: "
-                                  f"{bad[:8]}")
+                                  f"{bad[:8]}", "prompt")
         context = self.max_context_tokens()
         room = context - len(prompt)
         if room < 1:
@@ -252,7 +259,9 @@ class Generation:
                     top = ([common_pb2.TopLogprobs(candidates=event.token.top_logprobs)] if s.top_logprobs
                            else [])
                     per_token = {"logprobs": [event.token.logprob] if event.token.HasField("logprob") else [],
-                                 "token_texts": [delta], "top_logprobs": top}
+                                 "token_texts": [delta], "top_logprobs": top,
+                                 "prompt_logprobs": (event.token.prompt_logprobs
+                                                     if event.token.HasField("prompt_logprobs") else None)}
                     if stops.stopped:
                         finished = True
                         out.finish_reason = "stop"

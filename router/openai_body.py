@@ -24,6 +24,8 @@ OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
 ROLE_ALIASES = {"developer": "system"}
+# include_usage and include_obfuscation are OpenAI's; continuous_usage_stats is vLLM's (openai_fields.EXTENSIONS).
+STREAM_OPTIONS = {"include_usage", "include_obfuscation", "continuous_usage_stats"}
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (SamplingParams.top_logprobs); the legacy logprobs int stops at 5
 ToolChoice = router_pb2.ToolChoice
@@ -47,6 +49,9 @@ class Options:
     logprobs: bool = False  # the chosen tokens' log-probabilities
     top_logprobs: int = 0  # alternatives per token (none available yet: only 0 is accepted)
     echo: bool = False  # completions: the prompt text before the completion
+    score_only: bool = False  # completions' max_tokens 0 with echo: the scored prompt and no completion
+    prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs (alternatives per prompt position)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage on every chunk (vLLM's)
 
     def non_default(self) -> list[str]:
         return [f"{k}={v!r}" for k, v in vars(self).items() if v != getattr(DEFAULT_OPTIONS, k)]
@@ -81,14 +86,27 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
 def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
     body = _present(body)
-    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS))
+    _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS)
+                  | set(openai_fields.COMPLETIONS_EXTENSIONS))
     sampling = sampling_params(body)
+    echo = _bool(body, "echo")
     top = body.get("logprobs")
     if top is not None:  # the legacy API's logprobs is the number of alternatives per token
         top = _int(top, "logprobs", 0, 5)
         sampling.logprobs, sampling.top_logprobs = True, top
-        if _bool(body, "echo"):
-            raise BodyError("echo with logprobs needs the prompt tokens' logprobs, which are not computed", "echo")
+        if echo:  # the echoed prompt's tokens carry theirs too, scored by the shard during its prefill
+            sampling.prompt_logprobs = top
+    prompt_top = body.get("prompt_logprobs")
+    if prompt_top is not None:  # vLLM's: the scored prompt in a field of its own (the shard computes the larger k)
+        prompt_top = _int(prompt_top, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+        sampling.prompt_logprobs = max(prompt_top, sampling.prompt_logprobs)
+    score_only = sampling.HasField("max_tokens") and sampling.max_tokens == 0
+    if score_only:
+        if not (echo or prompt_top is not None):
+            raise BodyError("max_tokens 0 generates nothing; it is accepted only with echo: true or prompt_logprobs "
+                            "(the prompt, scored)", "max_tokens")
+        # The shard's prefill always draws one token; the reply drops it (OpenAI's and vLLM's max_tokens 0 + echo).
+        sampling.max_tokens = 1
     requests = []
     for prompt in _prompts(body.get("prompt")):
         req = router_pb2.GenerateRequest(model=_str(body, "model"), sampling=sampling,
@@ -98,7 +116,8 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
         else:
             req.prompt_token_ids.ids.extend(prompt)
         requests.append(req)
-    return requests, _options(body, logprobs=top is not None, top_logprobs=top or 0, echo=_bool(body, "echo"))
+    return requests, _options(body, logprobs=top is not None, top_logprobs=top or 0, echo=echo,
+                              score_only=score_only, prompt_logprobs=prompt_top)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
@@ -119,14 +138,14 @@ def _options(body: dict[str, Any], **kw) -> Options:
     stream = _bool(body, "stream")
     raw = body.get("stream_options", {})
     stream_options = _present(raw) if isinstance(raw, dict) else None
-    if stream_options is None or set(stream_options) - {"include_usage", "include_obfuscation"}:
-        raise BodyError(f"stream_options may hold include_usage and include_obfuscation, got {_describe(raw)}",
-                        "stream_options")
+    if stream_options is None or set(stream_options) - STREAM_OPTIONS:
+        raise BodyError(f"stream_options may hold {sorted(STREAM_OPTIONS)}, got {_describe(raw)}", "stream_options")
     # include_obfuscation pads OpenAI's chunks against size side channels: no padding is sent, the text is the same.
     _bool(stream_options, "include_obfuscation")
     # Without stream, stream_options changes nothing: a whole response always carries usage.
     include_usage = _bool(stream_options, "include_usage") and stream
-    return Options(n=n, stream=stream, include_usage=include_usage, **kw)
+    continuous = _bool(stream_options, "continuous_usage_stats") and stream
+    return Options(n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous, **kw)
 
 
 def _tool_choice(v: Any) -> router_pb2.ToolChoice:

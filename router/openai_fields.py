@@ -23,6 +23,23 @@ from kimiserve.text import clip
 EXTENSIONS: dict[str, str] = {
     "cache_salt": "vLLM's: a string (at most 256 characters) keying the prompt's prefix-cache entries; requests share "
                   "cached prefixes only under the same salt (GenerateRequest.cache_salt)",
+    "top_k": "vLLM's: sample from the k most likely tokens only (SamplingParams.top_k)",
+    "repetition_penalty": "vLLM's: HF transformers' repetition penalty (SamplingParams.repetition_penalty)",
+    "stop_token_ids": "vLLM's: token ids that end the sequence (SamplingParams.stop_token_ids)",
+    "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",
+}
+
+# Honoured on /v1/completions only (chat refuses them): name -> where it comes from and what it does.
+COMPLETIONS_EXTENSIONS: dict[str, str] = {
+    "prompt_logprobs": "vLLM's: 0-20; each choice also carries the prompt scored (first position null, then per "
+                       "position the prompt token and that many alternatives by id with logprob, rank and "
+                       "decoded_token); with max_tokens 0, the scored prompt alone",
+}
+
+# Honoured stream_options keys that are not OpenAI's (router/openai_body.STREAM_OPTIONS).
+STREAM_OPTION_EXTENSIONS: dict[str, str] = {
+    "continuous_usage_stats": "vLLM's: with stream, every chunk carries the usage so far (the prompt's tokens and "
+                              "the completion tokens generated until that chunk)",
 }
 
 # name -> (the JSON type its value must have, why no value of it can change the reply)

@@ -41,7 +41,7 @@ async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> l
     kind = req.WhichOneof("prompt")
     if kind == "text":
         if not req.text:
-            raise InvalidArgument("empty prompt text")
+            raise InvalidArgument("empty prompt text", "prompt")
         return await gen.tokenizer.tokenize(req.text)
     if kind == "prompt_token_ids":
         return list(req.prompt_token_ids.ids)
@@ -53,5 +53,5 @@ async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> tuple[lis
     check_sizes(limits.check_chat, req)
     check_model(gen, req.model)
     if not req.messages:
-        raise InvalidArgument("messages is empty")
+        raise InvalidArgument("messages is empty", "messages")
     return await gen.tokenizer.render_chat(req.messages, req.tools)

@@ -111,7 +111,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 yield router_pb2.GenerateResponse(request_id=request_id, token_ids=p.token_ids, text=p.text,
                                                   finish_reason=p.finish_reason, usage=p.usage,
                                                   error_message=p.error_message, token_logprobs=p.logprobs,
-                                                  top_logprobs=p.top_logprobs, choice_index=i, total_usage=total)
+                                                  top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
+                                                  prompt_logprobs=p.prompt_logprobs)
             ended = True
             self._count("Generate", "OK")
         except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
@@ -134,7 +135,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,
                     finish_reason=p.finish_reason, usage=p.usage, error_message=p.error_message,
                     token_logprobs=p.logprobs, top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
-                    tool_calls=p.tool_call_protos())
+                    tool_calls=p.tool_call_protos(), prompt_logprobs=p.prompt_logprobs)
             ended = True
             self._count("Chat", "OK")
         except Exception as e:  # noqa: BLE001

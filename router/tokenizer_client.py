@@ -11,7 +11,7 @@ import asyncio
 import grpc
 
 from kimiserve import tracing
-from kimiserve.limits import clip
+from kimiserve.limits import MAX_TOKEN_BYTES_IDS, clip
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailable
 
@@ -42,7 +42,7 @@ class TokenizerClient:
         self._channel = channel or grpc.aio.insecure_channel(address)  # a TLS channel: kimiserve.security
         self.stub = tokenizer_pb2_grpc.TokenizerStub(self._channel)
         self.info: tokenizer_pb2.TokenizerInfoResponse | None = None
-        self._token_texts: dict[int, str] = {}  # id -> its text; at most the vocabulary
+        self._token_bytes: dict[int, bytes] = {}  # id -> its bytes; at most the vocabulary
 
     async def load_info(self) -> tokenizer_pb2.TokenizerInfoResponse:
         self.info = await self.stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=self.timeout)
@@ -78,13 +78,19 @@ class TokenizerClient:
             raise _translate(e) from e
         return reply.text
 
-    async def token_texts(self, ids: list[int]) -> dict[int, str]:
-        """Each id's own text (special tokens included), e.g. for top-logprob candidates; remembered, since the same
-        ids come back again and again."""
-        missing = sorted({i for i in ids if i not in self._token_texts})
-        for i, text in zip(missing, await asyncio.gather(*(self.detokenize([i]) for i in missing))):
-            self._token_texts[i] = text
-        return {i: self._token_texts[i] for i in ids}
+    async def token_bytes(self, ids: list[int]) -> dict[int, bytes]:
+        """Each id's own bytes from the tokenizer's vocabulary (special tokens: their text), for logprobs; remembered,
+        since the same ids come back again and again."""
+        missing = sorted({i for i in ids if i not in self._token_bytes})
+        for start in range(0, len(missing), MAX_TOKEN_BYTES_IDS):
+            part = missing[start:start + MAX_TOKEN_BYTES_IDS]
+            try:
+                reply = await self.stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=part),
+                                                   timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                raise _translate(e) from e
+            self._token_bytes.update(zip(part, reply.token_bytes))
+        return {i: self._token_bytes[i] for i in ids}
 
     def detokenizer(self, keep_special_tokens: bool,
                     metadata: tuple[tuple[str, str], ...] = ()) -> "StreamingDetokenizer":

@@ -49,12 +49,12 @@ def offered_tools(tools, choice: router_pb2.ToolChoice) -> list[common_pb2.Tool]
     if choice.mode == ToolChoice.MODE_NONE:
         return []
     if choice.mode == ToolChoice.MODE_REQUIRED and not tools:
-        raise InvalidArgument("tool_choice 'required' needs at least one tool in tools")
+        raise InvalidArgument("tool_choice 'required' needs at least one tool in tools", "tool_choice")
     if choice.mode == ToolChoice.MODE_FUNCTION:
         named = [t for t in tools if tool_name(t) == choice.function_name]
         if not named:
             raise InvalidArgument(f"tool_choice names function {clip(choice.function_name)}, which is not in tools "
-                                  f"{[tool_name(t) for t in tools]}")
+                                  f"{[tool_name(t) for t in tools]}", "tool_choice")
         return named[:1]
     return list(tools)
 

@@ -226,3 +226,13 @@ def test_the_readme_puts_kimiserve_on_path_before_using_it():
     activate = shell.find(". .venv/bin/activate")
     bare = re.search(r"(^|[\s(=])kimiserve (?!\S*/)", shell, flags=re.MULTILINE)
     assert bare is not None and 0 <= activate < bare.start(), (activate, bare and bare.group(0))
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_global_flags_after_a_subcommand_show_their_real_default(command):
+    """After the subcommand they default to SUPPRESS (so a value given before it stands); the help must still say
+    INFO / auto (`batch --help` has no flags of its own, so these are all it shows)."""
+    parser = build_parser([command])
+    top = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    text = " ".join(top.format_help().split())
+    assert "ERROR (default: INFO)" in text and "otherwise (default: auto)" in text

@@ -64,6 +64,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         text = await asyncio.to_thread(self._s.tokenizer.decode, request.token_ids, not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
+    @unary("TokenBytes")
+    async def TokenBytes(self, request: pb.TokenBytesRequest, context: Ctx) -> pb.TokenBytesResponse:
+        self._check_model(request.model)
+        if len(request.token_ids) > limits.MAX_TOKEN_BYTES_IDS:
+            raise InvalidRequest(f"TokenBytes takes at most {limits.MAX_TOKEN_BYTES_IDS} ids, got "
+                                 f"{len(request.token_ids)}")
+        table = self._s.tokenizer.token_bytes
+        return pb.TokenBytesResponse(token_bytes=[table[i] if i < len(table) else b"" for i in request.token_ids])
+
     @unary("RenderChat")
     async def RenderChat(self, request: pb.RenderChatRequest, context: Ctx) -> pb.RenderChatResponse:
         self._check_model(request.model)

@@ -61,18 +61,20 @@ class ShardRequest(_message.Message):
 class ShardEvent(_message.Message):
     __slots__ = ("request_id", "token", "finished", "error")
     class Token(_message.Message):
-        __slots__ = ("token_id", "index", "logprob", "cached_prompt_tokens", "top_logprobs")
+        __slots__ = ("token_id", "index", "logprob", "cached_prompt_tokens", "top_logprobs", "prompt_logprobs")
         TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
         INDEX_FIELD_NUMBER: _ClassVar[int]
         LOGPROB_FIELD_NUMBER: _ClassVar[int]
         CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
         token_id: int
         index: int
         logprob: float
         cached_prompt_tokens: int
         top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
-        def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ...) -> None: ...
+        prompt_logprobs: _common_pb2.PromptLogprobs
+        def __init__(self, token_id: _Optional[int] = ..., index: _Optional[int] = ..., logprob: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
     class Timing(_message.Message):
         __slots__ = ("queue_seconds", "prefill_seconds", "time_to_first_token_seconds", "decode_seconds", "duration_seconds", "prefill_passes")
         QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]

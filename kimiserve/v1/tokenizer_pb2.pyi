@@ -37,6 +37,20 @@ class DetokenizeResponse(_message.Message):
     text: str
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
+class TokenBytesRequest(_message.Message):
+    __slots__ = ("model", "token_ids")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenBytesResponse(_message.Message):
+    __slots__ = ("token_bytes",)
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    token_bytes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, token_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
 class RenderChatRequest(_message.Message):
     __slots__ = ("model", "messages", "tools", "add_generation_prompt")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -59,6 +59,11 @@ class TokenizerStub:
                 request_serializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
                 response_deserializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.FromString,
                 _registered_method=True)
+        self.TokenBytes = channel.unary_unary(
+                '/kimiserve.v1.Tokenizer/TokenBytes',
+                request_serializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -104,6 +109,14 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TokenBytes(self, request, context):
+        """Each id's own bytes, exactly as the tokenizer's vocabulary holds them (a token may be part of a multi-byte
+        UTF-8 character, so these are bytes, not text): for logprobs' `bytes` fields.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.FromString,
                     response_serializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.SerializeToString,
+            ),
+            'TokenBytes': grpc.unary_unary_rpc_method_handler(
+                    servicer.TokenBytes,
+                    request_deserializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +286,33 @@ class Tokenizer:
             '/kimiserve.v1.Tokenizer/Info',
             kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoRequest.SerializeToString,
             kimiserve_dot_v1_dot_tokenizer__pb2.TokenizerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TokenBytes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kimiserve.v1.Tokenizer/TokenBytes',
+            kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesRequest.SerializeToString,
+            kimiserve_dot_v1_dot_tokenizer__pb2.TokenBytesResponse.FromString,
             options,
             channel_credentials,
             insecure,

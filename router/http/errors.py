@@ -43,7 +43,7 @@ def describe(e: Exception, request_id: str) -> tuple[int, dict]:
         status, body = 400, error_body(400, str(e), "invalid_argument", e.param)
     elif isinstance(e, RouterError):
         status = HTTP_STATUS.get(e.code, 500)
-        body = error_body(status, f"{e} (request_id={request_id})", e.code.name.lower())
+        body = error_body(status, f"{e} (request_id={request_id})", e.code.name.lower(), e.param)
     else:
         log.exception("http request failed", extra={"request_id": request_id})
         tracing.current().fail(f"500 {type(e).__name__}")

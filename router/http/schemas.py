@@ -3,7 +3,7 @@ null). Requests are parsed by router/openai_body.py, the translation batch lines
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -26,7 +26,7 @@ class TopLogprob(BaseModel):
 
 
 class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)  # alternatives: not available yet
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
 
 
 class ChoiceLogprobs(BaseModel):
@@ -96,8 +96,8 @@ class ChatCompletionChunk(BaseModel):
 
 class LegacyLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None = None  # alternatives: not available yet
+    token_logprobs: list[float | None]  # an echoed prompt's first token: None (nothing before it to score it by)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int]
 
 
@@ -106,6 +106,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: LegacyLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's extension, asked with prompt_logprobs: None first, then {token id: {logprob, rank, decoded_token}}
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class Completion(BaseModel):

@@ -12,6 +12,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.prefill_share import PrefillShare, context_tokens_per_token
 from shard_svc.engine.prefix_cache import PrefixCache
 from shard_svc.engine.prefix_host import PrefixHostConfigError, PrefixHostTier
+from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
@@ -68,6 +69,7 @@ class TokenEvent:
     logprob: float | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    prompt_scores: PromptScores | None = None  # on the first token, when the prompt was scored
     timing: SequenceTiming | None = None  # on a finish: where the sequence's time went (the engine loop sets it)
 
 
@@ -329,7 +331,8 @@ class Engine:
                 return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
         if len(seq.output) >= seq.params.max_tokens:
             return self._finish(seq, "length", token=token, last_logits=logits, **extra)
-        return TokenEvent(seq.request_id, token, len(seq.output) - 1, cached_tokens=seq.cached_tokens, **extra)
+        return TokenEvent(seq.request_id, token, len(seq.output) - 1, cached_tokens=seq.cached_tokens,
+                          prompt_scores=self._scores(seq), **extra)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
                 logprob: float | None = None, last_logits: torch.Tensor | None = None,
@@ -340,7 +343,14 @@ class Engine:
         self.sequences.pop(seq.request_id, None)
         index = len(seq.output) - 1 if token is not None else len(seq.output)
         return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob,
-                          seq.cached_tokens, top_logprobs)
+                          seq.cached_tokens, top_logprobs, self._scores(seq) if token is not None else None)
+
+    @staticmethod
+    def _scores(seq: Sequence) -> PromptScores | None:
+        """The scored prompt, handed over once, with the first token (a one-token prompt scores nothing)."""
+        if seq.params.prompt_logprobs is None or len(seq.output) != 1:
+            return None
+        return seq.prompt_scores or PromptScores()
 
     # -- offline ----------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from shard_svc.config import ModelConfig
+from shard_svc.engine.prompt_logprobs import SCORE_ROWS, PromptScores
 from shard_svc.engine.sequence import Sequence
 from shard_svc.engine.step_rows import build_rows
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
@@ -58,10 +59,20 @@ class ModelRunner:
         )
         return torch.tensor(ids, dtype=torch.int64, device=dev), batch
 
+    def _score(self, seq: Sequence, hidden: torch.Tensor, start: int, n: int) -> None:
+        """Scores the prompt positions of this pass (hidden rows start .. start + n - 1) SCORE_ROWS at a time, so a
+        long chunk never holds its [n, vocab] logits at once."""
+        seq.prompt_scores = seq.prompt_scores or PromptScores()
+        for offset in range(0, n, SCORE_ROWS):
+            rows = hidden[start + offset:start + min(n, offset + SCORE_ROWS)]
+            seq.prompt_scores.add_chunk(self.model.compute_logits(rows, self.ops), seq.prompt,
+                                        seq.num_computed + offset, seq.params.prompt_logprobs)
+
     @torch.inference_mode()
     def forward(self, work: list[tuple[Sequence, int]], is_decode: bool) -> list[torch.Tensor]:
         """Runs one pass; returns per sequence fp32 logits [n_rows, vocab]: every new position for sequences that
-        keep prompt logits, else only the last one. Advances each sequence's num_computed."""
+        keep prompt logits, else only the last one (prompt_logprobs sequences' positions are scored on the way).
+        Advances each sequence's num_computed."""
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
             self.chunk_tokens = [len(work)]
@@ -80,6 +91,8 @@ class ModelRunner:
             first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
             spans.append(end - first)
             rows.extend(range(first, end))
+            if seq.params.prompt_logprobs is not None and seq.is_prefilling:
+                self._score(seq, hidden, end - n, n)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], self.ops)
         for seq, n in work:
             seq.num_computed += n

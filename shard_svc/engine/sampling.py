@@ -49,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + output tokens
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
     response_format: ResponseFormat | None = None
+    prompt_logprobs: int | None = None  # score the prompt with this many alternatives per position (None: do not)
 
     @classmethod
     def from_proto(cls, s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
@@ -57,6 +58,7 @@ class SamplingParams:
         optional = {name: getattr(s, name) for name in OPTIONAL_WIRE_FIELDS if s.HasField(name)}
         return cls(max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                    logprobs=s.logprobs, top_logprobs=s.top_logprobs,
+                   prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
                    response_format=_response_format_from_proto(s.response_format), **optional)
 
     @property
@@ -87,6 +89,8 @@ class SamplingParams:
             problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         elif self.top_logprobs and not self.logprobs:
             problems.append(f"top_logprobs={self.top_logprobs} needs logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            problems.append(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if self.response_format is not None and self.ignore_eos:
             problems.append("ignore_eos cannot be combined with response_format: the format decides where the "
                             "output ends")

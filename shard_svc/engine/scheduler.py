@@ -86,12 +86,12 @@ class Scheduler:
             if not self.slots.num_free and not (self.prefix_cache is not None and self.prefix_cache.evict_one()):
                 break  # cached prefixes give their state slots back to running sequences
             seq = self.waiting[0]
-            hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt) if self.prefix_cache is not None else None
+            hit = self._lookup(seq)
             need = self._need(seq, hit)
             while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
                     self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least valuable first
                 if hit is not None and not self.prefix_cache.holds(hit):  # evicted: to the host tier, or gone
-                    hit = self.prefix_cache.lookup(seq.prompt, seq.prefix.salt)
+                    hit = self._lookup(seq)
                 need = self._need(seq, hit)
             if need > self.blocks.num_free - promised and not self._fits_with_host(seq):
                 break  # FIFO: a large request is not overtaken forever by small ones
@@ -108,6 +108,13 @@ class Scheduler:
         """New blocks the sequence's whole promise takes: a cached prefix's full blocks are shared, not taken."""
         shared = self.prefix_cache.shared_blocks(hit) if hit is not None else 0
         return self.blocks.blocks_for(seq.max_total_tokens) - shared
+
+    def _lookup(self, seq: Sequence) -> CachedPrefix | HostPrefix | None:
+        """A scored prompt (prompt_logprobs) needs logits at every position and a cached prefix has none: it is
+        prefilled whole (its own snapshots are still taken)."""
+        if self.prefix_cache is None or seq.params.prompt_logprobs is not None:
+            return None
+        return self.prefix_cache.lookup(seq.prompt, seq.prefix.salt)
 
     def _restore_prefix(self, seq: Sequence, hit: CachedPrefix | HostPrefix | None) -> None:
         self.prefix_cache.count_query(len(seq.prompt), hit.length if hit is not None else 0)

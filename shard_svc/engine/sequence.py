@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.sampling import SamplingParams
 
 
@@ -75,6 +76,7 @@ class Sequence:
     cached_logits: torch.Tensor | None = None  # the whole prompt was cached: its first token is drawn from this row
     prompt_logits: list[torch.Tensor] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
+    prompt_scores: PromptScores | None = None  # with params.prompt_logprobs: gathered chunk by chunk in prefill
     # Where the request's time went (time.monotonic() seconds; None until reached), for per-request metrics and
     # traces. The shard's engine loop sets arrived_at to the moment its gRPC handler took the request.
     arrived_at: float = field(default_factory=time.monotonic)

@@ -13,6 +13,7 @@ import torch
 
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
+from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.engine.sequence import PrefixHints, SequenceTiming
 from shard_svc.errors import CapacityError, ContextTooLong, DuplicateRequest, InvalidRequest, KimiServeError
@@ -44,6 +45,8 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
         if event.logprob is not None:
             token.logprob = event.logprob
         token.top_logprobs.extend(common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in event.top_logprobs)
+        if event.prompt_scores is not None:
+            token.prompt_logprobs.CopyFrom(prompt_logprobs_to_pb(event.prompt_scores))
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, token=token))
     if event.finish_reason is not None:
         usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
@@ -51,6 +54,15 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, finished=shard_pb2.ShardEvent.Finished(
             finish_reason=FINISH[event.finish_reason], usage=usage, error_message=event.error or "",
             timing=timing_to_pb(event.timing))))
+    return out
+
+
+def prompt_logprobs_to_pb(scores: PromptScores) -> common_pb2.PromptLogprobs:
+    logprobs, tops, ranks = scores.entries()
+    out = common_pb2.PromptLogprobs(logprobs=logprobs, ranks=ranks)
+    if any(tops):
+        out.top_logprobs.extend(common_pb2.TopLogprobs(candidates=[common_pb2.TopLogprob(token_id=t, logprob=lp)
+                                                                   for t, lp in top]) for top in tops)
     return out
 
 

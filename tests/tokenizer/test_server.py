@@ -101,6 +101,22 @@ def test_tokenize_detokenize_round_trip(server: Running) -> None:
     assert skipped == MIXED_TEXT.replace("<|im_end|>", "")
 
 
+def test_token_bytes_are_each_ids_own(server: Running) -> None:
+    """A character of several UTF-8 bytes split over tokens: each id's bytes are its own (not U+FFFD), and they
+    concatenate to the text; a special token's are its text; an id past the vocab has none."""
+    text = "naïve €5 — ok"
+    ids = list(server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text)).token_ids)
+    got = list(server.stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=[*ids, 514, 1023])).token_bytes)
+    assert b"".join(got[:len(ids)]) == text.encode("utf-8")
+    assert got[len(ids):] == [b"<|im_end|>", b""]
+    byte_ids = list(server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="\u20ac")).token_ids)
+    lone = [b for b in server.stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=byte_ids)).token_bytes]
+    assert len(lone) == 3 and lone == [b"\xe2", b"\x82", b"\xac"]  # the tiny tokenizer has no merge for it
+    with pytest.raises(grpc.RpcError) as err:
+        server.stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=[0] * 65_537))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65536" in err.value.details()
+
+
 def test_render_chat(server: Running) -> None:
     request = tokenizer_pb2.RenderChatRequest(messages=[common_pb2.ChatMessage(role="user", content="Hi")])
     reply = server.stub.RenderChat(request)

@@ -72,7 +72,7 @@ def test_bad_requests_fail_alone(router):
         "unknown-url": ("invalid_request", "unknown url '/v1/embeddings'"),
         "too-long": ("invalid_argument", "prompt of 300 tokens leaves no room"),
         "bad-temperature": ("invalid_argument", "temperature must be in [0,"),
-        "zero-max-tokens": ("invalid_argument", "max_tokens must be >= 1"),
+        "zero-max-tokens": ("invalid_request", "max_tokens 0 generates nothing"),  # a completions body: parse-time
         "bad-role": ("invalid_argument", "unknown role 'wizard'"),
         "bad-type": ("invalid_request", "max_tokens must be an integer"),
         "unknown-model": ("not_found", "model 'gpt-9' is not served"),

@@ -38,11 +38,11 @@ def test_api_key_is_required_except_for_health(http_stack):
 
 @pytest.mark.parametrize("body, code, param, fragment", [
     ({"messages": HELLO, "temperature": "hot"}, "invalid_argument", "temperature", "temperature must be a number"),
-    ({"messages": HELLO, "top_p": 5.0}, "invalid_argument", None, "top_p must be in (0, 1]"),
-    ({"messages": HELLO, "max_tokens": 0}, "invalid_argument", None, "max_tokens must be >= 1"),
+    ({"messages": HELLO, "top_p": 5.0}, "invalid_argument", "top_p", "top_p must be in (0, 1]"),
+    ({"messages": HELLO, "max_tokens": 0}, "invalid_argument", "max_tokens", "max_tokens must be >= 1"),
     ({"messages": HELLO, "logit_bias": {"1": 5}}, "invalid_argument", "logit_bias", "unsupported body field"),
     ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "invalid_argument", "top_logprobs", "[0, 20]"),
-    ({"messages": HELLO, "presence_penalty": 2.5}, "invalid_argument", None, "presence_penalty"),
+    ({"messages": HELLO, "presence_penalty": 2.5}, "invalid_argument", "presence_penalty", "presence_penalty"),
     ({"messages": HELLO, "response_format": {"type": "xml"}}, "invalid_argument", "response_format", "json_schema"),
     ({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {
         "type": "array", "uniqueItems": True}}}}, "invalid_argument", None, "uniqueItems"),
@@ -57,7 +57,7 @@ def test_bad_parameters_are_400(http_stack, body, code, param, fragment):
 
 def test_streamed_bad_request_is_an_http_error_not_a_stream(http_stack):
     assert_error(post(http_stack, "/v1/chat/completions", {"messages": HELLO, "stream": True, "top_p": 5.0}), 400,
-                 "invalid_argument")
+                 "invalid_argument", "top_p")
 
 
 def test_unknown_model_route_and_file_are_404(http_stack):
