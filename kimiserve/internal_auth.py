@@ -29,7 +29,8 @@ import grpc
 from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
-from kimiserve.security import SecurityConfigError, ServerTls
+from kimiserve.decode_guard import HANDLER_FACTORIES
+from kimiserve.security import SecurityConfigError, ServerTls, deny_aio
 
 log = logging.getLogger(__name__)
 TOKEN_HEADER = "x-kimiserve-internal-token"
@@ -133,18 +134,6 @@ def _open(details: grpc.HandlerCallDetails) -> bool:
     return details.method.lstrip("/").rsplit("/", 1)[0] in OPEN_SERVICES
 
 
-_FACTORIES = {"unary_unary": grpc.unary_unary_rpc_method_handler,
-              "unary_stream": grpc.unary_stream_rpc_method_handler,
-              "stream_unary": grpc.stream_unary_rpc_method_handler,
-              "stream_stream": grpc.stream_stream_rpc_method_handler}
-
-
-def _denied(handler: grpc.RpcMethodHandler, behavior_for_kind) -> grpc.RpcMethodHandler:
-    kind = next(k for k in _FACTORIES if getattr(handler, k) is not None)
-    return _FACTORIES[kind](behavior_for_kind(kind), request_deserializer=handler.request_deserializer,
-                            response_serializer=handler.response_serializer)
-
-
 class TokenInterceptor(grpc.ServerInterceptor):
     """For thread-pool servers (the shard): calls without the token end UNAUTHENTICATED before any servicer code."""
 
@@ -157,17 +146,17 @@ class TokenInterceptor(grpc.ServerInterceptor):
             return handler
         message = _refuse(details)
 
-        def behavior(kind: str):
-            if kind.endswith("stream"):
-                def deny_stream(request, context):
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-                    yield  # pragma: no cover - a generator, as streaming behaviors are
-                return deny_stream
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-            def deny(request, context):
-                context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            return deny
-        return _denied(handler, behavior)
+        def deny_stream(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+            yield  # pragma: no cover - a generator, as streaming behaviors are
+
+        kind = next(k for k in HANDLER_FACTORIES if getattr(handler, k) is not None)
+        return HANDLER_FACTORIES[kind](deny_stream if kind.endswith("_stream") else deny,
+                                       request_deserializer=handler.request_deserializer,
+                                       response_serializer=handler.response_serializer)
 
 
 class AioTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -180,19 +169,7 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or _open(details) or _valid(details.invocation_metadata, self.token):
             return handler
-        message = _refuse(details)
-
-        def behavior(kind: str):
-            if kind.endswith("stream"):
-                async def deny_stream(request, context):
-                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-                    yield  # pragma: no cover - an async generator, as streaming behaviors are
-                return deny_stream
-
-            async def deny(request, context):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-            return deny
-        return _denied(handler, behavior)
+        return deny_aio(handler, _refuse(details))
 
 
 # -- the router's side ---------------------------------------------------------------------------------------------

@@ -298,7 +298,8 @@ def bearer_token(metadata) -> str | None:
     return None
 
 
-def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def deny_aio(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """`handler`'s method on an asyncio server, answering UNAUTHENTICATED `message` before any servicer code."""
     async def abort(request_or_iterator, context):
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
@@ -306,14 +307,10 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover - makes this an async generator, as streaming handlers are
 
-    kw = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(abort, **kw)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(abort_stream, **kw)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(abort, **kw)
-    return grpc.stream_stream_rpc_method_handler(abort_stream, **kw)
+    kind = next(k for k in HANDLER_FACTORIES if getattr(handler, k) is not None)
+    return HANDLER_FACTORIES[kind](abort_stream if kind.endswith("_stream") else abort,
+                                   request_deserializer=handler.request_deserializer,
+                                   response_serializer=handler.response_serializer)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -337,7 +334,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                     extra={"method": details.method, "reason": reason,
                            "key_sha256_prefix": key_fingerprint(token) if token else None})
         hint = ("send metadata `authorization: Bearer <key>`" if reason != "wrong" else "the key is not accepted")
-        return _deny(handler, f"{reason} API key: {hint}")
+        return deny_aio(handler, f"{reason} API key: {hint}")
 
 
 def _as_tenant(handler: grpc.RpcMethodHandler, tenant: Tenant) -> grpc.RpcMethodHandler:
