@@ -16,12 +16,20 @@ from router.errors import InvalidArgument
 MAX_CACHE_SALT_CHARS = 256
 
 
+def check_request_salt(request_salt: str) -> str:
+    """`request_salt` as it is; InvalidArgument naming `cache_salt` when over MAX_CACHE_SALT_CHARS (flow checks it
+    before anything is rendered)."""
+    if len(request_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidArgument(f"cache_salt has {len(request_salt)} characters; at most {MAX_CACHE_SALT_CHARS}",
+                              "cache_salt")
+    return request_salt
+
+
 def cache_salt_for(tenant: str, request_salt: str) -> str:
     """The salt of a request of `tenant` carrying `request_salt` ('' for none): a SHA-256 hex digest of both, each
     length-prefixed so no two pairs collide by concatenation; '' when both are empty. Raises InvalidArgument for a
     request salt over MAX_CACHE_SALT_CHARS."""
-    if len(request_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidArgument(f"cache_salt has {len(request_salt)} characters; at most {MAX_CACHE_SALT_CHARS}", "cache_salt")
+    check_request_salt(request_salt)
     if not tenant and not request_salt:
         return ""
     both = f"{len(tenant)}:{tenant}{len(request_salt)}:{request_salt}"

@@ -25,7 +25,7 @@ from kimiserve.limits import MAX_N
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import prompts, tool_choice
-from router.cache_salt import cache_salt_for
+from router.cache_salt import check_request_salt
 from router.errors import InvalidArgument
 from router.generation import Chunk, Generation
 from router.request_ids import sequence_ids
@@ -94,15 +94,10 @@ class Prompt:
     tool_choice: router_pb2.ToolChoice = field(default_factory=router_pb2.ToolChoice)
     # The response_format that enforces tool_choice while decoding (router/tool_choice.py); None: no constraint.
     constraint: common_pb2.ResponseFormat | None = None
-    # Prefix-cache isolation salt (router/cache_salt.py) and, for chat, where the rendered messages end (the shard
-    # snapshots its prefix cache there).
+    # The request's own prefix-cache salt (Generation.run mixes the tenant in: router/cache_salt.py) and, for chat,
+    # where the rendered messages end (the shard snapshots its prefix cache there).
     cache_salt: str = ""
     message_ends: tuple[int, ...] = ()
-
-
-def _salt(request_salt: str) -> str:
-    """The request's own salt, checked and hashed here; Generation.run mixes the tenant in."""
-    return cache_salt_for("", request_salt)
 
 
 def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
@@ -113,7 +108,7 @@ def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
 
 async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:
     _no_client_tool_calls(req.sampling)
-    salt = _salt(req.cache_salt)
+    salt = check_request_salt(req.cache_salt)
     return Prompt(await prompts.generate_prompt(gen, req), cache_salt=salt)
 
 
@@ -122,7 +117,7 @@ async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
     offered = tool_choice.offered_tools(req.tools, req.tool_choice)
     if len(offered) != len(req.tools):
         req = _with_tools(req, offered)
-    salt = _salt(req.cache_salt)
+    salt = check_request_salt(req.cache_salt)
     ids, ends = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
     return Prompt(ids, chat=True, tool_choice=req.tool_choice,
                   constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling), cache_salt=salt,
