@@ -104,28 +104,27 @@ class PrefillShare:
              chunk_end: Callable[[Prefilling], int] | None = None) -> list[tuple[Prefilling, int]]:
         """(sequence, new tokens this pass) for the prompts being prefilled, given in admission order.
         others_running: sequences outside `prefilling` step this step too (decodes). chunk_end: where a sequence's
-        chunk must end at the latest (the prefix cache's next snapshot point); the budget it leaves is not handed
-        on (a snapshot point costs at most one short pass)."""
-        taken = self._share(prefilling, others_running)
-        for s in prefilling if chunk_end is not None else ():
-            if id(s) in taken:
-                taken[id(s)] = min(taken[id(s)], chunk_end(s) - s.num_computed)
+        chunk must end at the latest (the prefix cache's next snapshot point; None: its prompt's end); what that
+        leaves of the budget goes to the next prompts."""
+        end = chunk_end or (lambda s: len(s.prompt))
+        most = {id(s): end(s) - s.num_computed for s in prefilling}
+        taken = self._share(prefilling, others_running, most)
         return [(s, taken[id(s)]) for s in prefilling if id(s) in taken]
 
-    def _share(self, prefilling: list[Prefilling], others_running: bool) -> dict[int, int]:
-        """id(sequence) -> its tokens this pass (sequences are not hashable)."""
-        left = {id(s): len(s.prompt) - s.num_computed for s in prefilling}
-        longs = [s for s in prefilling if left[id(s)] > self.threshold]
+    def _share(self, prefilling: list[Prefilling], others_running: bool, most: dict[int, int]) -> dict[int, int]:
+        """id(sequence) -> its tokens this pass (sequences are not hashable); `most`: each one's limit this pass.
+        Long and short go by what is left of the whole prompt."""
+        longs = [s for s in prefilling if len(s.prompt) - s.num_computed > self.threshold]
         if self.policy == "fcfs" or not longs:
-            return _in_order(prefilling, self.budget)
-        shorts = [s for s in prefilling if left[id(s)] <= self.threshold]
-        reserve = min(self.floor, left[id(longs[0])])
-        taken = _in_order(shorts, self.budget - reserve)
+            return _in_order(prefilling, self.budget, most)
+        shorts = [s for s in prefilling if len(s.prompt) - s.num_computed <= self.threshold]
+        reserve = min(self.floor, most[id(longs[0])])
+        taken = _in_order(shorts, self.budget - reserve, most)
         room = self.budget - sum(taken.values())
         cost_room = self.cost_cap - sum(self.cost(s.num_computed, taken[id(s)]) for s in shorts if id(s) in taken)
         busy = others_running or bool(taken)
         for i, seq in enumerate(longs):
-            n = min(left[id(seq)], room)
+            n = min(most[id(seq)], room)
             if busy and n > 0:
                 cut = self.tokens_within(seq.num_computed, cost_room)
                 if cut < n:
@@ -140,13 +139,13 @@ class PrefillShare:
         return taken
 
 
-def _in_order(seqs: list[Prefilling], budget: int) -> dict[int, int]:
-    """Admission order, each as much as the budget has left."""
+def _in_order(seqs: list[Prefilling], budget: int, most: dict[int, int]) -> dict[int, int]:
+    """Admission order, each as much as its limit and the budget allow."""
     taken = {}
     for seq in seqs:
         if budget <= 0:
             break
-        taken[id(seq)] = n = min(len(seq.prompt) - seq.num_computed, budget)
+        taken[id(seq)] = n = min(most[id(seq)], budget)
         budget -= n
     return taken
 

@@ -130,3 +130,10 @@ def test_a_chunk_ends_at_the_sequences_next_snapshot_point():
     plan = PrefillShare(100).plan([long, short], others_running=False,
                                   chunk_end=lambda s: 340 if s is long else s.length)
     assert sizes(plan) == [(1000, 40), (10, 10)]
+
+
+def test_what_a_snapshot_point_leaves_of_the_budget_goes_to_the_next_prompt():
+    first, second = Seq(40), Seq(40)
+    plan = PrefillShare(64, "fcfs").plan([first, second], others_running=False,
+                                         chunk_end=lambda s: 16 if s is first else s.length)
+    assert sizes(plan) == [(40, 16), (40, 40)]
