@@ -30,6 +30,7 @@ from grpc_health.v1 import health
 from grpc_reflection.v1alpha import reflection
 
 from kimiserve.decode_guard import HANDLER_FACTORIES
+from kimiserve.private_files import private_dir
 from kimiserve.security import SecurityConfigError, ServerTls, deny_aio
 
 log = logging.getLogger(__name__)
@@ -75,8 +76,8 @@ def read_token(path: Path) -> bytes:
 
 def write_token(path: Path) -> Path:
     """Writes a fresh random token to `path`, readable by its owner only (0600, created so: never briefly wider),
-    in a directory that is made 0700 when this creates it."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    in a directory that is made 0700 when this creates it (kimiserve/private_files.py)."""
+    private_dir(path.parent)
     if path.exists():
         path.unlink()  # O_CREAT's mode applies only to a new file
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

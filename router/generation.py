@@ -183,7 +183,8 @@ class Generation:
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token).
         `cache_salt` (the request's own, from flow; router/cache_salt.py) is mixed with the tenant's name into the
         salt that keys the prompt's prefix-cache entries on the shard and in the prefix index, so no tenant's
-        requests hit another's; `message_ends` (chat) are where the rendered messages end, the shard's snapshot points."""
+        requests hit another's; `message_ends` (chat) are where the rendered messages end, the shard's snapshot
+        points."""
         if not self.live.holds(request_id):
             raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
         validate_sampling(s)

@@ -65,8 +65,8 @@ class BatchInput:
 
 _FILE_COLUMNS = "id, purpose, filename, bytes, created_at_ms, tenant"
 _TERMINAL = tuple(sorted(states.TERMINAL))
-_LIVE_USERS = (f"SELECT bi.batch_id FROM batch_inputs bi JOIN batches b ON b.id = bi.batch_id WHERE bi.input_file_id = ? "
-               f"AND b.status NOT IN ({','.join('?' * len(_TERMINAL))}) ORDER BY b.seq")
+_LIVE_USERS = ("SELECT bi.batch_id FROM batch_inputs bi JOIN batches b ON b.id = bi.batch_id "
+               f"WHERE bi.input_file_id = ? AND b.status NOT IN ({','.join('?' * len(_TERMINAL))}) ORDER BY b.seq")
 
 
 class FileStore:

@@ -46,7 +46,8 @@ class Batches:
     # ---- files ------------------------------------------------------------------------------------------------
     def upload(self, purpose: str, filename: str, content: bytes, tenant: Tenant) -> schemas.FileObject:
         if purpose != "batch":
-            raise InvalidArgument(f"purpose must be 'batch' (the only use of files here), got {clip(purpose)}", "purpose")
+            raise InvalidArgument(f"purpose must be 'batch' (the only use of files here), got {clip(purpose)}",
+                                  "purpose")
         try:
             content.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -124,10 +125,12 @@ class Batches:
     def create(self, body: dict, tenant: Tenant) -> schemas.BatchObject:
         file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
         if endpoint not in (CHAT_URL, COMPLETIONS_URL):
-            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {clip(endpoint)}", "endpoint")
+            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {clip(endpoint)}",
+                                  "endpoint")
         match = _WINDOW.match(window) if isinstance(window, str) else None
         if match is None:
-            raise InvalidArgument(f"completion_window must be hours like '24h', got {clip(window)}", "completion_window")
+            raise InvalidArgument(f"completion_window must be hours like '24h', got {clip(window)}",
+                                  "completion_window")
         metadata = body.get("metadata") or {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise InvalidArgument("metadata must be an object of strings", "metadata")

@@ -67,7 +67,8 @@ class PrefillShare:
             if value is not None and value < 1:
                 raise SchedulingConfigError(f"prefill {name.replace('_', ' ')} must be >= 1 (or unset), got {value}")
         if self.floor > self.budget:
-            raise SchedulingConfigError(f"long prefill floor {self.floor} exceeds the prefill token budget {self.budget}")
+            raise SchedulingConfigError(f"long prefill floor {self.floor} exceeds the prefill token budget "
+                                        f"{self.budget}")
 
     @property
     def threshold(self) -> int:
@@ -98,7 +99,8 @@ class PrefillShare:
     def folds_decodes(self, prefilling: list[Prefilling]) -> bool:
         """Whether this step's decodes ride in the prefill pass: with fold_decodes under "fair", while a long prompt
         prefills, so a decode waits one pass for its next token, not a prefill pass and then a decode pass."""
-        return self.fold_decodes and self.policy == "fair" and any(len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
+        return self.fold_decodes and self.policy == "fair" and any(
+            len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
 
     def plan(self, prefilling: list[Prefilling], others_running: bool,
              chunk_end: Callable[[Prefilling], int] | None = None) -> list[tuple[Prefilling, int]]:

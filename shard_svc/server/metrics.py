@@ -4,7 +4,8 @@ A shard that did no prefill exports no prefill observations (histograms start em
 
 Per pass (every rank of a shard group reports its own, under its rank): seconds, and for prefill the sequences,
 tokens, chunks (model forwards) and most tokens in one chunk, for decode the rows. Per request (rank 0, which owns the
-sequences): queue wait (to admission), wait for the device (to the first prefill pass), prefill time, time to first token, time per output token, duration, prompt and generation lengths.
+sequences): queue wait (to admission), wait for the device (to the first prefill pass), prefill time, time to first
+token, time per output token, duration, prompt and generation lengths.
 """
 
 from __future__ import annotations

@@ -57,5 +57,6 @@ class PassRecord:
         log.info(f"{self.kind} pass", extra={
             "pass": self.kind, "seconds": round(self.seconds, 6), "sequences": self.sequences, "tokens": self.tokens,
             "min_seq_tokens": self.min_seq_tokens, "max_seq_tokens": self.max_seq_tokens, "chunks": self.chunks,
-            "max_chunk_tokens": self.max_chunk_tokens, "decode_rows": self.decode_rows, "rank": self.rank, "world_size": self.world_size,
+            "max_chunk_tokens": self.max_chunk_tokens, "decode_rows": self.decode_rows, "rank": self.rank,
+            "world_size": self.world_size,
             "request_ids": list(self.request_ids)})

@@ -116,7 +116,8 @@ def test_admission_promises_at_most_device_plus_host_minus_one_promise(host_page
     """10 blocks; each request promises 5 (8 prompt + 12 new tokens). Past the device's 10, the host must keep room
     for the largest promise: 5 host pages add nothing, 10 add one sequence."""
     blocks = BlockAllocator(10, BS)
-    s = Scheduler(SlotAllocator(4), blocks, 4, PrefillShare(64, "fcfs"), FakeHost(blocks, host_pages) if host_pages else None)
+    s = Scheduler(SlotAllocator(4), blocks, 4, PrefillShare(64, "fcfs"),
+                  FakeHost(blocks, host_pages) if host_pages else None)
     for i in range(4):
         s.add(Sequence(f"r{i}", list(range(8)), SamplingParams(temperature=0.0, max_tokens=12)))
     s.schedule()
