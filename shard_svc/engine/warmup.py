@@ -81,7 +81,6 @@ def _run(engine: Engine) -> dict:
         while engine.has_work():
             engine.step()
             steps += 1
-    forget_prefixes(engine)
     summary = {"seconds": round(time.perf_counter() - start, 3), "single_lengths": lengths,
                "packed_lengths": together, "packed_steps": steps}
     log.info("engine warmed up", extra=summary)
