@@ -1,0 +1,43 @@
+"""NVIDIA's aiperf (the real client, as `aiperf profile` runs it) streams a short chat benchmark against the stack:
+every request completes without an error, each is streamed in several chunks, and the usage each stream reports counts
+exactly the tokens asked for (ignore_eos, as benchmark harnesses send it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.router.http.conftest import API_KEY
+
+REQUESTS, CONCURRENCY, INPUT_TOKENS, OUTPUT_TOKENS = 8, 2, 32, 16
+
+
+def test_aiperf_streams_a_chat_benchmark_without_errors(http_stack, tmp_path):
+    aiperf = shutil.which("aiperf", path=str(Path(sys.executable).parent))
+    assert aiperf, "aiperf is a test dependency (pyproject's test extra)"
+    out = tmp_path / "aiperf"
+    # HF_HUB_OFFLINE makes aiperf look a local tokenizer path up in the hub cache; a path needs no hub either way.
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    run = subprocess.run(
+        [aiperf, "profile", "--model", http_stack.model, "--url", http_stack.base, "--endpoint-type", "chat",
+         "--streaming", "--api-key", API_KEY, "--tokenizer", str(http_stack.model_dir),
+         "--request-count", str(REQUESTS), "--concurrency", str(CONCURRENCY), "--isl", str(INPUT_TOKENS),
+         "--osl", str(OUTPUT_TOKENS), "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
+         "--artifact-dir", str(out), "--ui", "none"],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    summary = json.loads((out / "profile_export_aiperf.json").read_text())
+    assert summary["error_summary"] == [] and not summary["was_cancelled"], summary["error_summary"]
+    assert summary["request_count"]["avg"] == REQUESTS
+    records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
+    assert len(records) == REQUESTS
+    for r in records:
+        assert r.get("error") is None, r["error"]
+        metrics = {name: m["value"] for name, m in r["metrics"].items()}
+        assert metrics["usage_completion_tokens"] == OUTPUT_TOKENS, metrics
+        assert metrics["http_req_chunks_received"] > 1, metrics  # streamed, not one body (a piece may hold tokens)
+        assert metrics["time_to_first_token"] < metrics["request_latency"], metrics
