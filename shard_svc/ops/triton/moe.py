@@ -251,6 +251,7 @@ def _moe_down_kernel(
     o_k = tl.arange(0, BK)
     p_a = h + o_p[:, None].to(tl.int64) * stride_h + o_k[None, :]  # [BM, BK] contiguous rows of h
     p_b = w2 + e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    # K over the whole of I; w2's rows are contiguous (K stride 1)
     acc = dot_k_loop(tl.zeros([BM, BN], dtype=tl.float32), p_a, p_b, m_n, o_k, 0, I, 1, BK, EVEN_K, DOT_FP32,
                      PRECISION)
     p_y = y + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
