@@ -8,13 +8,13 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "tokenizer_svc", "shard_svc", "kimiserve")
+PACKAGES = ("router", "tokenizer_svc", "shard_svc", "kimiserve", "launcher")
 
 
 def _modules() -> dict[str, Path]:
     mods = {}
     for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+        for path in (ROOT / pkg).rglob("*.py") if (ROOT / pkg).is_dir() else ():
             rel = path.relative_to(ROOT).with_suffix("")
             if rel.parts[:2] == ("kimiserve", "v1"):  # generated gRPC stubs
                 continue

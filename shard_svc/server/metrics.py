@@ -18,144 +18,149 @@ from shard_svc.engine.sequence import SequenceTiming
 from shard_svc.server.pass_record import PassRecord
 
 PASS_BUCKETS = buckets.PASS_SECONDS
+LABELS = ("shard", "rank")
+
+# Every series once, keyed by what it is observed from: (name, help) and a histogram's buckets. The observe and set
+# methods walk these tables, so a new series is a row here (and for a request, its value in observe_request).
+
+PREFILL_PASS = {  # by PassRecord field, per prefill pass
+    "seconds": ("kimiserve_shard_prefill_pass_seconds", "Wall time of one prefill pass (packed prompt chunks)",
+                PASS_BUCKETS),
+    "sequences": ("kimiserve_shard_prefill_pass_sequences", "Sequences in one prefill pass", buckets.COUNT),
+    "tokens": ("kimiserve_shard_prefill_pass_tokens", "Prompt tokens in one prefill pass", buckets.TOKENS),
+    "chunks": ("kimiserve_shard_prefill_pass_chunks",
+               "Model forwards (micro-batches) the runner ran for one prefill pass", buckets.COUNT),
+    "max_chunk_tokens": ("kimiserve_shard_prefill_pass_max_chunk_tokens",
+                         "Most tokens in one chunk (micro-batch) of a prefill pass", buckets.TOKENS),
+    "decode_rows": ("kimiserve_shard_prefill_pass_decode_rows",
+                    "Decode steps that rode in one prefill pass (fair sharing folds the decodes into the pass while "
+                    "a long prompt prefills)", buckets.COUNT),
+}
+DECODE_STEP = {  # by PassRecord field, per decode step
+    "seconds": ("kimiserve_shard_decode_step_seconds", "Wall time of one batched decode step", PASS_BUCKETS),
+    "sequences": ("kimiserve_shard_decode_step_sequences", "Sequences (rows) in one batched decode step",
+                  buckets.COUNT),
+}
+REQUEST = {  # by the values observe_request takes from a finished request
+    "queue_s": ("kimiserve_shard_request_queue_seconds",
+                "Arrival at the shard to admission (a state slot), per request", buckets.REQUEST_SECONDS),
+    "wait_s": ("kimiserve_shard_request_wait_seconds",
+               "Arrival at the shard to the start of the request's first prefill pass (to its first token when the "
+               "prefix cache held the whole prompt): the time it waited for the device, admission included",
+               buckets.REQUEST_SECONDS),
+    "prefill_s": ("kimiserve_shard_request_prefill_seconds",
+                  "Start of a request's first prefill pass to its first token (all its chunks)",
+                  buckets.REQUEST_SECONDS),
+    "time_to_first_token_s": ("kimiserve_shard_time_to_first_token_seconds",
+                              "Arrival at the shard to the request's first token", buckets.REQUEST_SECONDS),
+    "time_per_output_token_s": ("kimiserve_shard_time_per_output_token_seconds",
+                                "Mean gap between a request's output tokens after the first",
+                                buckets.TOKEN_GAP_SECONDS),
+    "duration_s": ("kimiserve_shard_request_duration_seconds", "Arrival at the shard to the request's finish",
+                   buckets.REQUEST_SECONDS),
+    "prompt_tokens": ("kimiserve_shard_request_prompt_tokens", "Prompt length of a finished request",
+                      buckets.TOKENS),
+    "generated": ("kimiserve_shard_request_generation_tokens", "Tokens a finished request generated",
+                  buckets.TOKENS),
+}
+OCCUPANCY = {  # gauges, by set_occupancy's arguments
+    "running": ("kimiserve_shard_running_sequences", "Sequences holding a state slot"),
+    "queued": ("kimiserve_shard_queued_sequences", "Sequences waiting for admission"),
+    "slots_used": ("kimiserve_shard_state_slots_used", "KDA state slots in use"),
+    "slots_total": ("kimiserve_shard_state_slots_total", "KDA state slots in the pool"),
+    "blocks_used": ("kimiserve_shard_kv_blocks_used", "MLA KV-cache blocks in use"),
+    "blocks_total": ("kimiserve_shard_kv_blocks_total", "MLA KV-cache blocks in the pool"),
+}
+PREFIX_COUNTERS = {  # by PrefixCacheStats field (running totals; the counters advance by what is new)
+    "queried_tokens": ("kimiserve_shard_prefix_cache_queried_tokens",
+                       "Prompt tokens of admitted sequences, looked up in the prefix cache"),
+    "hit_tokens": ("kimiserve_shard_prefix_cache_hit_tokens",
+                   "Prompt tokens restored from the prefix cache instead of prefilled"),
+    "evictions": ("kimiserve_shard_prefix_cache_evictions",
+                  "Prefix cache entries evicted (entries full, or blocks needed)"),
+    "host_hit_tokens": ("kimiserve_shard_prefix_cache_host_hit_tokens",
+                        "Prompt tokens restored from the prefix cache's host tier (part of the hit tokens)"),
+    "host_evictions": ("kimiserve_shard_prefix_cache_host_evictions",
+                       "Entries dropped from the prefix cache's host tier (gone for good)"),
+}
+PREFIX_GAUGES = {  # by the values set_prefix_cache sets
+    "entries": ("kimiserve_shard_prefix_cache_entries", "Prefix cache entries held"),
+    "max_entries": ("kimiserve_shard_prefix_cache_entries_total", "Prefix cache entries the shard keeps at most"),
+    "blocks": ("kimiserve_shard_prefix_cache_kv_blocks",
+               "KV blocks only the prefix cache holds (admissions reclaim them)"),
+    "host_entries": ("kimiserve_shard_prefix_cache_host_entries", "Prefix cache entries held in host memory"),
+    "max_host_entries": ("kimiserve_shard_prefix_cache_host_entries_total",
+                         "Prefix cache entries the host tier keeps at most (0: off)"),
+    "host_bytes": ("kimiserve_shard_prefix_cache_host_bytes", "Host memory the prefix cache's host entries hold"),
+    "state_bytes": ("kimiserve_shard_prefix_cache_state_bytes",
+                    "Device memory the prefix cache's entries hold in KDA state slots"),
+    "state_bytes_limit": ("kimiserve_shard_prefix_cache_state_bytes_limit",
+                          "The bound on it: --prefix-cache-entries x one state slot's bytes (allocated at startup)"),
+}
 
 
 class ShardMetrics:
     def __init__(self, shard: str, rank: int = 0, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
-        labels = ("shard", "rank")
-        kw = {"labelnames": labels, "registry": self.registry}
-        self.prefill_seconds = Histogram("kimiserve_shard_prefill_pass_seconds",
-                                         "Wall time of one prefill pass (packed prompt chunks)",
-                                         buckets=PASS_BUCKETS, **kw)
-        self.decode_seconds = Histogram("kimiserve_shard_decode_step_seconds",
-                                        "Wall time of one batched decode step", buckets=PASS_BUCKETS, **kw)
-        self.prefill_sequences = Histogram("kimiserve_shard_prefill_pass_sequences", "Sequences in one prefill pass",
-                                           buckets=buckets.COUNT, **kw)
-        self.prefill_pass_tokens = Histogram("kimiserve_shard_prefill_pass_tokens", "Prompt tokens in one prefill pass",
-                                             buckets=buckets.TOKENS, **kw)
-        self.prefill_chunks = Histogram("kimiserve_shard_prefill_pass_chunks",
-                                        "Model forwards (micro-batches) the runner ran for one prefill pass",
-                                        buckets=buckets.COUNT, **kw)
-        self.prefill_max_chunk_tokens = Histogram("kimiserve_shard_prefill_pass_max_chunk_tokens",
-                                                  "Most tokens in one chunk (micro-batch) of a prefill pass",
-                                                  buckets=buckets.TOKENS, **kw)
-        self.prefill_decode_rows = Histogram("kimiserve_shard_prefill_pass_decode_rows",
-                                             "Decode steps that rode in one prefill pass (fair sharing folds the "
-                                             "decodes into the pass while a long prompt prefills)",
-                                             buckets=buckets.COUNT, **kw)
-        self.request_queue = Histogram("kimiserve_shard_request_queue_seconds",
-                                       "Arrival at the shard to admission (a state slot), per request",
-                                       buckets=buckets.REQUEST_SECONDS, **kw)
-        self.request_wait = Histogram("kimiserve_shard_request_wait_seconds",
-                                      "Arrival at the shard to the start of the request's first prefill pass (to its "
-                                      "first token when the prefix cache held the whole prompt): the time it waited "
-                                      "for the device, admission included", buckets=buckets.REQUEST_SECONDS, **kw)
-        self.decode_sequences = Histogram("kimiserve_shard_decode_step_sequences",
-                                          "Sequences (rows) in one batched decode step", buckets=buckets.COUNT, **kw)
-        self.request_prefill = Histogram("kimiserve_shard_request_prefill_seconds",
-                                         "Start of a request's first prefill pass to its first token (all its chunks)",
-                                         buckets=buckets.REQUEST_SECONDS, **kw)
-        self.request_ttft = Histogram("kimiserve_shard_time_to_first_token_seconds",
-                                      "Arrival at the shard to the request's first token",
-                                      buckets=buckets.REQUEST_SECONDS, **kw)
-        self.request_tpot = Histogram("kimiserve_shard_time_per_output_token_seconds",
-                                      "Mean gap between a request's output tokens after the first",
-                                      buckets=buckets.TOKEN_GAP_SECONDS, **kw)
-        self.request_duration = Histogram("kimiserve_shard_request_duration_seconds",
-                                          "Arrival at the shard to the request's finish",
-                                          buckets=buckets.REQUEST_SECONDS, **kw)
-        self.request_prompt = Histogram("kimiserve_shard_request_prompt_tokens", "Prompt length of a finished request",
-                                        buckets=buckets.TOKENS, **kw)
-        self.request_generation = Histogram("kimiserve_shard_request_generation_tokens",
-                                            "Tokens a finished request generated", buckets=buckets.TOKENS, **kw)
-        self.prefill_tokens = Counter("kimiserve_shard_prefill_tokens", "Prompt tokens prefilled", **kw)
-        self.decode_tokens = Counter("kimiserve_shard_decode_tokens", "Tokens generated by decode steps", **kw)
-        self.running = Gauge("kimiserve_shard_running_sequences", "Sequences holding a state slot", **kw)
-        self.queued = Gauge("kimiserve_shard_queued_sequences", "Sequences waiting for admission", **kw)
-        self.slots_used = Gauge("kimiserve_shard_state_slots_used", "KDA state slots in use", **kw)
-        self.slots_total = Gauge("kimiserve_shard_state_slots_total", "KDA state slots in the pool", **kw)
-        self.blocks_used = Gauge("kimiserve_shard_kv_blocks_used", "MLA KV-cache blocks in use", **kw)
-        self.blocks_total = Gauge("kimiserve_shard_kv_blocks_total", "MLA KV-cache blocks in the pool", **kw)
+        self.labels = {"shard": shard, "rank": str(rank)}
+        self._passes = {"prefill": self._histograms(PREFILL_PASS), "decode": self._histograms(DECODE_STEP)}
+        self._request = self._histograms(REQUEST)
+        self._occupancy = self._series(Gauge, OCCUPANCY)
+        self._prefix_counters = self._series(Counter, PREFIX_COUNTERS)
+        self._prefix_gauges = self._series(Gauge, PREFIX_GAUGES)
+        self.prefill_tokens = Counter("kimiserve_shard_prefill_tokens", "Prompt tokens prefilled", LABELS,
+                                      registry=self.registry)
+        self.decode_tokens = Counter("kimiserve_shard_decode_tokens", "Tokens generated by decode steps", LABELS,
+                                     registry=self.registry)
         self.finished = Counter("kimiserve_shard_sequences_finished", "Sequences finished, by finish reason",
-                                labelnames=labels + ("reason",), registry=self.registry)
-        self.prefix_queried = Counter("kimiserve_shard_prefix_cache_queried_tokens",
-                                      "Prompt tokens of admitted sequences, looked up in the prefix cache", **kw)
-        self.prefix_hit = Counter("kimiserve_shard_prefix_cache_hit_tokens",
-                                  "Prompt tokens restored from the prefix cache instead of prefilled", **kw)
-        self.prefix_evictions = Counter("kimiserve_shard_prefix_cache_evictions",
-                                        "Prefix cache entries evicted (entries full, or blocks needed)", **kw)
-        self.prefix_entries = Gauge("kimiserve_shard_prefix_cache_entries", "Prefix cache entries held", **kw)
-        self.prefix_entries_total = Gauge("kimiserve_shard_prefix_cache_entries_total",
-                                          "Prefix cache entries the shard keeps at most", **kw)
-        self.prefix_blocks = Gauge("kimiserve_shard_prefix_cache_kv_blocks",
-                                   "KV blocks only the prefix cache holds (admissions reclaim them)", **kw)
-        self.prefix_host_hit = Counter("kimiserve_shard_prefix_cache_host_hit_tokens",
-                                       "Prompt tokens restored from the prefix cache's host tier (part of the hit "
-                                       "tokens)", **kw)
-        self.prefix_host_evictions = Counter("kimiserve_shard_prefix_cache_host_evictions",
-                                             "Entries dropped from the prefix cache's host tier (gone for good)", **kw)
-        self.prefix_host_entries = Gauge("kimiserve_shard_prefix_cache_host_entries",
-                                         "Prefix cache entries held in host memory", **kw)
-        self.prefix_host_entries_total = Gauge("kimiserve_shard_prefix_cache_host_entries_total",
-                                               "Prefix cache entries the host tier keeps at most (0: off)", **kw)
-        self.prefix_host_bytes = Gauge("kimiserve_shard_prefix_cache_host_bytes",
-                                       "Host memory the prefix cache's host entries hold", **kw)
+                                LABELS + ("reason",), registry=self.registry)
         self.prefix_snapshots = Counter("kimiserve_shard_prefix_cache_snapshots",
                                         "Prefix cache entries made, by snapshot point: prompt_end, message (a chat "
                                         "message boundary), interval, finish (a finished sequence's slot)",
-                                        labelnames=labels + ("kind",), registry=self.registry)
-        self.prefix_state_bytes = Gauge("kimiserve_shard_prefix_cache_state_bytes",
-                                        "Device memory the prefix cache's entries hold in KDA state slots", **kw)
-        self.prefix_state_bytes_limit = Gauge("kimiserve_shard_prefix_cache_state_bytes_limit",
-                                              "The bound on it: --prefix-cache-entries x one state slot's bytes "
-                                              "(allocated at startup)", **kw)
-        self.labels = {"shard": shard, "rank": str(rank)}
-        self._prefix_seen = (0, 0, 0, 0, 0)
-        self._snapshots_seen = {kind: 0 for kind in SNAPSHOT_KINDS}
+                                        LABELS + ("kind",), registry=self.registry)
+        self._prefix_seen = dict.fromkeys(PREFIX_COUNTERS, 0)
+        self._snapshots_seen = dict.fromkeys(SNAPSHOT_KINDS, 0)
+
+    def _histograms(self, table: dict[str, tuple[str, str, tuple[float, ...]]]) -> dict[str, Histogram]:
+        return {key: Histogram(name, doc, LABELS, registry=self.registry, buckets=bounds)
+                for key, (name, doc, bounds) in table.items()}
+
+    def _series(self, kind: type[Counter] | type[Gauge], table: dict[str, tuple[str, str]]) -> dict:
+        return {key: kind(name, doc, LABELS, registry=self.registry) for key, (name, doc) in table.items()}
+
+    def _set(self, gauges: dict[str, Gauge], values: dict[str, float]) -> None:
+        for key, value in values.items():
+            gauges[key].labels(**self.labels).set(value)
 
     def observe_pass(self, p: PassRecord, count_tokens: bool = True) -> None:
         """Under the rank that ran the pass. count_tokens: add to the token counters, which are group facts that
         only rank 0 counts (a follower's passes carry the same tokens)."""
         labels = {"shard": self.labels["shard"], "rank": str(p.rank)}
+        for field, histogram in self._passes[p.kind].items():
+            histogram.labels(**labels).observe(getattr(p, field))
+        if not count_tokens:
+            return
         if p.kind == "prefill":
-            self.prefill_seconds.labels(**labels).observe(p.seconds)
-            self.prefill_sequences.labels(**labels).observe(p.sequences)
-            self.prefill_pass_tokens.labels(**labels).observe(p.tokens)
-            self.prefill_chunks.labels(**labels).observe(p.chunks)
-            self.prefill_max_chunk_tokens.labels(**labels).observe(p.max_chunk_tokens)
-            self.prefill_decode_rows.labels(**labels).observe(p.decode_rows)
-            if count_tokens:
-                self.prefill_tokens.labels(**labels).inc(p.tokens)
-                self.decode_tokens.labels(**labels).inc(p.decode_rows)
+            self.prefill_tokens.labels(**labels).inc(p.tokens)
+            self.decode_tokens.labels(**labels).inc(p.decode_rows)
         else:
-            self.decode_seconds.labels(**labels).observe(p.seconds)
-            self.decode_sequences.labels(**labels).observe(p.sequences)
-            if count_tokens:
-                self.decode_tokens.labels(**labels).inc(p.tokens)
+            self.decode_tokens.labels(**labels).inc(p.tokens)
 
     def observe_request(self, t: SequenceTiming, prompt_tokens: int, generated: int) -> None:
         """A finished request; a phase it never reached (None) is not observed."""
-        lab = self.labels
-        self.request_queue.labels(**lab).observe(t.queue_s)
-        if t.wait_s is not None:
-            self.request_wait.labels(**lab).observe(t.wait_s)
-        self.request_duration.labels(**lab).observe(t.duration_s)
-        self.request_prompt.labels(**lab).observe(prompt_tokens)
-        self.request_generation.labels(**lab).observe(generated)
-        if t.prefill_s is not None:
-            self.request_prefill.labels(**lab).observe(t.prefill_s)
-        if t.time_to_first_token_s is not None:
-            self.request_ttft.labels(**lab).observe(t.time_to_first_token_s)
-        if t.decode_s is not None and generated > 1:
-            self.request_tpot.labels(**lab).observe(t.decode_s / (generated - 1))
+        tpot = t.decode_s / (generated - 1) if t.decode_s is not None and generated > 1 else None
+        values = {"queue_s": t.queue_s, "wait_s": t.wait_s, "prefill_s": t.prefill_s,
+                  "time_to_first_token_s": t.time_to_first_token_s, "time_per_output_token_s": tpot,
+                  "duration_s": t.duration_s, "prompt_tokens": prompt_tokens, "generated": generated}
+        for key, value in values.items():
+            if value is not None:
+                self._request[key].labels(**self.labels).observe(value)
 
     def set_occupancy(self, running: int, queued: int, slots_used: int, slots_total: int, blocks_used: int,
                       blocks_total: int) -> None:
-        for gauge, value in ((self.running, running), (self.queued, queued), (self.slots_used, slots_used),
-                             (self.slots_total, slots_total), (self.blocks_used, blocks_used),
-                             (self.blocks_total, blocks_total)):
-            gauge.labels(**self.labels).set(value)
+        self._set(self._occupancy, {"running": running, "queued": queued, "slots_used": slots_used,
+                                    "slots_total": slots_total, "blocks_used": blocks_used,
+                                    "blocks_total": blocks_total})
 
     def sequence_finished(self, reason: str) -> None:
         self.finished.labels(reason=reason, **self.labels).inc()
@@ -169,16 +174,12 @@ class ShardMetrics:
             made = getattr(stats, f"snapshots_{kind}")
             self.prefix_snapshots.labels(kind=kind, **self.labels).inc(made - self._snapshots_seen[kind])
             self._snapshots_seen[kind] = made
-        now = (stats.queried_tokens, stats.hit_tokens, stats.evictions, stats.host_hit_tokens, stats.host_evictions)
-        counters = (self.prefix_queried, self.prefix_hit, self.prefix_evictions, self.prefix_host_hit,
-                    self.prefix_host_evictions)
-        for counter, new, old in zip(counters, now, self._prefix_seen):
+        for field, counter in self._prefix_counters.items():
+            total = getattr(stats, field)
             # Touched even without an increase: with the cache on, no hit is a real 0 (the hit rate is 0, not absent).
-            counter.labels(**self.labels).inc(new - old)
-        self._prefix_seen = now
-        for gauge, value in ((self.prefix_entries, entries), (self.prefix_entries_total, max_entries),
-                             (self.prefix_blocks, blocks), (self.prefix_host_entries, host_entries),
-                             (self.prefix_host_entries_total, max_host_entries),
-                             (self.prefix_host_bytes, host_bytes), (self.prefix_state_bytes, entries * slot_bytes),
-                             (self.prefix_state_bytes_limit, max_entries * slot_bytes)):
-            gauge.labels(**self.labels).set(value)
+            counter.labels(**self.labels).inc(total - self._prefix_seen[field])
+            self._prefix_seen[field] = total
+        self._set(self._prefix_gauges, {"entries": entries, "max_entries": max_entries, "blocks": blocks,
+                                        "host_entries": host_entries, "max_host_entries": max_host_entries,
+                                        "host_bytes": host_bytes, "state_bytes": entries * slot_bytes,
+                                        "state_bytes_limit": max_entries * slot_bytes})

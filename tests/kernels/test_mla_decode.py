@@ -39,7 +39,7 @@ FP32_TOL = 3e-3 if ON_GPU else 1e-5
 
 
 def mla_module():
-    return kernel_module("mla_decode", "_mla_decode_kernel")
+    return kernel_module("mla_decode", "_mla_decode_kernel", shares_from=("jit_helpers",))
 
 
 def make_decode_batch(ctx_lens, nh, nope, rope, v_dim, kv_lora, block_size, dtype, seed=0, spare_blocks=3):

@@ -28,7 +28,7 @@ if ON_GPU:
 
 
 def prefill_module():
-    return kernel_module("mla_prefill", "_mla_prefill_kernel")
+    return kernel_module("mla_prefill", "_mla_prefill_kernel", shares_from=("jit_helpers",))
 
 
 def make_prefill_batch(ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, block_size, dtype, seed=0):

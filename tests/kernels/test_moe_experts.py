@@ -34,7 +34,7 @@ if ON_GPU:
 
 
 def moe_module():
-    return kernel_module("moe", "_moe_gate_up_kernel")
+    return kernel_module("moe", "_moe_gate_up_kernel", shares_from=("jit_helpers",))
 
 
 def make_inputs(t, d, inter, e, k, dtype, seed=0):

@@ -29,7 +29,7 @@ if ON_GPU:
 
 
 def w4_module():
-    return kernel_module("moe_w4a16", "_moe_gate_up_w4_kernel", shares_from=('moe',))
+    return kernel_module("moe_w4a16", "_moe_gate_up_w4_kernel", shares_from=("jit_helpers", "moe"))
 
 
 def quantised(e, out, width, g, spread=4.0):

@@ -8,6 +8,7 @@ import torch
 from shard_svc.ops.precision import acc_dtype, upcast
 
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
+from shard_svc.ops.kda.varlen import kda_varlen
 
 CHUNK = 64
 
@@ -53,16 +54,7 @@ def kda_prefill(
     cu_seqlens: torch.Tensor,  # [B+1]
 ) -> torch.Tensor:
     """Packed varlen prefill; returns o [T, H, V] in v's dtype."""
-    g = kda_gate(f, a_log, dt_bias, lower_bound)
-    qn, kn, beta = prepare_qkb(q, k, beta_logits)
-    out = torch.empty_like(v)
-    bounds = cu_seqlens.tolist()
-    for b, slot in enumerate(slots.tolist()):
-        s, e = bounds[b], bounds[b + 1]
-        o, final = _chunk_kda(qn[s:e], kn[s:e], v[s:e], g[s:e], beta[s:e], state_pool[slot])
-        out[s:e] = o.to(v.dtype)
-        state_pool[slot] = final
-    return out
+    return kda_varlen(_chunk_kda, q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens)
 
 
 def kda_decode(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens) -> torch.Tensor:

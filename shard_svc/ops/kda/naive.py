@@ -4,7 +4,7 @@ import torch
 
 from shard_svc.ops.precision import acc_dtype, upcast
 
-from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
+from shard_svc.ops.kda.varlen import kda_varlen
 
 
 def naive_recurrent_kda(
@@ -30,13 +30,5 @@ def naive_kda_varlen(
     q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens
 ) -> torch.Tensor:
     """Same contract as the `kda_prefill` op, computed with the token loop (reference for tests)."""
-    g = kda_gate(f, a_log, dt_bias, lower_bound)
-    qn, kn, beta = prepare_qkb(q, k, beta_logits)
-    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    bounds = cu_seqlens.tolist()
-    for b, slot in enumerate(slots.tolist()):
-        s, e = bounds[b], bounds[b + 1]
-        o, final = naive_recurrent_kda(qn[s:e], kn[s:e], v[s:e], g[s:e], beta[s:e], state_pool[slot])
-        out[s:e] = o.to(v.dtype)
-        state_pool[slot] = final
-    return out
+    return kda_varlen(naive_recurrent_kda, q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                      cu_seqlens)

@@ -10,6 +10,9 @@ streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds pack
 
 An implementation with `graph_safe = True` makes no host sync and sizes every buffer and grid from shapes alone, so
 a decode step made of such ops can be captured in a CUDA graph (`shard_svc/engine/cuda_graphs.py`).
+
+Shared by the kernel files: `common.py` (input checks, `TritonKernelError`) and `jit_helpers.py` (the device
+functions several kernels call).
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.moe import _round
+from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
 # Rows up to which the `linear` op dispatches to it. H200, one decode step's 243 linears replayed as one CUDA graph
@@ -71,22 +71,10 @@ def _skinny_kernel(x, w, out, M, N, K, k_split, stride_xm, stride_xk, stride_wn,
     k_hi = tl.minimum(k_lo + k_split, K)
     p_w = w + o_w[:, None] * stride_wn + (k_lo + o_k)[None, :]  # [BN, BK]
     p_x = x + o_m[None, :] * stride_xm + (k_lo + o_k)[:, None] * stride_xk  # [BK, BM]
-    acc = tl.zeros([BN, BM], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
-        if EVEN_K:  # every step is whole: no per-element K mask, so loads vectorise
-            b_w = tl.load(p_w)
-            b_x = tl.load(p_x, mask=m_m[None, :], other=0.0)
-        else:
-            m_k = (k0 + o_k) < k_hi
-            b_w = tl.load(p_w, mask=m_k[None, :], other=0.0)
-            b_x = tl.load(p_x, mask=m_k[:, None] & m_m[None, :], other=0.0)
-        if DOT_FP32:  # the interpreter multiplies bf16 dot operands wrongly
-            b_w, b_x = b_w.to(tl.float32), b_x.to(tl.float32)
-        acc = tl.dot(b_w, b_x, acc, input_precision=PRECISION)
-        p_w += BK
-        p_x += BK * stride_xk
+    acc = dot_k_loop(tl.zeros([BN, BM], dtype=tl.float32), p_w, p_x, m_m, o_k, k_lo, k_hi, stride_xk,
+                     BK, EVEN_K, DOT_FP32, PRECISION)
     p_o = out + pid_s.to(tl.int64) * stride_os + o_m[None, :] * stride_om + o_n[:, None]
-    tl.store(p_o, _round(acc, out.dtype.element_ty, RNE), mask=m_n[:, None] & m_m[None, :])
+    tl.store(p_o, round_to(acc, out.dtype.element_ty, RNE), mask=m_n[:, None] & m_m[None, :])
 
 
 @triton.jit
@@ -97,7 +85,7 @@ def _splitk_reduce_kernel(part, y, N, S, stride_ps, stride_pm, stride_ym, BR: tl
     acc = tl.zeros([BR], dtype=tl.float32)
     for s in range(0, S):  # a fixed order: the same sum every run
         acc += tl.load(part + s * stride_ps + m * stride_pm + o_n, mask=m_n, other=0.0)
-    tl.store(y + m * stride_ym + o_n, _round(acc, y.dtype.element_ty, RNE), mask=m_n)
+    tl.store(y + m * stride_ym + o_n, round_to(acc, y.dtype.element_ty, RNE), mask=m_n)
 
 
 # -- host side -----------------------------------------------------------------------------------------------------

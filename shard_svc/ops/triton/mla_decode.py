@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 
-LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 BLOCK_N = 64  # cached tokens per tile: a whole 64-token page; 1.5x faster than 32 at batch >= 64 on the H200
 
@@ -75,12 +75,7 @@ def _mla_decode_kernel(
             b_kc, b_kp = b_kc.to(tl.float32), b_kp.to(tl.float32)
         s = tl.dot(b_ql, tl.trans(b_kc)) + tl.dot(b_qp, tl.trans(b_kp))  # [BH, BN]
         s = tl.where(m_t[None, :], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_kc.dtype), b_kc)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_kc)
 
     # An empty split (start >= length) leaves l_i = 0: output 0 and weight -inf for the merge.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
-
-LOG2E = 1.4426950408889634
+from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 
 
 @triton.jit
@@ -79,12 +78,7 @@ def _mla_prefill_kernel(
             b_kn, b_kp, b_v = b_kn.to(tl.float32), b_kp.to(tl.float32), b_v.to(tl.float32)
         s = tl.dot(b_qn, tl.trans(b_kn)) + tl.dot(b_qp, tl.trans(b_kp))  # [BM, BN]
         s = tl.where(keys[None, :] <= pos_q[:, None], s * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(b_v.dtype), b_v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_v)
     # Every valid query sees at least its own key, so l_i > 0 on the rows that are stored.
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out + rows[:, None] * stride_o_t + i_h * stride_o_h + o_dv[None, :], o.to(out.dtype.element_ty),

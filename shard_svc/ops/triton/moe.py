@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to
 
 CHUNK_PAIRS = 65536  # pairs per pass: bounds the h / y intermediates (8,192 tokens at top-8)
 SMALL_ALIGN_MAX = 4096  # pairs handled by the one-program align kernel (decode up to 512 x top-8)
@@ -153,7 +154,7 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int 
 # -- grouped GEMMs -------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
+def tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
     """(M-block, N-tile) of this program; GROUP_M M-blocks share each N-tile in turn (weight tiles stay in L2)."""
     pid = tl.program_id(0)
     width = GROUP_M * num_n
@@ -171,13 +172,15 @@ def _tanh(x):
 
 
 @triton.jit
-def _round(x, dt: tl.constexpr, RNE: tl.constexpr):
-    """fp32 x rounded to dt. RNE: round to nearest even by hand first (the CPU interpreter truncates to bf16)."""
-    if RNE:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        x = b.to(tl.float32, bitcast=True)
-    return x.to(dt)
+def expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, N, BM: tl.constexpr, BN: tl.constexpr):
+    """The rows and columns of an (M-block, N-tile) of a grouped GEMM: sorted positions o_p [BM], their pair indices
+    and which are real rows (padding holds n_pairs), the block's expert (int64), output columns o_n [BN] and which
+    are < N. Returns (o_p, pair, m_row, e, o_n, m_n)."""
+    o_p = pid_m * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ids + o_p)
+    e = tl.load(expert_ids + pid_m).to(tl.int64)
+    o_n = pid_n * BN + tl.arange(0, BN)
+    return o_p, pair, pair < n_pairs, e, o_n, o_n < N
 
 
 @triton.jit
@@ -188,16 +191,11 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
+    pid_m, pid_n = tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
-    o_p = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ids + o_p)
-    m_row = pair < n_pairs
+    o_p, pair, m_row, e, o_n, m_n = expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, I, BM, BN)
     tok = (pair // TOP_K).to(tl.int64)
-    e = tl.load(expert_ids + pid_m).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
     o_k = tl.arange(0, BK)
     p_a = x + tok[:, None] * stride_x + o_k[None, :]  # [BM, BK]
     w_off = e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
@@ -222,21 +220,21 @@ def _moe_gate_up_kernel(
         p_a += BK
         p_b1 += BK
         p_b3 += BK
-    _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
+    store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
 
 
 @triton.jit
-def _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.constexpr, RNE: tl.constexpr):
+def store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.constexpr, RNE: tl.constexpr):
     """h[o_p, o_n] = act(gate, up) in h's dtype, every row of the block (padding rows give 0)."""
     dt = h.dtype.element_ty
-    g = _round(acc1, dt, RNE).to(tl.float32)  # the eager path rounds each product to x's dtype first
-    u = _round(acc3, dt, RNE).to(tl.float32)
+    g = round_to(acc1, dt, RNE).to(tl.float32)  # the eager path rounds each product to x's dtype first
+    u = round_to(acc3, dt, RNE).to(tl.float32)
     if ACT == 0:  # SwiGLU in fp32 (rounding silu(g) first, as eager bf16 does, made ptxas serialize the wgmma)
         act = (g * tl.sigmoid(g)) * u
     else:  # SiTU-GLU in fp32
         act = beta * _tanh(g / beta) * tl.sigmoid(g) * (beta_lin * _tanh(u / beta_lin))
     p_h = h + o_p[:, None].to(tl.int64) * stride_h + o_n[None, :]
-    tl.store(p_h, _round(act, dt, RNE), mask=m_n[None, :])
+    tl.store(p_h, round_to(act, dt, RNE), mask=m_n[None, :])
 
 
 @triton.jit
@@ -246,34 +244,18 @@ def _moe_down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
+    pid_m, pid_n = tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
-    o_p = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ids + o_p)
-    m_row = pair < n_pairs
-    e = tl.load(expert_ids + pid_m).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < D
+    o_p, pair, m_row, e, o_n, m_n = expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, D, BM, BN)
     o_k = tl.arange(0, BK)
     p_a = h + o_p[:, None].to(tl.int64) * stride_h + o_k[None, :]  # [BM, BK] contiguous rows of h
     p_b = w2 + e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        if EVEN_K:
-            a = tl.load(p_a)
-            b = tl.load(p_b, mask=m_n[None, :], other=0.0)
-        else:
-            m_k = (k0 + o_k) < I
-            a = tl.load(p_a, mask=m_k[None, :], other=0.0)
-            b = tl.load(p_b, mask=m_k[:, None] & m_n[None, :], other=0.0)
-        if DOT_FP32:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        p_a += BK
-        p_b += BK
+    # K over the whole of I; w2's rows are contiguous (K stride 1)
+    acc = dot_k_loop(tl.zeros([BM, BN], dtype=tl.float32), p_a, p_b, m_n, o_k, 0, I, 1, BK, EVEN_K, DOT_FP32,
+                     PRECISION)
     p_y = y + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, _round(acc, y.dtype.element_ty, RNE), mask=m_row[:, None] & m_n[None, :])
+    tl.store(p_y, round_to(acc, y.dtype.element_ty, RNE), mask=m_row[:, None] & m_n[None, :])
 
 
 @triton.jit
@@ -290,7 +272,7 @@ def _moe_combine_kernel(y, weights, ids, out, D, E, stride_y, stride_w, stride_i
         w = tl.load(weights + t * stride_w + j)
         row = tl.load(y + (t * TOP_K + j) * stride_y + o_d, mask=m_d & valid, other=0.0).to(tl.float32)
         acc += tl.where(valid, w, 0.0) * row
-    tl.store(out + t * stride_o + o_d, _round(acc, out.dtype.element_ty, RNE), mask=m_d)
+    tl.store(out + t * stride_o + o_d, round_to(acc, out.dtype.element_ty, RNE), mask=m_d)
 
 
 # -- host side -----------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting
+from shard_svc.ops.triton.jit_helpers import round_to
 from shard_svc.ops.triton.moe import (
-    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, _round, _store_glu, _tile_ids, block_m_for, check_routing,
-    combine, gemm_configs, moe_align, run_in_chunks)
+    ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, block_m_for, check_routing, combine, expert_block,
+    gemm_configs, moe_align, run_in_chunks, store_glu, tile_ids)
 
 GROUP = 32  # inputs per E8M0 scale
 TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127: scale byte 0 (a subnormal)
@@ -62,17 +63,12 @@ def _moe_gate_up_w4_kernel(
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
+    pid_m, pid_n = tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
     BKH: tl.constexpr = BK // 2
-    o_p = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ids + o_p)
-    m_row = pair < n_pairs
+    o_p, pair, m_row, e, o_n, m_n = expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, I, BM, BN)
     tok = (pair // TOP_K).to(tl.int64)
-    e = tl.load(expert_ids + pid_m).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < I
     o_j = tl.arange(0, BKH)  # bytes of the tile: inputs 2j and 2j + 1
     p_a = x + tok[:, None] * stride_x + 2 * o_j[None, :]  # [BM, BKH] even inputs; odd ones at + 1
     q_off = e * stride_qe + o_n[None, :].to(tl.int64) * stride_qn + o_j[:, None]  # [BKH, BN]
@@ -99,7 +95,7 @@ def _moe_gate_up_w4_kernel(
         acc3 = tl.dot(a_odd, w_odd, acc3)
         p_a += BK
         q_off += BKH
-    _store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
+    store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
 
 
 @triton.jit
@@ -109,16 +105,11 @@ def _moe_down_w4_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
 ):
-    pid_m, pid_n = _tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
+    pid_m, pid_n = tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
     BKH: tl.constexpr = BK // 2
-    o_p = pid_m * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ids + o_p)
-    m_row = pair < n_pairs
-    e = tl.load(expert_ids + pid_m).to(tl.int64)
-    o_n = pid_n * BN + tl.arange(0, BN)
-    m_n = o_n < D
+    o_p, pair, m_row, e, o_n, m_n = expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, D, BM, BN)
     o_j = tl.arange(0, BKH)
     p_a = h + o_p[:, None].to(tl.int64) * stride_h + 2 * o_j[None, :]  # [BM, BKH] even inputs of h rows
     q_off = e * stride_qe + o_n[None, :].to(tl.int64) * stride_qn + o_j[:, None]
@@ -142,7 +133,7 @@ def _moe_down_w4_kernel(
         p_a += BK
         q_off += BKH
     p_y = y + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
-    tl.store(p_y, _round(acc, y.dtype.element_ty, RNE), mask=m_row[:, None] & m_n[None, :])
+    tl.store(p_y, round_to(acc, y.dtype.element_ty, RNE), mask=m_row[:, None] & m_n[None, :])
 
 
 def _check_packed(op: str, name: str, q: torch.Tensor, s: torch.Tensor, experts: int, out: int, width: int) -> None:
