@@ -21,8 +21,8 @@ from shard_svc.checkpoint.validate import Fill, plan_fills
 from shard_svc.config import ModelConfig
 from shard_svc.errors import CheckpointMismatch, NaNScaleError, UnfilledParameterError
 from shard_svc.model import KimiForCausalLM
-from shard_svc.streaming.host import HostWeights
-from shard_svc.streaming.plan import plan_layers, split_layer_param
+from shard_svc.weight_streaming.host import HostWeights
+from shard_svc.weight_streaming.plan import plan_layers, split_layer_param
 
 log = logging.getLogger(__name__)
 
