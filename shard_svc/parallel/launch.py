@@ -3,7 +3,8 @@ rank (`python -m shard_svc.parallel.worker`), watches them, and sends every rank
 
 `build_engine` (shard_svc/build.py) calls `start_group` for `kimiserve generate --tp N --ep N` and
 `kimiserve shard --tp N --ep N`; the CLI process is rank 0 and faces the user or the router. Every rank loads its
-slice and builds its engine around it with the same `assemble_engine`, stepping through the group's StepSync. Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
+slice and builds its engine around it with the same `assemble_engine`, stepping through the group's StepSync.
+Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 NATIVE_FILES = ("native/__init__.py", "native/build.py", "native/stream_engine.cpp")
-                "native/stream_engine.cpp")
 
 
 def build_stage_copies() -> list[str]:
