@@ -18,8 +18,8 @@ from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
-from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
+from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
