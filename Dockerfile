@@ -3,7 +3,7 @@
 #   docker build -t ghcr.io/kimiserve/kimiserve:0.1.0 .
 # GPU shards: PyPI's torch wheels for linux x86_64 carry their CUDA runtime, so the node needs only the NVIDIA
 # driver and device plugin. Triton compiles its kernel launchers with the C compiler at run time: gcc stays in.
-# The weight-streaming engine (C++, shipped inside the package) is compiled here, in the build stage, into
+# The weight-streaming engine (C++ in native/, shipped inside the package) is compiled here, in the build stage, into
 # KIMISERVE_NATIVE_CACHE; the runtime loads that build read-only and needs no C++ compiler.
 # No model is baked in: the chart mounts the checkpoint and passes --model (`kimiserve up` without --model serves the
 # models/ of a source checkout, which an installed package does not have; it says so and asks for --model).
@@ -26,9 +26,10 @@ COPY router ./router
 COPY shard_svc ./shard_svc
 COPY tokenizer_svc ./tokenizer_svc
 COPY protos ./protos
+COPY native ./native
 # The native build runs outside /src, so it compiles the installed package's source, as the runtime will load it.
 RUN pip install . && kimiserve --help >/dev/null \
-    && cd / && python -m shard_svc.streaming.native_src.build --direct
+    && cd / && python -m native.build --direct
 
 FROM ${PYTHON_IMAGE}
 RUN apt-get update \

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.served import model_dir
-from shard_svc.engine.build import EngineOptions, build_engine
+from shard_svc.build import EngineOptions, build_engine
 from shard_svc.engine.capacity import CapacityRequest
 from shard_svc.engine.sampling import SamplingParams
 

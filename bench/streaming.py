@@ -89,7 +89,7 @@ def pinned_copy_peak(sizes=(256 << 20, 1 << 30, 4 << 30), reps: int = 8) -> dict
 def layer_bytes(layers: int) -> list[int]:
     from shard_svc.config import ModelConfig
     from shard_svc.model import KimiForCausalLM
-    from shard_svc.streaming.plan import plan_layers
+    from shard_svc.weight_streaming.plan import plan_layers
 
     cfg = ModelConfig.from_dict(k3_slice_config(layers))
     with torch.device("meta"):
@@ -120,9 +120,9 @@ def build(layers: int, depth: int, budget_bytes: int | None, dev: torch.device, 
     """(cfg, model, host weights, streamer) with dummy weights: resident tensors on the GPU, layers in pinned arenas."""
     from shard_svc.config import ModelConfig
     from shard_svc.model import KimiForCausalLM
-    from shard_svc.streaming import StreamOptions, WeightStreamer
-    from shard_svc.streaming.host import HostWeights
-    from shard_svc.streaming.plan import plan_layers, split_layer_param
+    from shard_svc.weight_streaming import StreamOptions, WeightStreamer
+    from shard_svc.weight_streaming.host import HostWeights
+    from shard_svc.weight_streaming.plan import plan_layers, split_layer_param
 
     cfg = ModelConfig.from_dict(k3_slice_config(layers, full_width))
     with torch.device("meta"):
@@ -317,7 +317,7 @@ def main() -> None:
     def save() -> None:
         out_file.write_text(json.dumps(result, indent=1, default=str))
 
-    from shard_svc.streaming.native import load_native
+    from shard_svc.weight_streaming.native import load_native
 
     result["pinned_copy"] = pinned_copy_peak()
     log.info("pinned-copy peak %.1f GB/s", result["pinned_copy"]["peak_GBps"])

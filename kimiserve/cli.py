@@ -36,7 +36,7 @@ USER_ERRORS: dict[str, tuple[str, ...]] = {
     "tokenizer_svc.errors": ("TokenizerLoadError", "UnsupportedModelType"),
     "kimiserve.security": ("SecurityConfigError",),
     "shard_svc.ops": ("OpBackendError",),
-    "shard_svc.streaming.errors": ("StreamingConfigError",),
+    "shard_svc.weight_streaming.errors": ("StreamingConfigError",),
     "router.batch.errors": ("BatchStoreError",),
     "kimiserve.ports": ("PortInUse",),
 }

@@ -1,13 +1,27 @@
-"""Per-step metadata for one forward pass over packed sequences, built by the runner, read by every layer."""
+"""Per-step metadata for one forward pass over packed sequences, built by the runner, read by every layer.
+
+A layer reads and writes its own views of the state pools and nothing else of them, so the context names only those
+views (KDAStateLayers, MLACacheLayers); the pools that provide them (shard_svc/state/pools.py) sit above the model.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from shard_svc.ops import Ops
-from shard_svc.state.pools import KDAStatePool, MLAKVCache
+
+
+class KDAStateLayers(Protocol):
+    def layer(self, engine_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent [slots, H, K, V], conv [slots, 3HK, W-1]) views of one KDA layer, by engine layer index."""
+
+
+class MLACacheLayers(Protocol):
+    def layer(self, engine_layer: int) -> torch.Tensor:
+        """The paged latent cache [blocks, block_size, latent] of one MLA layer, by engine layer index."""
 
 
 @dataclass
@@ -25,6 +39,6 @@ class ForwardContext:
     """Everything a layer needs besides its input: the batch layout, the pools and the op backend."""
 
     batch: ForwardBatch
-    kda_pool: KDAStatePool
-    kv_cache: MLAKVCache
+    kda_pool: KDAStateLayers
+    kv_cache: MLACacheLayers
     ops: Ops

@@ -16,14 +16,14 @@ import torch
 
 from kimiserve.devices import DEVICE_HELP, resolve_device
 from kimiserve.sampling_args import add_sampling_args
+from shard_svc.build import EngineOptions, build_engine
 from shard_svc.checkpoint import LOAD_FORMATS
-from shard_svc.engine.build import EngineOptions, build_engine
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.grammar import ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.parallel.errors import GroupError
 from shard_svc.parallel.launch import add_group_args
-from shard_svc.streaming.mode import add_weights_args, weights_args
+from shard_svc.weight_streaming.mode import add_weights_args, weights_args
 
 log = logging.getLogger(__name__)
 

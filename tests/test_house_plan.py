@@ -23,7 +23,8 @@ SHARD_FLOORS = [
     ("shard_svc.state", "shard_svc.weight_streaming"),
     ("shard_svc.engine",),
     ("shard_svc.parallel",),
-    ("shard_svc.server", "shard_svc.generate", "shard_svc.make_tiny"),
+    # build: one process or a shard group, chosen above both, so the engine never knows about groups
+    ("shard_svc.server", "shard_svc.build", "shard_svc.generate", "shard_svc.make_tiny"),
 ]
 
 

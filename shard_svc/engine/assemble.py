@@ -1,9 +1,10 @@
 """What one process builds: the options every entry point fills in, and the one place an Engine is put together
-from them (the whole model on one device, or one rank's slice of a shard group).
+around a loaded model (the whole model on one device, or one rank's slice of a shard group).
 
-`shard_svc/engine/build.py` `build_engine` is what entry points call; it uses `assemble_engine` for a single
-process, and `shard_svc/parallel/launch.py` uses it on every rank of a group (rank 0 and the workers alike), so a
-shard server, `kimiserve generate` and a group's ranks build the same engine from the same options.
+`assemble_alone` loads the checkpoint for one process (resident or streamed) and assembles its engine;
+`shard_svc/parallel/launch.py` loads each rank's slice and assembles it with the group's StepSync. `build_engine`
+(shard_svc/build.py) chooses between the two, so a shard server, `kimiserve generate` and a group's ranks build the
+same engine from the same options.
 """
 
 from __future__ import annotations
@@ -14,21 +15,23 @@ from pathlib import Path
 
 import torch
 
+from shard_svc.config import ModelConfig
 from shard_svc.engine.capacity import CapacityRequest
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.sizing import sized_config
+from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.engine.warmup import warm_up
+from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import select_ops
-from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
-from shard_svc.parallel.layout import ParallelLayout
-from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
-from shard_svc.parallel.sync import StepSync
-from shard_svc.streaming.metrics import StreamingMetrics
-from shard_svc.streaming.mode import WeightsArgs, load_for_serving
+from shard_svc.weight_streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.mode import WeightsArgs, load_for_serving
+from shard_svc.weight_streaming.streamer import WeightStreamer
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -42,13 +45,13 @@ class EngineOptions:
     op_backend: str = "auto"  # auto | eager | triton (shard_svc/ops)
     load_format: str = "safetensors"  # or "dummy": random weights from config.json alone (benchmarks)
     config: EngineConfig = field(default_factory=EngineConfig)  # capacity, host KV, prefix cache
-    weights: WeightsArgs = field(default_factory=WeightsArgs)  # resident | stream | auto (shard_svc/streaming)
+    weights: WeightsArgs = field(default_factory=WeightsArgs)  # resident | stream | auto (shard_svc/weight_streaming)
     enforce_eager: bool = False  # no decode CUDA graphs (shard_svc/engine/cuda_graphs.py)
     grammars: bool = True  # load the checkpoint's vocabulary for response_format (False: such requests refused)
     warm_up: bool = False  # on CUDA, run every kind of pass once before returning (shard_svc/engine/warmup.py)
     tp: int = 1  # shard group: attention heads split tp ways (shard_svc/parallel)
     ep: int = 1  # routed experts split ep ways; the group has max(tp, ep) ranks, one process each
-    group_timeout_s: float = DEFAULT_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer fails
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S  # any collective, and rank 0's silence while idle, longer fails
     load_timeout_s: float = 1800.0  # every rank must have loaded its slice within this
     cpu_threads: int | None = None  # torch intra-op threads per process on a CPU device; None: leave torch's
     # The operator's capacity flags, sized once the weights are placed (shard_svc/engine/sizing.py): unset ones from
@@ -70,22 +73,23 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype or ("bfloat16" if device.type == "cuda" else "float32"))
 
 
-def assemble_engine(opts: EngineOptions, device: torch.device, metrics: StreamingMetrics | None = None,
-                    group: ShardGroup | None = None) -> Engine:
-    """The engine of this process: the whole model (group None), or this rank's slice of a shard group, stepping in
-    lockstep with the other ranks. metrics: where weight streaming and host KV offload report (None: nowhere)."""
+def assemble_alone(opts: EngineOptions, device: torch.device, metrics: StreamingMetrics | None = None) -> Engine:
+    """The engine of a process that runs the whole model: resident loads the checkpoint as is, stream keeps decoder
+    layers in host memory. metrics: where weight streaming and host KV offload report (None: nowhere)."""
+    cfg, model, streamer = load_for_serving(opts.model_dir, opts.load_format, device,
+                                            resolve_dtype(opts.dtype, device), opts.weights, metrics)
+    return assemble_engine(opts, device, cfg, model, streamer=streamer, metrics=metrics)
+
+
+def assemble_engine(opts: EngineOptions, device: torch.device, cfg: ModelConfig, model: KimiForCausalLM, *,
+                    sync: StepSync = ALONE, streamer: WeightStreamer | None = None,
+                    metrics: StreamingMetrics | None = None) -> Engine:
+    """The engine around a loaded model: the whole model (sync ALONE), or a rank's slice of a shard group stepping in
+    lockstep with the other ranks through `sync`. streamer: the weight streamer of a streamed model."""
     dtype = resolve_dtype(opts.dtype, device)
-    sync, streamer = None, None
-    if group is None:  # resident loads the checkpoint as is; stream keeps decoder layers in host memory
-        cfg, model, streamer = load_for_serving(opts.model_dir, opts.load_format, device, dtype, opts.weights,
-                                                metrics)
-    else:
-        layout = ParallelLayout(opts.tp, opts.ep, group.rank)
-        cfg, model = GROUP_LOAD_FORMATS[opts.load_format](str(opts.model_dir), device, dtype,
-                                                          group.model_comm(layout))
-        sync = StepSync(group, layout, cfg)
+    in_group = sync.world > 1
     # Streamed layers are fetched during the pass, and a group's steps are not captured: both run eager.
-    eager = opts.enforce_eager or streamer is not None or group is not None
+    eager = opts.enforce_eager or streamer is not None or in_group
     # In a group every rank advances each sequence's response_format matcher, so all agree on where it ends.
     grammars = (Grammars.for_checkpoint(Path(opts.model_dir), cfg.vocab_size, cfg.eos_token_ids)
                 if opts.grammars else None)
@@ -101,10 +105,10 @@ def assemble_engine(opts: EngineOptions, device: torch.device, metrics: Streamin
     config = opts.config
     if opts.capacity is not None:
         config = sized_config(opts.capacity, opts.config, cfg, device, dtype, build,
-                              None if eager else enable_cuda_graphs, in_group=group is not None)
+                              None if eager else enable_cuda_graphs, in_group=in_group)
     engine = build(config)
     if not eager:
         enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out
-    if opts.warm_up and group is None and device.type == "cuda":  # compile every kernel shape before serving
+    if opts.warm_up and not in_group and device.type == "cuda":  # compile every kernel shape before serving
         warm_up(engine)
     return engine

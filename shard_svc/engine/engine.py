@@ -19,11 +19,12 @@ from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
+from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
 from shard_svc.state.kv_offload import HostKVOffload
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class StepResult:
 
 class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 engine_cfg: EngineConfig = EngineConfig(), sync=None, kv_metrics: StreamingMetrics | None = None,
+                 engine_cfg: EngineConfig = EngineConfig(), sync: StepSync = ALONE,
+                 kv_metrics: StreamingMetrics | None = None,
                  grammars: Grammars | None = None, advertised: EngineConfig | None = None):
         """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
         grammars: the checkpoint's vocabulary for response_format (None: such requests are refused).
@@ -102,13 +104,13 @@ class Engine:
         None: engine_cfg)."""
         self.cfg, self.device, self.engine_cfg = cfg, device, engine_cfg
         self.advertised_cfg = advertised or engine_cfg
-        # Shard-group hook (shard_svc/parallel/sync.py StepSync): None on one process, where nothing below changes.
+        # Alone on one process; a shard group's rank steps with the others (shard_svc/parallel/sync.py StepSync).
         self.sync = sync
         # The prefix cache's entries hold state slots of their own, beside the running sequences' slots.
         self.runner = ModelRunner(cfg, model, ops, device,
                                   engine_cfg.num_state_slots + engine_cfg.prefix_cache_entries,
                                   engine_cfg.num_kv_blocks, engine_cfg.kv_block_size,
-                                  kda_heads=sync.kda_heads if sync else None)
+                                  kda_heads=sync.kda_heads)
         self.kv_offload = (HostKVOffload.for_budget(self.runner.kv_cache, cfg, engine_cfg.host_kv_bytes, kv_metrics)
                            if engine_cfg.host_kv_bytes else None)
         pools = self.runner
@@ -188,8 +190,7 @@ class Engine:
                        prefix=PrefixHints(prefix.salt, points))
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        if self.sync:
-            self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix)
+        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -197,8 +198,7 @@ class Engine:
         seq = self.sequences.get(request_id)
         if seq is None:
             return None
-        if self.sync:
-            self.sync.on_cancel(request_id)
+        self.sync.on_cancel(request_id)
         return self._finish(seq, "cancelled")
 
     def has_work(self) -> bool:
@@ -206,11 +206,9 @@ class Engine:
 
     # -- stepping ---------------------------------------------------------------------------------------------
     def step(self) -> StepResult:
-        if self.sync:
-            self.sync.begin_step()
+        self.sync.begin_step()
         plan = self.scheduler.schedule()
-        if self.sync:
-            self.sync.check_plan(plan)
+        self.sync.check_plan(plan)
         result = StepResult()
         cached = [s for s in plan.decode if s.cached_logits is not None]
         if cached:  # whole prompts restored from the prefix cache: their first token comes from the cached row
@@ -223,8 +221,7 @@ class Engine:
         decode = [(s, 1) for s in plan.decode if not s.finished]
         if decode:
             self._run_pass("decode", decode, result)
-        if self.sync:
-            self.sync.end_step(self, result)  # events leave only once every rank agrees on every sequence
+        self.sync.end_step(self, result)  # events leave only once every rank agrees on every sequence
         return result
 
     def _run_pass(self, kind: str, work: list[tuple[Sequence, int]], result: StepResult,
@@ -247,7 +244,7 @@ class Engine:
             emitting = [(seq, rows[-1]) for (seq, _), rows in zip(work, logits) if not seq.is_prefilling]
             drawn = self._draw(emitting)
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
-            if self.sync:
+            if self.sync.world > 1:
                 raise  # in a shard group the other ranks cannot know which sequences failed: the group fails
             ids = [s.request_id for s, _ in work]
             log.exception("pass failed; failing its sequences", extra={"pass": kind, "request_ids": ids})
@@ -286,7 +283,7 @@ class Engine:
 
     def _draw(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
         """In a shard group the leader samples and every rank gets its tokens; alone, this engine samples."""
-        return self.sync.draw(len(emitting), lambda: self._sample(emitting)) if self.sync else self._sample(emitting)
+        return self.sync.draw(len(emitting), lambda: self._sample(emitting))
 
     def _sample(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
         """Draws a token for each (sequence, logits row): the penalties' counts of sequences about to draw their

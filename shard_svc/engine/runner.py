@@ -30,7 +30,7 @@ class ModelRunner:
         dtype = next(model.parameters()).dtype
         self.kda_pool = KDAStatePool(cfg, num_slots, device, conv_dtype=dtype, num_heads=kda_heads)
         self.kv_cache = MLAKVCache(cfg, num_blocks, block_size, device, dtype)
-        # -- weight streaming hook (shard_svc/streaming): a WeightStreamer attaches itself here. None: resident. --
+        # -- weight streaming hook (shard_svc/weight_streaming): a WeightStreamer attaches here; None: resident --
         self.weights = None
         # -- decode graph hook (engine/cuda_graphs.py): a CudaGraphRunner attaches itself here. None: eager. --
         self.graphs = None

@@ -25,8 +25,6 @@ from shard_svc.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0
-
 
 def digest(obj: object) -> int:
     """A 56-bit digest of a picklable value, equal on every rank for equal values (unlike hash(), which is salted
@@ -46,7 +44,7 @@ class ShardGroup:
 
     @classmethod
     def join(cls, rank: int, world: int, store: dist.Store, device: torch.device,
-             timeout_s: float = DEFAULT_TIMEOUT_S, failure_hint: Callable[[], str] | None = None) -> "ShardGroup":
+             timeout_s: float, failure_hint: Callable[[], str] | None = None) -> "ShardGroup":
         """Joins the group (all `world` ranks must call this); blocks until every rank has arrived or timeout."""
         self = cls(rank, world, device, timeout_s)
         if failure_hint is not None:

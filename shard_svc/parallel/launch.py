@@ -1,9 +1,10 @@
 """Rank 0 starts a shard group on one host: it hosts the rendezvous store, spawns one worker process per other
 rank (`python -m shard_svc.parallel.worker`), watches them, and sends every rank the same EngineOptions.
 
-`build_engine` (shard_svc/engine/build.py) calls `start_group` for `kimiserve generate --tp N --ep N` and
-`kimiserve shard --tp N --ep N`; the CLI process is rank 0 and faces the user or the router. Every rank builds its
-engine with the same `assemble_engine`. Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
+`build_engine` (shard_svc/build.py) calls `start_group` for `kimiserve generate --tp N --ep N` and
+`kimiserve shard --tp N --ep N`; the CLI process is rank 0 and faces the user or the router. Every rank loads its
+slice and builds its engine around it with the same `assemble_engine`, stepping through the group's StepSync.
+Rank r uses `cuda:{first + r}` (first: the --device index), or the CPU.
 """
 
 from __future__ import annotations
@@ -23,20 +24,32 @@ import torch
 import torch.distributed as dist
 
 from shard_svc.config import ModelConfig
-from shard_svc.engine.assemble import EngineOptions, assemble_engine, rank_device
+from shard_svc.engine.assemble import (DEFAULT_GROUP_TIMEOUT_S, EngineOptions, assemble_engine, rank_device,
+                                       resolve_dtype)
 from shard_svc.engine.engine import Engine
 from shard_svc.parallel.errors import GroupError
-from shard_svc.parallel.group import DEFAULT_TIMEOUT_S, ShardGroup
+from shard_svc.parallel.group import ShardGroup
 from shard_svc.parallel.layout import ParallelLayout
+from shard_svc.parallel.loading import GROUP_LOAD_FORMATS
+from shard_svc.parallel.sync import StepSync
 
 log = logging.getLogger(__name__)
+
+
+def _rank_engine(group: ShardGroup, opts: EngineOptions) -> Engine:
+    """This rank's slice of the model, and the engine around it, in lockstep with the other ranks."""
+    layout = ParallelLayout(opts.tp, opts.ep, group.rank)
+    cfg, model = GROUP_LOAD_FORMATS[opts.load_format](str(opts.model_dir), group.device,
+                                                      resolve_dtype(opts.dtype, group.device),
+                                                      group.model_comm(layout))
+    return assemble_engine(opts, group.device, cfg, model, sync=StepSync(group, layout, cfg))
 
 
 def build_rank(group: ShardGroup, opts: EngineOptions) -> Engine:
     """Every rank: its model slice and engine. Load errors are gathered, so rank 0 reports every rank's failure."""
     engine, error = None, None
     try:
-        engine = assemble_engine(opts, group.device, group=group)
+        engine = _rank_engine(group, opts)
     except Exception as e:  # noqa: BLE001 - reported below, with the other ranks' results
         log.exception("loading this rank's model slice failed", extra={"rank": group.rank})
         error = e
@@ -189,5 +202,5 @@ def add_group_args(p) -> None:
     g.add_argument("--tp", type=int, default=1, help="attention tensor parallelism: KDA/MLA heads split tp ways")
     g.add_argument("--ep", type=int, default=1,
                    help="expert parallelism: routed experts split ep ways; the group has max(tp, ep) ranks")
-    g.add_argument("--group-timeout", type=float, default=DEFAULT_TIMEOUT_S,
+    g.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
                    help="seconds a collective may wait for a silent rank before the group fails")

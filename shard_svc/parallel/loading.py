@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from shard_svc.checkpoint import (check_all_filled, check_nothing_on_meta, convert_stored, fill_sources,
+                                  load_dtype)
 from shard_svc.checkpoint.files import CheckpointFiles
-from shard_svc.checkpoint.loader import (_CONVERT, _check_all_filled, _check_nothing_on_meta, _resolve_dtype,
-                                         _where)
 from shard_svc.checkpoint.mxfp4 import dequantize_mxfp4
 from shard_svc.checkpoint.names import tensor_specs
 from shard_svc.checkpoint.validate import Fill, plan_fills
@@ -68,7 +68,7 @@ def load_sharded_model(model_dir: str | Path, device: torch.device, dtype: torch
     """(config, this rank's slice of the model with every local parameter loaded on `device`)."""
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    dtype = _resolve_dtype(dtype, cfg)
+    dtype = load_dtype(dtype, cfg)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype)
     specs = tensor_specs(cfg, model)  # the full checkpoint's table, before slicing
@@ -78,7 +78,7 @@ def load_sharded_model(model_dir: str | Path, device: torch.device, dtype: torch
         params = _materialise_local(model, fills, files, plan, device)
     model.load_state_dict(params, strict=True, assign=True)
     model.requires_grad_(False)
-    _check_nothing_on_meta(model)
+    check_nothing_on_meta(model)
     log.info("loaded model slice", extra={"model": str(model_dir), "rank": comm.layout.rank, "tp": comm.layout.tp,
                                           "ep": comm.layout.ep, "tensors_read": sum(files.reads.values()),
                                           "tensors_in_checkpoint": len(files.tensors), "device": str(device)})
@@ -102,12 +102,12 @@ def _materialise_local(model: torch.nn.Module, fills: list[Fill], files: Slicing
             target, slices, shape = out[fill.param][slot], shard.per_expert_slices(), shard.full_shape[1:]
         value = _local_value(fill, files, slices, shape, target)
         if value.shape != target.shape:
-            raise CheckpointMismatch(f"{_where(fill, files)}: gives {list(value.shape)} for the local slice "
+            raise CheckpointMismatch(f"{fill_sources(fill, files)}: gives {list(value.shape)} for the local slice "
                                      f"{list(target.shape)} of {fill.param} (slices {slices})",
                                      {"shape": [fill.param]})
         target.copy_(value)
         filled[fill.param].add(slot)
-    _check_all_filled(meta, filled, stacked={f.param for f in fills if f.expert is not None})
+    check_all_filled(meta, filled, stacked={f.param for f in fills if f.expert is not None})
     return out
 
 
@@ -118,11 +118,11 @@ def _local_value(fill: Fill, files: SlicingFiles, slices: tuple[Slice, ...], ful
     if "mxfp4_packed" in by_role:
         packed = files.read(by_role["mxfp4_packed"]).to(target.device)
         scale = files.read(by_role["mxfp4_scale"]).to(target.device)
-        return narrow_all(dequantize_mxfp4(packed, scale, target.dtype, name=_where(fill, files)), slices)
+        return narrow_all(dequantize_mxfp4(packed, scale, target.dtype, name=fill_sources(fill, files)), slices)
     name, spec = fill.sources[0]
     if spec.role == "weight":  # stored exactly as the parameter: read only the slice
         return files.read_slice(name, slices).to(target.dtype)
-    full = _CONVERT[spec.role](files.read(name), torch.Size(full_shape), _where(fill, files))
+    full = convert_stored(spec.role, files.read(name), torch.Size(full_shape), fill_sources(fill, files))
     return narrow_all(full, slices).to(target.dtype)
 
 
@@ -137,7 +137,7 @@ def load_dummy_sharded(model_dir: str | Path, device: torch.device, dtype: torch
     from shard_svc.parallel.group import digest
 
     cfg = ModelConfig.from_dir(model_dir)
-    dtype = _resolve_dtype(dtype, cfg)
+    dtype = load_dtype(dtype, cfg)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype)
     model, _ = parallelize(model, comm)

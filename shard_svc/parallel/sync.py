@@ -29,7 +29,7 @@ from shard_svc.engine.sampling import Drawn
 from shard_svc.parallel.errors import GroupDiverged
 from shard_svc.parallel.group import ShardGroup, digest
 from shard_svc.parallel.layout import ParallelLayout
-from shard_svc.server.pass_record import NO_PASS, PassRecord
+from shard_svc.engine.pass_record import NO_PASS, PassRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,8 @@ class StepMessage:
 
 
 class StepSync:
+    """The engine's StepSync (shard_svc/engine/step_sync.py) on a rank of a shard group."""
+
     def __init__(self, group: ShardGroup, layout: ParallelLayout, cfg: ModelConfig):
         self.group, self.layout = group, layout
         self.leader = group.rank == 0
@@ -51,6 +53,10 @@ class StepSync:
         self.steps = 0
         self.peer_passes: list[PassRecord] = []  # the followers' passes of the last step (leader only), for metrics
         self._journal: list[tuple] = []
+
+    @property
+    def world(self) -> int:
+        return self.group.world
 
     # -- leader: requests and messages ---------------------------------------------------------------------------
     def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix) -> None:

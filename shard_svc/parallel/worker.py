@@ -17,7 +17,7 @@ import torch
 
 from shard_svc.engine.engine import Engine
 from shard_svc.parallel.errors import GroupError
-from shard_svc.server.pass_record import PassRecord
+from shard_svc.engine.pass_record import PassRecord
 
 log = logging.getLogger(__name__)
 

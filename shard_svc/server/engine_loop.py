@@ -31,7 +31,7 @@ from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
 from shard_svc.errors import DuplicateRequest, KimiServeError
 from shard_svc.server import request_trace
 from shard_svc.server.metrics import ShardMetrics
-from shard_svc.server.pass_record import PassRecord
+from shard_svc.engine.pass_record import PassRecord
 from shard_svc.server.request_trace import PrefillPart, TracedRequest
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class EngineLoop:
 
     def _record(self, result: StepResult) -> None:
         """After the step's events went out: its passes, then the requests it finished."""
-        world = self.engine.sync.group.world if self.engine.sync else 1
+        world = self.engine.sync.world
         finished = {live.seq.request_id: live for live, _ in self._finished}
         for p in result.passes:
             record = PassRecord.of(p, 0, world)

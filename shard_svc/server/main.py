@@ -20,8 +20,8 @@ from kimiserve.decode_guard import DecodeGuard
 from kimiserve.devices import DEVICE_HELP, resolve_device
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
+from shard_svc.build import EngineOptions, build_engine
 from shard_svc.checkpoint import LOAD_FORMATS
-from shard_svc.engine.build import EngineOptions, build_engine
 from shard_svc.engine.capacity import (
     CPU_KV_BLOCK_SIZE, CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS,
     DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
@@ -31,12 +31,12 @@ from shard_svc.engine.prefill_share import POLICIES, PrefillShare
 from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.errors import SchedulingConfigError
 from shard_svc.parallel.launch import add_group_args
-from shard_svc.parallel.loop import GroupEngineLoop
 from shard_svc.server.engine_loop import EngineLoop
+from shard_svc.server.group_loop import GroupEngineLoop
 from shard_svc.server.metrics import ShardMetrics
 from shard_svc.server.service import ShardService
-from shard_svc.streaming.metrics import StreamingMetrics  # --weights and --host-kv-gb
-from shard_svc.streaming.mode import add_weights_args, weights_args
+from shard_svc.weight_streaming.metrics import StreamingMetrics  # --weights and --host-kv-gb
+from shard_svc.weight_streaming.mode import add_weights_args, weights_args
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = shard_pb2.DESCRIPTOR.services_by_name["Shard"].full_name
@@ -206,7 +206,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     built = build_engine(cfg.engine, StreamingMetrics(metrics.registry, cfg.shard_name))
     engine, model_cfg = built.engine, built.engine.cfg
     capacity = engine.advertised_cfg  # as sized once the weights were placed (shard_svc/engine/sizing.py)
-    # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/parallel/loop.py).
+    # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/server/group_loop.py).
     loop = EngineLoop(engine, metrics) if built.leader is None else GroupEngineLoop(built.leader, metrics)
     if cfg.engine.warm_up and built.leader is None and engine.device.type == "cuda":
         loop.before_serving = warm_request_paths  # the first request's paths, on the thread that will serve it

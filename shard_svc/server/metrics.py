@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kimiserve import buckets
 from shard_svc.engine.prefix_cache import SNAPSHOT_KINDS
 from shard_svc.engine.sequence import SequenceTiming
-from shard_svc.server.pass_record import PassRecord
+from shard_svc.engine.pass_record import PassRecord
 
 PASS_BUCKETS = buckets.PASS_SECONDS
 LABELS = ("shard", "rank")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kimiserve import tracing
 from shard_svc.engine.engine import TokenEvent
 from shard_svc.engine.sequence import Sequence
-from shard_svc.server.pass_record import PassRecord
+from shard_svc.engine.pass_record import PassRecord
 
 
 @dataclass(frozen=True)

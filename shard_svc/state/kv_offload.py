@@ -20,8 +20,8 @@ from shard_svc.errors import KVBlocksExhausted
 from shard_svc.host_memory import HostMemoryError, alloc_host, check_host_memory
 from shard_svc.state.allocators import BlockAllocator
 from shard_svc.state.pools import MLAKVCache
-from shard_svc.streaming.errors import ByteSizeMismatchError, StreamingConfigError, StreamingError
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.errors import ByteSizeMismatchError, StreamingConfigError, StreamingError
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 
 
 @dataclass(frozen=True)

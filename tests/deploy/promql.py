@@ -33,7 +33,7 @@ def exported_names() -> dict[str, str]:
     from router.batch.metrics import BatchMetrics
     from router.metrics import RouterMetrics
     from shard_svc.server.metrics import ShardMetrics
-    from shard_svc.streaming.metrics import StreamingMetrics
+    from shard_svc.weight_streaming.metrics import StreamingMetrics
 
     router = RouterMetrics()
     BatchMetrics(router.registry)

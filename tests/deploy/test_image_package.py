@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-NATIVE_FILES = ("shard_svc/streaming/native_src/__init__.py", "shard_svc/streaming/native_src/build.py",
-                "shard_svc/streaming/native_src/stream_engine.cpp")
+NATIVE_FILES = ("native/__init__.py", "native/build.py", "native/stream_engine.cpp")
 
 
 def build_stage_copies() -> list[str]:
@@ -60,7 +59,7 @@ def test_the_wheel_carries_the_native_sources(installed):
 
 def test_native_finds_its_source_in_the_install(installed):
     _, site = installed
-    out = installed_python(site, "-c", "from shard_svc.streaming.native import native_source; "
+    out = installed_python(site, "-c", "from shard_svc.weight_streaming.native import native_source; "
                                            "print(native_source())")
     assert out.returncode == 0, out.stderr[-3000:]
     found = Path(out.stdout.strip())
@@ -84,10 +83,10 @@ def test_the_images_prebuild_loads_read_only(installed, tmp_path):
     _, site = installed
     dockerfile = (REPO / "Dockerfile").read_text()
     assert dockerfile.count("KIMISERVE_NATIVE_CACHE=/opt/kimiserve/native") == 2  # both stages: one cache
-    assert "python -m shard_svc.streaming.native_src.build --direct" in dockerfile
+    assert "python -m native.build --direct" in dockerfile
     cache = tmp_path / "native"
     env = {"KIMISERVE_NATIVE_CACHE": str(cache)}
-    built = installed_python(site, "-m", "shard_svc.streaming.native_src.build", "--direct", env=env)
+    built = installed_python(site, "-m", "native.build", "--direct", env=env)
     assert built.returncode == 0 and "direct build" in built.stdout, built.stderr[-3000:]
     assert "Warning" not in built.stderr, built.stderr[-3000:]
     before = {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in cache.rglob("*")}
@@ -95,7 +94,7 @@ def test_the_images_prebuild_loads_read_only(installed, tmp_path):
         p.chmod(p.stat().st_mode & ~0o222)
     try:
         # ninja is on this machine (the test extra) but not in the image: the prebuilt direct build is used anyway.
-        loaded = installed_python(site, "-c", "from shard_svc.streaming.native import load_native; "
+        loaded = installed_python(site, "-c", "from shard_svc.weight_streaming.native import load_native; "
                                               "m = load_native('cpu'); m.StreamEngine(1, 1 << 20, 'cpu'); "
                                               "print(m.BUILD_DIR, m.BUILT_WITH)", env=env)
     finally:

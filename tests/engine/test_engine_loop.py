@@ -251,7 +251,7 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     """The prefill pass record (metrics and one JSON log line per pass) and each request's timing agree with what
     the engine ran: a 16-token budget splits the 20-token prompt over passes that other prompts share."""
     loop, passes = _loop(num_state_slots=8, prefill_token_budget=16)
-    handler, logger = _Capture(), logging.getLogger("shard_svc.server.pass_record")
+    handler, logger = _Capture(), logging.getLogger("shard_svc.engine.pass_record")
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

@@ -15,8 +15,8 @@ from shard_svc.host_memory import HostMemoryError
 from shard_svc.make_tiny import kimi_k3_config
 from shard_svc.state.kv_offload import HostKVOffload, HostKVProfile
 from shard_svc.state.pools import MLAKVCache
-from shard_svc.streaming.errors import ByteSizeMismatchError, StreamingConfigError
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.errors import ByteSizeMismatchError, StreamingConfigError
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 from tests.engine.conftest import linear_config
 
 K3_MLA = tuple(range(3, 92, 4)) + (92,)

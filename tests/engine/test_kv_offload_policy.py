@@ -15,7 +15,7 @@ from shard_svc.engine.sequence import Sequence
 from shard_svc.ops import select_ops
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
 from shard_svc.state.kv_offload import HostKVProfile
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 from tests.engine.conftest import k3_config, linear_config, random_model
 
 BS = 4  # tokens per KV block

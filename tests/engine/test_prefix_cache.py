@@ -20,7 +20,7 @@ from shard_svc.engine.sequence import PrefixHints
 from shard_svc.errors import InvalidRequest
 from shard_svc.ops import select_ops
 from shard_svc.state.kv_offload import HostKVProfile
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 from tests.engine.conftest import k3_config, linear_config, make_engine, random_model
 
 CPU = torch.device("cpu")
@@ -347,8 +347,8 @@ def test_a_hash_collision_displaces_the_old_entry_and_frees_its_slot_and_blocks(
 def test_streamed_weights_with_the_cache_and_its_host_tier():
     """Layers streamed from host memory through the device ring: hits from the host tier and from the device give
     the tokens of resident weights without a cache."""
-    from shard_svc.streaming import StreamOptions, WeightStreamer
-    from shard_svc.streaming.host import HostWeights
+    from shard_svc.weight_streaming import StreamOptions, WeightStreamer
+    from shard_svc.weight_streaming.host import HostWeights
 
     raw = FAMILIES["kimi_linear"]
     cfg, model = random_model(raw, seed=0)

@@ -111,8 +111,8 @@ def test_dispatch_by_shape():
 
 def test_unbound_streamed_weight_raises_missing_slot():
     """A streamed weight used without a device slot must raise through the Triton dispatch too."""
-    from shard_svc.streaming.errors import MissingSlotError
-    from shard_svc.streaming.streamer import UnboundWeight
+    from shard_svc.weight_streaming.errors import MissingSlotError
+    from shard_svc.weight_streaming.streamer import UnboundWeight
 
     mod = linear_module()
     w = UnboundWeight.make("model.layers.3.self_attn.q_proj.weight", (8, 32), torch.float32)

@@ -5,11 +5,11 @@ import json
 import subprocess
 import sys
 
-from shard_svc.parallel.bench import add_speedups
+from bench.group_bench import add_speedups
 
 
 def test_group_bench_smoke(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shard_svc.parallel.bench", "--device", "cpu", "--config", "tiny",
+    out = subprocess.run([sys.executable, "-m", "bench.group_bench", "--device", "cpu", "--config", "tiny",
                           "--layouts", "2x1", "--skip-parity", "--out", str(tmp_path)], capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -21,8 +21,8 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
 from shard_svc.state.kv_offload import HostKVProfile
-from shard_svc.streaming import StreamingMetrics, StreamOptions, WeightStreamer
-from shard_svc.streaming.host_loader import load_streamed
+from shard_svc.weight_streaming import StreamingMetrics, StreamOptions, WeightStreamer
+from shard_svc.weight_streaming.host_loader import load_streamed
 # Imported at collection, before anything imports Triton compiled: decorates the kernels for Triton's CPU interpreter
 # (tests/kernels/conftest.py); Triton cannot be imported a second time in one process.
 import tests.kernels.conftest  # noqa: F401

@@ -2,7 +2,7 @@
 inside the grouped GEMMs; activations and the intermediate stay in the model dtype.
 
 Reference: the eager MoE (`shard_svc/ops/moe/eager.py::moe_experts`) over `checkpoint/mxfp4.py::dequantize_mxfp4`
-weights, which `streaming/experts.py::w4a16_moe_experts` equals bit for bit. The weights as the checkpoint stores
+weights, which `weight_streaming/experts.py::w4a16_moe_experts` equals bit for bit. The weights as the checkpoint stores
 them (docs/models.md#mxfp4-experts): `packed` uint8 [E, out, in/2], two E2M1 codes a byte, LOW NIBBLE FIRST (bit 3 sign,
 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6); `scale` uint8 [E, out, in/32], an E8M0 exponent: the multiplier is
 2^(byte - 127), never the byte's value.
@@ -152,9 +152,9 @@ def moe_experts_w4a16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       packed: dict[str, tuple[torch.Tensor, torch.Tensor]], activation: str,
                       situ_betas: tuple[float, float], small_align_max: int = SMALL_ALIGN_MAX,
                       block_m: int | None = None, chunk_pairs: int = CHUNK_PAIRS) -> torch.Tensor:
-    """Same contract as `streaming/experts.py::w4a16_moe_experts`: x [T, Din] (bf16/fp16/fp32), weights [T, k] fp32,
-    ids [T, k], packed {"w1"|"w3": (uint8 [E, I, Din/2], uint8 [E, I, Din/32]), "w2": (uint8 [E, Din, I/2],
-    uint8 [E, Din, I/32])} -> [T, Din] in x's dtype."""
+    """Same contract as `weight_streaming/experts.py::w4a16_moe_experts`: x [T, Din] (bf16/fp16/fp32), weights
+    [T, k] fp32, ids [T, k], packed {"w1"|"w3": (uint8 [E, I, Din/2], uint8 [E, I, Din/32]), "w2": (uint8 [E, Din,
+    I/2], uint8 [E, Din, I/32])} -> [T, Din] in x's dtype."""
     op = "moe_experts_w4a16"
     check_routing(op, x, weights, ids, activation)
     if set(packed) != {"w1", "w2", "w3"}:

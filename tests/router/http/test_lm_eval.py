@@ -13,8 +13,8 @@ import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.openai_completions import LocalCompletionsAPI
 
+from shard_svc.build import build_engine
 from shard_svc.engine.assemble import EngineOptions
-from shard_svc.engine.build import build_engine
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.engine.engine import EngineConfig
 from tests.router.http.conftest import API_KEY

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.streaming.conftest import CPU
+from tests.weight_streaming.conftest import CPU
 
 
 def test_full_width_slice_layout():

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shard_svc.config import ModelConfig
-from shard_svc.streaming.errors import StreamingConfigError
+from shard_svc.weight_streaming.errors import StreamingConfigError
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +92,8 @@ def load_for_serving(model_dir: Path, load_format: str, device: torch.device, dt
     if load_format != "safetensors":
         raise StreamingConfigError(f"--weights stream loads safetensors checkpoints; --load-format {load_format} is "
                                    "not supported with it")
-    from shard_svc.streaming.host_loader import load_streamed
-    from shard_svc.streaming.streamer import StreamOptions, WeightStreamer
+    from shard_svc.weight_streaming.host_loader import load_streamed
+    from shard_svc.weight_streaming.streamer import StreamOptions, WeightStreamer
 
     budget = None if weights.pinned_memory_gb is None else int(weights.pinned_memory_gb * GiB)
     cfg, model, host = load_streamed(model_dir, device, dtype, budget_bytes=budget)

@@ -14,7 +14,7 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.errors import UnfilledParameterError
 from shard_svc.host_memory import GiB, alloc_host, check_host_memory
-from shard_svc.streaming.plan import ExpertFormat, LayerPlan, Member, plan_layers
+from shard_svc.weight_streaming.plan import ExpertFormat, LayerPlan, Member, plan_layers
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
+from shard_svc.checkpoint import fill_value, load_dtype  # the resident path's conversions (parity)
 from shard_svc.checkpoint.files import CheckpointFiles
-from shard_svc.checkpoint.loader import _resolve_dtype, _value  # the resident path's conversions (parity)
 from shard_svc.checkpoint.mxfp4 import E8M0_NAN, dequantize_mxfp4
 from shard_svc.checkpoint.names import tensor_specs
 from shard_svc.checkpoint.validate import Fill, plan_fills
 from shard_svc.config import ModelConfig
 from shard_svc.errors import CheckpointMismatch, NaNScaleError, UnfilledParameterError
 from shard_svc.model import KimiForCausalLM
-from shard_svc.streaming.host import HostWeights
-from shard_svc.streaming.plan import plan_layers, split_layer_param
+from shard_svc.weight_streaming.host import HostWeights
+from shard_svc.weight_streaming.plan import plan_layers, split_layer_param
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def load_streamed(model_dir: str | Path, device: str | torch.device, dtype: torc
     """(config, model with its non-layer tensors on `device` and its layers still on meta, host weights)."""
     model_dir, device = Path(model_dir), torch.device(device)
     cfg = ModelConfig.from_dir(model_dir)
-    dtype = _resolve_dtype(dtype, cfg)
+    dtype = load_dtype(dtype, cfg)
     with torch.device("meta"):
         model = KimiForCausalLM(cfg, dtype)
     specs = tensor_specs(cfg, model)
@@ -50,7 +50,7 @@ def load_streamed(model_dir: str | Path, device: str | torch.device, dtype: torc
             split = split_layer_param(fill.param)
             if split is None:
                 target = torch.empty(meta[fill.param].shape, dtype=meta[fill.param].dtype, device=device)
-                target.copy_(_checked(_value(fill, files, target), target, fill, files))
+                target.copy_(_checked(fill_value(fill, files, target), target, fill, files))
                 resident[fill.param] = target
             else:
                 _write_layer_fill(host, split[0], split[1], fill, files, dtype)
@@ -71,14 +71,14 @@ def _write_layer_fill(host: HostWeights, layer: int, rel: str, fill: Fill, files
     if fill.expert is None:
         m = host.member(layer, rel)
         view = host.view(layer, m)
-        host.write(layer, rel, _checked(_value(fill, files, view), view, fill, files))
+        host.write(layer, rel, _checked(fill_value(fill, files, view), view, fill, files))
         return
     which = rel.rsplit(".", 1)[1]  # 'w1' | 'w3' | 'w2'
     stem = f"{plan.experts.module}.{fill.expert}.{which}"
     by_role = {spec.role: name for name, spec in fill.sources}
     if plan.experts.format == "dense":
         view = host.view(layer, host.member(layer, stem))
-        host.write(layer, stem, _checked(_value(fill, files, view), view, fill, files))
+        host.write(layer, stem, _checked(fill_value(fill, files, view), view, fill, files))
         return
     packed = files.read(by_role["mxfp4_packed"])
     scale = files.read(by_role["mxfp4_scale"])

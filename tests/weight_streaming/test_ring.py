@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_svc.streaming.errors import (ByteSizeMismatchError, MissingSlotError, NotHostTensorError,
+from shard_svc.weight_streaming.errors import (ByteSizeMismatchError, MissingSlotError, NotHostTensorError,
                                         ShortSlotMapError, SlotBusyError, SlotMapError)
 
 ALIGN = 256
@@ -192,7 +192,7 @@ def test_adjacent_tensors_coalesce_into_one_copy(native):
 
 
 def test_a_cuda_engine_needs_dedicated_streams(native):
-    from shard_svc.streaming.errors import NativeBuildError
+    from shard_svc.weight_streaming.errors import NativeBuildError
 
     with pytest.raises(NativeBuildError, match="two dedicated streams"):
         native.StreamEngine(1, SLOT, "cuda:0")  # checked before any device work: runs on a CPU machine too

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import time
 
+from shard_svc.parallel.launch import GroupLeader
 from shard_svc.server.engine_loop import EngineLoop
 from shard_svc.server.metrics import ShardMetrics
-from shard_svc.parallel.launch import GroupLeader
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
-from shard_svc.streaming import StreamingMetrics, StreamOptions, WeightStreamer
-from shard_svc.streaming.errors import MissingSlotError, StreamingConfigError
-from shard_svc.streaming.host import HostWeights
-from shard_svc.streaming.host_loader import load_streamed
+from shard_svc.weight_streaming import StreamingMetrics, StreamOptions, WeightStreamer
+from shard_svc.weight_streaming.errors import MissingSlotError, StreamingConfigError
+from shard_svc.weight_streaming.host import HostWeights
+from shard_svc.weight_streaming.host_loader import load_streamed
 from tests.engine.conftest import linear_config, random_model
-from tests.streaming.conftest import CPU
+from tests.weight_streaming.conftest import CPU
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [40, 41, 42], list(range(100, 140))]
 

@@ -38,11 +38,11 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.model.kimi import DecoderLayer, KimiForCausalLM
 from shard_svc.ops import Ops
-from shard_svc.streaming.errors import MissingSlotError, StreamingConfigError, UnusedPrefetchError
-from shard_svc.streaming.experts import StreamedExperts, w4a16_moe_experts
-from shard_svc.streaming.host import HostWeights
-from shard_svc.streaming.metrics import StreamingMetrics
-from shard_svc.streaming.native import load_native
+from shard_svc.weight_streaming.errors import MissingSlotError, StreamingConfigError, UnusedPrefetchError
+from shard_svc.weight_streaming.experts import StreamedExperts, w4a16_moe_experts
+from shard_svc.weight_streaming.host import HostWeights
+from shard_svc.weight_streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.native import load_native
 
 log = logging.getLogger(__name__)
 

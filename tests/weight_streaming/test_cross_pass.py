@@ -14,11 +14,11 @@ import pytest
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
-from shard_svc.streaming import StreamOptions, WeightStreamer
-from shard_svc.streaming.host import HostWeights
+from shard_svc.weight_streaming import StreamOptions, WeightStreamer
+from shard_svc.weight_streaming.host import HostWeights
 from tests.engine.conftest import linear_config, random_model
-from tests.streaming.conftest import CPU
-from tests.streaming.test_streamed_model import assert_identical
+from tests.weight_streaming.conftest import CPU
+from tests.weight_streaming.test_streamed_model import assert_identical
 
 # 8 layers: layer 0 a dense MLP, 1-7 MoE (6 experts, top-2), MLA at 3 and 7.
 RAW = linear_config(num_hidden_layers=8, linear_attn_config={

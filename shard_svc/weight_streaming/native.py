@@ -1,8 +1,8 @@
-"""Loads the native engine, built from the C++ source shipped inside this package (`native_src/`), with its errors
-mapped to ours.
+"""Loads the native engine, built from the C++ source in the top-level `native` package, with its errors mapped to
+ours.
 
 The source travels as package data, so an installed kimiserve (a wheel, the Docker image) builds the same engine as
-a checkout; the image prebuilds it (Dockerfile), and `native_src/build.py` loads that build without writing.
+a checkout; the image prebuilds it (Dockerfile), and `native/build.py` loads that build without writing.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from shard_svc.streaming.errors import NATIVE_KINDS, NativeBuildError
+from native import build
+from shard_svc.weight_streaming.errors import NATIVE_KINDS, NativeBuildError
 
 log = logging.getLogger(__name__)
 
@@ -22,20 +23,14 @@ _lock = threading.Lock()
 
 def native_source() -> Path:
     """The engine's C++ source inside the installed package; a named error where the install lacks it."""
-    # Imported here, not at the top: `python -m shard_svc.streaming.native_src.build` (the image's prebuild) must
-    # find its module not yet imported by the package.
-    from shard_svc.streaming.native_src import build
-
     if not build.SOURCE.is_file():
         raise NativeBuildError(f"native source not found: {build.SOURCE} (this install of kimiserve lacks the package "
-                               "data of shard_svc.streaming.native_src; reinstall it)")
+                               "data of the native package; reinstall it)")
     return build.SOURCE
 
 
 def load_native(device: torch.device | str | None = None):
     """The native module for `device` (built on first use). A CUDA device needs the CUDA build; raises if absent."""
-    from shard_svc.streaming.native_src import build
-
     device = torch.device(device or "cpu")
     with _lock:
         native_source()

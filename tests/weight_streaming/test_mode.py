@@ -14,10 +14,10 @@ import torch
 from shard_svc.config import ModelConfig
 from shard_svc.host_memory import HostMemoryError
 from shard_svc.make_tiny import kimi_k3_config
-from shard_svc.streaming import add_weights_args, choose_mode, weights_args
-from shard_svc.streaming.errors import StreamingConfigError
-from shard_svc.streaming.host_loader import load_streamed
-from tests.streaming.conftest import CPU
+from shard_svc.weight_streaming import add_weights_args, choose_mode, weights_args
+from shard_svc.weight_streaming.errors import StreamingConfigError
+from shard_svc.weight_streaming.host_loader import load_streamed
+from tests.weight_streaming.conftest import CPU
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_svc.streaming.native import load_native
+from shard_svc.weight_streaming.native import load_native
 
 CPU = torch.device("cpu")
 

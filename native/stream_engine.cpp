@@ -7,7 +7,7 @@
 //   - SlotMap:           a malformed slot map (misaligned, overlapping, past the end of the slot);
 //   - SlotBusy:          a fetch that would overwrite a slot a kernel may still read;
 //   - NotPinned / NotHost: a host tensor that cannot be streamed asynchronously.
-// Each kind is raised as the Python class registered for it (shard_svc/streaming/errors.py).
+// Each kind is raised as the Python class registered for it (shard_svc/weight_streaming/errors.py).
 //
 // One build serves both devices, chosen per engine at run time:
 //  - cpu:  slots are host buffers, a worker thread plays the copy stream, a job number plays the event;

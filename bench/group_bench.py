@@ -1,8 +1,8 @@
 """Shard-group benchmark (issue 7, item 6): parity with one device, prefill tokens/s and decode TPOT per layout.
 
-    python -m shard_svc.parallel.bench --layouts 1x1,2x2 --out bench_out          # nvidia-h200-x2
-    python -m shard_svc.parallel.bench --layouts 1x1,2x2,4x4 --out bench_out      # nvidia-h200-x4
-    python -m shard_svc.parallel.bench --device cpu --config tiny --layouts 1x1,2x2 --out /tmp/b   # smoke test
+    python -m bench.group_bench --layouts 1x1,2x2 --out bench_out          # nvidia-h200-x2
+    python -m bench.group_bench --layouts 1x1,2x2,4x4 --out bench_out      # nvidia-h200-x4
+    python -m bench.group_bench --device cpu --config tiny --layouts 1x1,2x2 --out /tmp/b   # smoke test
 
 Each layout TPxEP runs as max(tp, ep) processes; every rank runs the same calls (SPMD), the model's collectives keep
 them in step, and rank 0 times. Weights are dummy (`--load-format dummy`, sliced per rank) at the Kimi-Linear-48B
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from shard_svc.engine.step_sync import Alone
+
 log = logging.getLogger("group_bench")
 
 SHAPES = {  # --config: (config.json, prefill (batch, length) list, decode batches, decode context)
@@ -31,17 +33,12 @@ SHAPES = {  # --config: (config.json, prefill (batch, length) list, decode batch
 }
 
 
-class _NoJournal:
-    """The engine hook for SPMD benchmarking: every rank makes the same calls, so nothing is broadcast."""
+class _NoJournal(Alone):
+    """The engine hook for SPMD benchmarking: every rank makes the same calls, so nothing is broadcast; this rank's
+    pools hold its own KDA heads."""
 
     def __init__(self, kda_heads: int):
         self.kda_heads = kda_heads
-
-    def on_add(self, *args) -> None:
-        pass
-
-    def on_cancel(self, *args) -> None:
-        pass
 
 
 def _config(name: str) -> dict:

@@ -11,8 +11,8 @@ source and flags, so an edited source or a new torch rebuilds and an unchanged o
 direct build found there is loaded without writing anything, so a cache prebuilt into an image works read-only.
 Concurrent builds of one directory are serialised by a file lock. Prebuild (e.g. in the Dockerfile):
 
-    python -m shard_svc.streaming.native_src.build            # builds (or finds) it, prints where and how long
-    python -m shard_svc.streaming.native_src.build --direct   # the same without ninja
+    python -m native.build            # builds (or finds) it, prints where and how long
+    python -m native.build --direct   # the same without ninja
 
 Nothing here runs at import; `load()` is called the first time weights are streamed.
 """

@@ -1,8 +1,9 @@
 """`build_engine`: the one way an entry point gets an engine (`kimiserve shard`, `kimiserve generate`, benchmarks).
 
-One process (tp = ep = 1) assembles the engine itself; a shard group (tp or ep > 1) is started from this process,
-which becomes rank 0 and returns its engine, the one to step (shard_svc/parallel/launch.py). Options that cannot
-work together are refused here, before anything is loaded.
+One process (tp = ep = 1) assembles the engine itself (shard_svc/engine/assemble.py); a shard group (tp or ep > 1)
+is started from this process, which becomes rank 0 and returns its engine, the one to step
+(shard_svc/parallel/launch.py). It sits above both, so the engine never knows about groups. Options that cannot work
+together are refused here, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shard_svc.engine.assemble import EngineOptions, assemble_engine, rank_device
+from shard_svc.engine.assemble import EngineOptions, assemble_alone, rank_device
 from shard_svc.engine.engine import Engine
 from shard_svc.parallel.launch import GroupLeader, start_group
-from shard_svc.streaming.errors import StreamingConfigError
-from shard_svc.streaming.metrics import StreamingMetrics
+from shard_svc.weight_streaming.errors import StreamingConfigError
+from shard_svc.weight_streaming.metrics import StreamingMetrics
 
 log = logging.getLogger(__name__)
 
@@ -54,4 +55,4 @@ def build_engine(opts: EngineOptions, metrics: StreamingMetrics | None = None) -
     device = rank_device(opts.device, 0)
     if device.type == "cpu" and opts.cpu_threads is not None:
         torch.set_num_threads(opts.cpu_threads)
-    return BuiltEngine(assemble_engine(opts, device, metrics))
+    return BuiltEngine(assemble_alone(opts, device, metrics))

@@ -51,7 +51,7 @@ class StreamingConfigError(StreamingError):
     """Streaming options that cannot work together (e.g. fewer slots than the prefetch depth needs)."""
 
 
-# kind used by native_src/stream_engine.cpp -> class raised in Python
+# kind used by native/stream_engine.cpp -> class raised in Python
 NATIVE_KINDS = {
     "MissingSlot": MissingSlotError,
     "ByteSizeMismatch": ByteSizeMismatchError,
