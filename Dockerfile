@@ -22,6 +22,7 @@ RUN pip install "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kimiserve ./kimiserve
+COPY launcher ./launcher
 COPY router ./router
 COPY shard_svc ./shard_svc
 COPY tokenizer_svc ./tokenizer_svc

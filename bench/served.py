@@ -42,8 +42,8 @@ import grpc
 from bench import shared_prefix
 from bench.configs import KIMI_LINEAR_48B
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 
 log = logging.getLogger("bench.served")
 BLOCK = 64
@@ -53,8 +53,8 @@ def model_dir(root: Path, tiny: bool) -> Path:
     """The 48B config with dummy weights (tiny: a real tiny checkpoint), the tiny tokenizer beside it. The config's
     special ids are the tokenizer's (the tiny tokenizer holds Kimi's reserved ids at the same offsets from 512 as the
     real ones from 163584), so end-of-turn, chat rendering and structured output agree between the two."""
+    from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
     from shard_svc.make_tiny import BOS, IM_END, PAD, make_tiny
-    from tokenizer_svc.tiny import write_tiny_tokenizer
 
     if tiny:
         return make_tiny("kimi_linear", root / "kimi-linear-tiny", seed=0)
@@ -140,7 +140,7 @@ def _shard_args(args, slots: int, blocks: int, max_len: int, extra: tuple[str, .
 
 
 def _bench(port: int, out: Path, timeout: float, *flags: str) -> dict:
-    cmd = [sys.executable, "-m", "kimiserve.cli", "bench", "--router", f"127.0.0.1:{port}", "--out", str(out),
+    cmd = [sys.executable, "-m", "launcher.cli", "bench", "--router", f"127.0.0.1:{port}", "--out", str(out),
            "--no-progress", *flags]
     subprocess.run(cmd, check=True, timeout=timeout)
     return json.loads((out / "bench.json").read_text())

@@ -33,11 +33,11 @@ from pathlib import Path
 import grpc
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 from tokenizer_svc.chat_template import BuiltinKimiTemplate
 from tokenizer_svc.chat_types import ChatMessage
-from tokenizer_svc.loading import load_tokenizer
 
 log = logging.getLogger("bench.shared_prefix")
 WORDS = ("the", "house", "letter", "walk", "morning", "sister", "garden", "every", "friend", "said", "little", "room")

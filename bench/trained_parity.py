@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -33,7 +34,6 @@ from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
-from tokenizer_svc.loading import load_tokenizer
 from training.corpus import load_corpus
 from training.data import token_stream
 

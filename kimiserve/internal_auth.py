@@ -175,36 +175,27 @@ class AioTokenInterceptor(grpc.aio.ServerInterceptor):
 
 # -- the router's side ---------------------------------------------------------------------------------------------
 class _Attach:
+    """Puts the token on every call. grpc.aio files an interceptor under the first kind of call it subclasses, so
+    each kind needs its own class: they are made below, all with this one body."""
+
     def __init__(self, token: bytes):
         self.pair = (TOKEN_HEADER, token.decode("ascii"))
 
-    def _details(self, details):
-        metadata = list(details.metadata or ()) + [self.pair]
-        return details._replace(metadata=grpc.aio.Metadata(*metadata))
+    async def _intercept(self, continuation, details, request):  # request: a message or an iterator of them
+        metadata = grpc.aio.Metadata(*(list(details.metadata or ()) + [self.pair]))
+        return await continuation(details._replace(metadata=metadata), request)
 
 
-class _AttachUnaryUnary(_Attach, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _AttachUnaryStream(_Attach, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(self._details(details), request)
-
-
-class _AttachStreamUnary(_Attach, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
-
-
-class _AttachStreamStream(_Attach, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(self._details(details), request_iterator)
+_ATTACH_KINDS = tuple(
+    type(f"_Attach{kind.__name__}", (_Attach, kind), {method: _Attach._intercept})
+    for kind, method in ((grpc.aio.UnaryUnaryClientInterceptor, "intercept_unary_unary"),
+                         (grpc.aio.UnaryStreamClientInterceptor, "intercept_unary_stream"),
+                         (grpc.aio.StreamUnaryClientInterceptor, "intercept_stream_unary"),
+                         (grpc.aio.StreamStreamClientInterceptor, "intercept_stream_stream")))
 
 
 def client_interceptors(token: bytes | None) -> list[grpc.aio.ClientInterceptor]:
     """Interceptors that put the token on every call of an aio channel (none without a token)."""
     if token is None:
         return []
-    return [cls(token) for cls in (_AttachUnaryUnary, _AttachUnaryStream, _AttachStreamUnary, _AttachStreamStream)]
+    return [kind(token) for kind in _ATTACH_KINDS]

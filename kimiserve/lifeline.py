@@ -1,7 +1,8 @@
 """Children of `kimiserve up` stop when `up` dies, even when it is SIGKILLed (Linux: PR_SET_PDEATHSIG).
 
-`up` puts its pid into each child's environment (KIMISERVE_PARENT_PID); the child, first thing in kimiserve.cli,
-asks the kernel to send it SIGTERM when that parent dies, so a killed `up` leaves no orphan holding its ports.
+`up` puts its pid into each child's environment (KIMISERVE_PARENT_PID); the child, first thing in
+kimiserve/command.py, asks the kernel to send it SIGTERM when that parent dies, so a killed `up` leaves no orphan
+holding its ports.
 
 Why in the child at startup and not in a Popen `preexec_fn`: preexec_fn runs Python between fork and exec, which
 can deadlock a process that has threads, and `up` has gRPC's. Why SIGTERM and not SIGKILL: the child stops as on any

@@ -16,6 +16,8 @@ import torch
 
 from kimiserve.devices import DEVICE_HELP, resolve_device
 from kimiserve.sampling_args import add_sampling_args
+from kimiserve.tokenizer_files.errors import MissingTokenizer
+from kimiserve.tokenizer_files.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer, load_tokenizer
 from shard_svc.build import EngineOptions, build_engine
 from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -58,9 +60,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def _check_tokenizer_needs(args: argparse.Namespace) -> None:
     """Refuses, before the model loads, what needs text from a checkpoint without tokenizer files."""
-    from tokenizer_svc.errors import MissingTokenizer
-    from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer
-
     needs = [why for why, asked in (("--prompt (text to encode)", args.prompt is not None),
                                     ("--output text", args.output == "text"),
                                     ("--json-schema (a grammar over token texts)", args.json_schema is not None))
@@ -94,8 +93,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace, engine: Engine) -> int:
-    from tokenizer_svc.loading import has_tokenizer, load_tokenizer  # the same tokenizer the services use
-
     tokenizer = load_tokenizer(args.model) if has_tokenizer(args.model) else None  # None: ids only (checked in run)
     prompt = args.prompt_ids if args.prompt is None else tokenizer.encode(args.prompt)
     seq = engine.generate(prompt, sampling_from_args(args), keep_prompt_logits=args.dump_logits is not None)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from shard_svc.checkpoint.mxfp4 import quantize_mxfp4
 from shard_svc.checkpoint.names import TensorSpec, expected_tensors
 from shard_svc.checkpoint.writer import write_shards
@@ -105,9 +106,6 @@ def write_tiny_checkpoint(family: str, out: Path, seed: int = 0, layers: int | N
 def make_tiny(family: str, out: Path, seed: int = 0, layers: int | None = None) -> Path:
     """A tiny random checkpoint plus the tiny tokenizer (768 ids, specials from 512) in `out`."""
     write_tiny_checkpoint(family, out, seed, layers)
-    # Imported here: the tokenizer belongs to tokenizer_svc, and the checkpoint writer must not depend on it.
-    from tokenizer_svc.tiny import write_tiny_tokenizer
-
     vocab = write_tiny_tokenizer(out, seed)
     if vocab > VOCAB:
         raise ConfigError(f"tiny tokenizer has {vocab} ids but the tiny model's vocab_size is {VOCAB}")

@@ -12,11 +12,11 @@ import sys
 
 import pytest
 
-from kimiserve.cli import COMMANDS, build_parser
+from launcher.cli import COMMANDS, build_parser
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -94,7 +94,7 @@ def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tiny_linear,
     from kimiserve.v1 import router_pb2, router_pb2_grpc
 
     port, state = free_port(), tmp_path / "state"
-    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(tiny_linear), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--model", str(tiny_linear), "--port",
                              str(port), "--num-kv-blocks", "8", "--kv-block-size", "16", "--state-dir", str(state)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -177,7 +177,7 @@ def test_a_metrics_port_in_use_is_one_line_naming_it(model_dirs):
 
 
 def test_two_stacks_get_their_own_state_dir_by_default(tmp_path, monkeypatch):
-    from kimiserve.up import add_args, state_dir
+    from launcher.up import add_args, state_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     p = argparse.ArgumentParser()
@@ -193,7 +193,7 @@ def test_logs_are_text_on_a_terminal_by_default(tmp_path):
 
     leader, follower = pty.openpty()
     try:
-        proc = subprocess.run([sys.executable, "-m", "kimiserve.cli", "make-tiny", "--family", "kimi_linear", "--out",
+        proc = subprocess.run([sys.executable, "-m", "launcher.cli", "make-tiny", "--family", "kimi_linear", "--out",
                                str(tmp_path / "m")], stderr=follower, stdout=subprocess.DEVNULL, timeout=120)
         os.close(follower)
         follower = -1

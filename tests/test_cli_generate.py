@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 
 def kimiserve(*args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -69,7 +69,7 @@ def test_generate_without_tokenizer_gives_token_ids(with_and_without_tokenizer):
     assert result["text"] is None and result["finish_reason"] == "length"
     assert ids == ",".join(str(t) for t in result["token_ids"]) and len(result["token_ids"]) == 5
     # The same weights with their tokenizer: the same tokens, shown as their text (plain --prompt-ids prints text).
-    from tokenizer_svc.loading import load_tokenizer
+    from kimiserve.tokenizer_files.loading import load_tokenizer
 
     text = kimiserve("generate", "--model", str(full), *GREEDY).removesuffix("\n")
     assert text == load_tokenizer(full).decode(result["token_ids"])
@@ -79,7 +79,7 @@ def test_generate_without_tokenizer_gives_token_ids(with_and_without_tokenizer):
                                    ("--prompt-ids", "1,2", "--json-schema", '{"type": "object"}')])
 def test_text_without_tokenizer_is_one_line_and_exit_2(with_and_without_tokenizer, asked):
     _, bare = with_and_without_tokenizer
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(bare), *asked],
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--model", str(bare), *asked],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr

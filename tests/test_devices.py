@@ -29,7 +29,7 @@ def test_up_gives_each_shard_its_own_gpu():
 
 
 def _help(command: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", command, "--help"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", command, "--help"], capture_output=True, text=True,
                          timeout=120, check=True)
     return " ".join(out.stdout.split())
 
@@ -45,7 +45,7 @@ def test_shard_help_shows_the_auto_device_and_the_memory_flag():
 
 
 def test_up_and_generate_default_to_auto():
-    from kimiserve.cli import build_parser
+    from launcher.cli import build_parser
 
     for command in ("up", "generate"):
         parser = build_parser([command])

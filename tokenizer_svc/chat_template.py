@@ -16,8 +16,9 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kimiserve.limits import clip
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
 from tokenizer_svc.chat_types import validate_messages
-from tokenizer_svc.errors import RenderError, TokenizerLoadError
+from tokenizer_svc.errors import RenderError
 from tokenizer_svc.kimi_chat import (  # noqa: F401 - the Kimi format's names are this module's too
     ARG_BEGIN, BUILTIN_SOURCE, CALL_BEGIN, CALL_END, GENERATION_PROMPT, IM_END, IM_MIDDLE, KIMI_DEFAULT_SYSTEM_PROMPT,
     ROLE_TOKENS, SECTION_BEGIN, SECTION_END, BuiltinKimiTemplate, Messages, Tools)

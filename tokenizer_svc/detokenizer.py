@@ -12,7 +12,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Iterable
 
-from tokenizer_svc.loading import LoadedTokenizer
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 
 
 class IncrementalDetokenizer:

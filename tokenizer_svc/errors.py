@@ -5,14 +5,6 @@ class TokenizerServiceError(Exception):
     """Base of every error this service raises on purpose."""
 
 
-class TokenizerLoadError(TokenizerServiceError):
-    """Tokenizer files are missing, malformed, or in a format this service refuses."""
-
-
-class MissingTokenizer(TokenizerLoadError):
-    """Text was asked of a checkpoint without tokenizer files; the message names the files and what needed them."""
-
-
 class UnsupportedModelType(TokenizerServiceError):
     """No registered tokenizer loader for the checkpoint's model_type."""
 

@@ -13,8 +13,9 @@ import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from tokenizer_svc.errors import TokenizerLoadError, UnsupportedModelType
-from tokenizer_svc.loading import LoadedTokenizer
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
+from tokenizer_svc.errors import UnsupportedModelType
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +23,9 @@ TokenizerFactory = Callable[[Path], LoadedTokenizer]
 
 # Every Kimi family shares the K2 tokenizer (docs/models.md#tokenizer-and-chat-format).
 TOKENIZER_MODULES: dict[str, str] = {
-    "kimi_k2": "tokenizer_svc.loading",
-    "kimi_linear": "tokenizer_svc.loading",
-    "kimi_k3": "tokenizer_svc.loading",
+    "kimi_k2": "kimiserve.tokenizer_files.loading",
+    "kimi_linear": "kimiserve.tokenizer_files.loading",
+    "kimi_k3": "kimiserve.tokenizer_files.loading",
 }
 
 

@@ -15,6 +15,7 @@ import grpc
 
 from kimiserve import limits
 from kimiserve.text import clip
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from kimiserve.v1 import tokenizer_pb2 as pb
 from kimiserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import message_ends, metrics
@@ -22,7 +23,6 @@ from tokenizer_svc.chat_template import ChatTemplate, render_chat
 from tokenizer_svc.convert import messages_from_pb, tools_from_pb
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 from tokenizer_svc.errors import InvalidRequest, ModelNotFound
-from tokenizer_svc.loading import LoadedTokenizer
 from tokenizer_svc.rpc import streaming, unary
 
 Ctx = grpc.aio.ServicerContext

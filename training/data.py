@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenizer_svc.loading import LoadedTokenizer
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from training.dialogues import Dialogue
 
 

@@ -12,9 +12,9 @@ import random
 import re
 from dataclasses import dataclass
 
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
-from tokenizer_svc.loading import LoadedTokenizer
 
 # title, year, heroine, characters (as the text names them)
 NOVELS = [

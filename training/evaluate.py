@@ -11,10 +11,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from shard_svc.model import KimiForCausalLM
 from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
-from tokenizer_svc.loading import LoadedTokenizer
 from training.ops import training_context, training_ops
 
 COMPLETION_PROMPTS = ["It is a truth universally acknowledged", "Emma Woodhouse, handsome, clever, and rich,",

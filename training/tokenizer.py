@@ -2,9 +2,9 @@
 
 Pieces are split with Kimi's pre-tokenizer pattern, as encoding will split them; the trainer learns `base_vocab - 256`
 merges over the 256 single bytes. The learned vocabulary and ordered merges are then rebuilt through the project's
-own `build_bpe_tokenizer` (tokenizer_svc/bpe.py) with the 256 reserved Kimi special ids after the base vocabulary,
-so training, the tokenizer service and the shard see one tokenizer. Only `tokenizer.json` is written: a merge list
-learned by frequency is not the one `merges_from_ranks` would rebuild from a rank file.
+own `build_bpe_tokenizer` (kimiserve/tokenizer_files/bpe.py) with the 256 reserved Kimi special ids after the base
+vocabulary, so training, the tokenizer service and the shard see one tokenizer. Only `tokenizer.json` is written: a
+merge list learned by frequency is not the one `merges_from_ranks` would rebuild from a rank file.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-from tokenizer_svc.bpe import unicode_to_bytes
-from tokenizer_svc.kimi_format import KIMI_PAT_STR
-from tokenizer_svc.loading import LoadedTokenizer, load_tokenizer
-from tokenizer_svc.write import write_kimi_tokenizer
+from kimiserve.tokenizer_files.bpe import unicode_to_bytes
+from kimiserve.tokenizer_files.kimi_format import KIMI_PAT_STR
+from kimiserve.tokenizer_files.loading import LoadedTokenizer, load_tokenizer
+from kimiserve.tokenizer_files.write import write_kimi_tokenizer
 
 
 class TokenizerTrainingError(RuntimeError):

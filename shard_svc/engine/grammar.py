@@ -24,6 +24,7 @@ from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, 
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
     JsonTooDeep, loads_json)
+from kimiserve.tokenizer_files.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, load_tokenizer
 from shard_svc.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,6 @@ class Grammars:
         """From the tokenizer in `model_dir`; None when the checkpoint has no tokenizer (structured output is then
         refused per request, naming the missing files). The model's EOS ids are what a complete text may end
         with."""
-        # Imported here: the shard needs the loader only for this, and tokenizer_svc is a sibling service.
-        from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, load_tokenizer
-
         if not any((Path(model_dir) / f).is_file() for f in (TOKENIZER_JSON, TIKTOKEN_MODEL)):
             log.info("no tokenizer in the checkpoint; response_format will be refused",
                      extra={"model_dir": str(model_dir)})

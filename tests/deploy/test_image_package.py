@@ -69,7 +69,7 @@ def test_native_finds_its_source_in_the_install(installed):
 def test_up_in_an_install_asks_for_a_model(installed):
     """models/ belongs to a checkout, not to the image (the chart passes --model): `up` there says so in one line."""
     _, site = installed
-    out = installed_python(site, "-m", "kimiserve.cli", "up", "--port", "0", "--http-port", "0")
+    out = installed_python(site, "-m", "launcher.cli", "up", "--port", "0", "--http-port", "0")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     line = out.stderr.strip().splitlines()[-1]
     assert line.startswith("kimiserve up: error: the default model") and "pass --model DIR" in line, line

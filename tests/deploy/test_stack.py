@@ -138,7 +138,7 @@ def local_command(container: dict, host: str, pod_name: str, etc: Path, rewrites
         for old, new in rewrites.items():
             arg = arg.replace(old, new)
         out.append(arg)
-    return [sys.executable, "-m", "kimiserve.cli", *out]
+    return [sys.executable, "-m", "launcher.cli", *out]
 
 
 def start(name: str, cmd: list[str], container: dict, host: str, root: Path) -> Proc:

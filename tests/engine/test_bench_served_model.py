@@ -8,9 +8,9 @@ import json
 
 from bench.configs import KIMI_LINEAR_48B
 from bench.served import model_dir
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from shard_svc.config import ModelConfig
 from shard_svc.engine.grammar import Grammars
-from tokenizer_svc.loading import load_tokenizer
 
 
 def test_the_48b_config_names_the_tiny_tokenizers_special_ids(tmp_path):

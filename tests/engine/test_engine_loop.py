@@ -215,9 +215,9 @@ def test_request_paths_warm_up_on_the_engine_thread_and_leave_a_fresh_shard(tmp_
     """EngineLoop.before_serving runs warm_request_paths on the engine thread (every sampling path, a format, a
     whole prompt from the prefix cache) before `ready`; the pools, the prefix cache and its metrics are then those
     of a fresh shard, and a request gets a fresh engine's tokens."""
+    from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
     from shard_svc.engine.grammar import Grammars
     from shard_svc.engine.warmup import warm_request_paths
-    from tokenizer_svc.tiny import write_tiny_tokenizer
 
     write_tiny_tokenizer(tmp_path)
     raw = linear_config(vocab_size=1024, eos_token_id=514)

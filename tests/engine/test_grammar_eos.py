@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from shard_svc.engine.grammar import Grammars, ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.errors import InvalidRequest
 from tests.engine.conftest import linear_config, make_engine
-from tokenizer_svc.loading import load_tokenizer
-from tokenizer_svc.tiny import write_tiny_tokenizer
 
 VOCAB, IM_END, OUTSIDE = 1024, 514, 900  # the tiny tokenizer holds ids 0..767
 JSON = ResponseFormat("json_object")

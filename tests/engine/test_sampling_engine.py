@@ -10,12 +10,12 @@ import jsonschema
 import pytest
 import torch
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from shard_svc.engine.grammar import Grammars, ResponseFormat
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.errors import InvalidRequest
 from tests.engine.conftest import linear_config, make_engine
-from tokenizer_svc.loading import load_tokenizer
-from tokenizer_svc.tiny import write_tiny_tokenizer
 
 VOCAB, EOS = 1024, 514  # the tiny checkpoint's padded vocabulary and <|im_end|>
 CONFIG = linear_config(vocab_size=VOCAB, eos_token_id=EOS)

@@ -12,9 +12,9 @@ import jsonschema
 import pytest
 
 from kimiserve.kimi_chat import CALL_BEGIN, SECTION_BEGIN, SECTION_END, parse_tool_calls
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from shard_svc.engine.grammar import JSON_OPTIONS, Grammars, ResponseFormat, tool_calls_grammar
 from shard_svc.errors import InvalidRequest
-from tokenizer_svc.tiny import write_tiny_tokenizer
 
 VOCAB, EOS = 1024, 514  # the tiny checkpoint's padded vocabulary and <|im_end|>
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},

@@ -24,7 +24,7 @@ def models(tmp_path_factory):
 
 
 def generate(*args: str) -> tuple[dict, str]:
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", *args], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
@@ -45,7 +45,7 @@ def test_group_generate_prints_the_same_json_as_one_process(models, tmp_path, fa
 
 
 def test_a_layout_that_does_not_fit_fails_before_spawning(models):
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(models["kimi_linear"]),
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--model", str(models["kimi_linear"]),
                           "--prompt-ids", "1,2", "--tp", "3", "--ep", "3"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode != 0
@@ -56,7 +56,7 @@ def test_a_layout_that_does_not_fit_fails_before_spawning(models):
 
 def _start_long_group_generate(model) -> tuple[subprocess.Popen, int]:
     """A group generate that runs for minutes; returns it with rank 1's pid once the group is ready."""
-    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(model),
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "generate", "--model", str(model),
                              "--prompt-ids", "1,2,3", "--max-tokens", "16000", "--ignore-eos", "--json", "--tp", "2",
                              "--group-timeout", "20"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams

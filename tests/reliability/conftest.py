@@ -20,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kimiserve.health import is_serving
 from kimiserve.ports import free_port
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.health import is_serving
 from tests.services.helpers import scrape, total, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ class UpStack:
         env = {**os.environ, "XDG_CACHE_HOME": str(home / "cache"), "PYTHONPATH": str(REPO_ROOT)}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--shards", str(shards),
+                [sys.executable, "-m", "launcher.cli", "up", "--model", str(model), "--shards", str(shards),
                  "--port", str(self.port), "--startup-timeout", "120", *extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.router)

@@ -36,8 +36,8 @@ import grpc
 
 from kimiserve.logs import setup_logging
 from kimiserve.ports import free_port
-from kimiserve.up import Child, start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc, shard_pb2, shard_pb2_grpc
+from launcher.up import Child, start_stack, stop_stack
 from tests.services.helpers import scrape, shard_load, total
 
 log = logging.getLogger("soak")

@@ -20,11 +20,11 @@ import grpc
 import pytest
 
 from kimiserve import limits
-from kimiserve.health import wait_serving
 from kimiserve.ports import free_port, free_ports
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import (common_pb2, router_pb2, router_pb2_grpc, shard_pb2, shard_pb2_grpc, tokenizer_pb2,
                           tokenizer_pb2_grpc)
+from launcher.health import wait_serving
+from launcher.up import start_stack, stop_stack
 
 OK, INVALID, NOT_FOUND = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 UNAUTHENTICATED, TOO_LARGE = grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -62,7 +62,7 @@ def stack(tiny_linear, tmp_path_factory):
     keys_file = tmp / "api-keys"
     keys_file.write_text(f"# the catalogue's key\n{GOOD_KEY}\n")
     port, metrics_port = free_ports(2, "127.0.0.1")
-    keyed = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "router", "--tokenizer",
+    keyed = subprocess.Popen([sys.executable, "-m", "launcher.cli", "router", "--tokenizer",
                               by_name["tokenizer"].address, "--shards",
                               ",".join(c.address for c in children if c.name.startswith("shard-")),
                               "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics_port),
@@ -378,7 +378,7 @@ def test_a_broken_or_emptied_key_file_refuses_every_key_then_recovers(stack, con
 # ---- clients: argv and files that are not UTF-8 ----------------------------------------------------------------
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, timeout=120)
 
 
 def test_a_prompt_of_non_utf8_argv_bytes_is_encoded_as_tiktoken_does(stack):

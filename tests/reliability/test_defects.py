@@ -12,8 +12,8 @@ import grpc
 import pytest
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 
 # The KV cache (16 blocks x 16 tokens) is smaller than the model's context: it must be what is advertised.
 KV_TOKENS = 256

@@ -1,11 +1,11 @@
-"""The restart policy of `kimiserve up` (kimiserve/supervisor.py) on a fake clock: backoff doubling to its cap, giving
+"""The restart policy of `kimiserve up` (launcher/supervisor.py) on a fake clock: backoff doubling to its cap, giving
 up after consecutive quick failures, forgiving a child that stayed up. The real processes are in test_up.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor
+from launcher.supervisor import GaveUp, RestartPolicy, Supervisor
 
 
 class FakeChild:

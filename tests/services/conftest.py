@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 
 # Small pools and context so capacity and context-length paths are reachable in tests.
 SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512")

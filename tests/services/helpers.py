@@ -34,7 +34,7 @@ def generate(stub, ids=None, text=None, timeout=120, **kw):
 
 
 def cli_json(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kimiserve.health import wait_serving
 from kimiserve.ports import free_port
+from launcher.health import wait_serving
 from tests.deploy.certs import Ca
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def secure_router(stack, tmp_path_factory):
     shards = ",".join(c.address for n, c in stack.children.items() if n.startswith("shard-"))
     with (d / "router.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kimiserve.cli", "router", "--tokenizer", stack.children["tokenizer"].address,
+            [sys.executable, "-m", "launcher.cli", "router", "--tokenizer", stack.children["tokenizer"].address,
              "--shards", shards, "--port", str(port), "--metrics-port", str(free_port()),
              "--health-port", str(health_port), "--batch-db", str(d / "batches.sqlite3"),
              "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"), "--client-ca", str(d / "ca"),
@@ -54,7 +54,7 @@ def cli(*args: str, api_key_env: str | None = None) -> subprocess.CompletedProce
     env = {k: v for k, v in os.environ.items() if k != "KIMISERVE_API_KEY"}
     if api_key_env is not None:
         env["KIMISERVE_API_KEY"] = api_key_env
-    return subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True,
                           timeout=120, env=env, cwd=REPO_ROOT)
 
 

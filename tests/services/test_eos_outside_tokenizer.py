@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
+from launcher.up import start_stack, stop_stack
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """One long prompt does not freeze the other users (issue 24), measured as a user would: a real stack (tokenizer,
 one shard, router) and `kimiserve bench --long-prompt-len`, which sends a 6,144-token prompt alone, four short
-clients alone, then both at once (kimiserve/bench_long.py).
+clients alone, then both at once (launcher/bench_long.py).
 
 The shard runs a small budget (128 tokens a pass) so the long prompt takes 48 passes; the same run under the old
 first-come-first-served policy shows what the test guards against."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
+from launcher.up import start_stack, stop_stack
 
 SHARD_ARGS = ("--prefill-token-budget", "128", "--num-kv-blocks", "2048", "--max-model-len", "8192",
               "--prefix-cache-entries", "0")
@@ -25,7 +25,7 @@ def long_prompt_bench(model: Path, out: Path, long_len: int, *shard_args: str) -
     children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
                            shard_args=(*SHARD_ARGS, *shard_args))
     try:
-        cmd = [sys.executable, "-m", "kimiserve.cli", "bench", "--router", children[-1].address,
+        cmd = [sys.executable, "-m", "launcher.cli", "bench", "--router", children[-1].address,
                "--long-prompt-len", str(long_len), "--concurrency", "4", "--input-len", "48", "--output-len", "16",
                "--no-progress", "--out", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

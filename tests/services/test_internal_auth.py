@@ -46,7 +46,7 @@ class Up:
 def _up(model, state, *args: str):
     """`kimiserve up` started as a user starts it; yields (Up, HTTP port) once it printed its addresses."""
     http_port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--model", str(model), "--port",
                              str(free_port()), "--http-port", str(http_port), "--state-dir", str(state),
                              "--num-state-slots", "4", "--num-kv-blocks", "128", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
@@ -192,7 +192,7 @@ def test_without_keys_local_origins_and_hosts_are_served(up):
 
 
 def _refusal(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.parametrize("service", ["shard", "tokenizer"])

@@ -7,8 +7,8 @@ import threading
 
 import grpc
 
-from kimiserve.health import wait_serving
 from kimiserve.v1 import common_pb2, router_pb2
+from launcher.health import wait_serving
 from tests.services.helpers import generate, scrape, shard_load, wait_until
 
 

@@ -23,7 +23,7 @@ def _status(address: str) -> int | None:
 
 def test_a_router_without_a_healthy_shard_answers_not_serving(stack):
     port, metrics, dead_shard = free_ports(3)
-    router = subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "router", "--tokenizer",
+    router = subprocess.Popen([sys.executable, "-m", "launcher.cli", "router", "--tokenizer",
                                stack.children["tokenizer"].address, "--shards", f"127.0.0.1:{dead_shard}",
                                "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics),
                                "--drain-timeout", "1"],

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack
 from kimiserve.v1 import common_pb2, router_pb2
+from launcher.up import start_stack
 from tests.services.conftest import Stack
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan, render_tree
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_svc.loading import LoadedTokenizer, load_tokenizer
-from tokenizer_svc.tiny import write_tiny_tokenizer
+from kimiserve.tokenizer_files.loading import LoadedTokenizer, load_tokenizer
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

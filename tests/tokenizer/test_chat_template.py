@@ -11,9 +11,10 @@ from typing import NamedTuple
 import pytest
 
 from kimiserve.limits import MAX_ERROR_CHARS, MAX_JSON_DEPTH
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
 from tokenizer_svc.chat_template import BuiltinKimiTemplate, JinjaChatTemplate, load_chat_template, render_chat
 from tokenizer_svc.chat_types import ChatMessage, ToolCall, function_tool, parse_tool_json
-from tokenizer_svc.errors import RenderError, TokenizerLoadError
+from tokenizer_svc.errors import RenderError
 
 LIMIT = 10_000
 

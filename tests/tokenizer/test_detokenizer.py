@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from tests.tokenizer.texts import MIXED_TEXT
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
-from tokenizer_svc.loading import LoadedTokenizer
 
 
 def stream(tok: LoadedTokenizer, chunks: list[list[int]], skip_special_tokens: bool = True) -> list[str]:

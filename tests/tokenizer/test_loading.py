@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import regex
 
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
+from kimiserve.tokenizer_files.kimi_format import KIMI_PAT_STR
+from kimiserve.tokenizer_files.loading import LoadedTokenizer, load_tokenizer
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from tests.fresh_process import run_python
 from tests.tokenizer.texts import MIXED_TEXT
-from tokenizer_svc.errors import TokenizerLoadError
-from tokenizer_svc.kimi_format import KIMI_PAT_STR
-from tokenizer_svc.loading import LoadedTokenizer, load_tokenizer
-from tokenizer_svc.tiny import write_tiny_tokenizer
 
 # docs/models.md#special-tokens ids minus the real base (163584), added to the tiny base (512).
 EXPECTED_SPECIALS = {
@@ -96,7 +96,7 @@ def test_decode_bytes_table_matches_hf_decode(tok: LoadedTokenizer) -> None:
 
 def test_tiny_tokenizer_is_deterministic_per_seed(tmp_path: Path, tiny_dir: Path) -> None:
     # Another process with another hash seed: the fixture's tokenizer was written in this one.
-    run_python(f"from pathlib import Path; from tokenizer_svc.tiny import write_tiny_tokenizer; "
+    run_python(f"from pathlib import Path; from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer; "
                f"write_tiny_tokenizer(Path({str(tmp_path / 'same')!r}))")
     write_tiny_tokenizer(tmp_path / "other", seed=1)
     for name in ("tokenizer.json", "tiktoken.model", "tokenizer_config.json"):

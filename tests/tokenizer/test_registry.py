@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tokenizer_svc.errors import TokenizerLoadError, UnsupportedModelType
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
+from tokenizer_svc.errors import UnsupportedModelType
 from tokenizer_svc.registry import TOKENIZER_MODULES, build_registry, load_for_model, model_type_of
 
 
@@ -17,7 +18,7 @@ def test_kimi_model_types_share_the_kimi_loader() -> None:
     registry = build_registry()
     assert {"kimi_linear", "kimi_k3"} <= set(registry)
     assert registry["kimi_linear"] is registry["kimi_k3"]
-    assert TOKENIZER_MODULES["kimi_k3"] == "tokenizer_svc.loading"
+    assert TOKENIZER_MODULES["kimi_k3"] == "kimiserve.tokenizer_files.loading"
 
 
 def test_broken_module_warns_and_the_rest_register(
@@ -25,7 +26,7 @@ def test_broken_module_warns_and_the_rest_register(
 ) -> None:
     (tmp_path / "kimiserve_test_broken_tokenizer.py").write_text("raise RuntimeError('plug-in exploded on import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    modules = {"kimi_k3": "tokenizer_svc.loading", "broken_type": "kimiserve_test_broken_tokenizer"}
+    modules = {"kimi_k3": "kimiserve.tokenizer_files.loading", "broken_type": "kimiserve_test_broken_tokenizer"}
     with caplog.at_level(logging.WARNING, logger="tokenizer_svc.registry"):
         registry = build_registry(modules)
     assert set(registry) == {"kimi_k3"}
@@ -37,7 +38,7 @@ def test_broken_module_warns_and_the_rest_register(
 
 def test_missing_module_also_only_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="tokenizer_svc.registry"):
-        registry = build_registry({"a": "tokenizer_svc.loading", "b": "no_such_module_kimiserve"})
+        registry = build_registry({"a": "kimiserve.tokenizer_files.loading", "b": "no_such_module_kimiserve"})
     assert set(registry) == {"a"}
     assert "no_such_module_kimiserve" in caplog.text
 

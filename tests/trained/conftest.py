@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import Ops, select_ops
 from tokenizer_svc.chat_types import ChatMessage
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
-from tokenizer_svc.loading import load_tokenizer
 
 MODELS_DIR = Path(os.environ.get("KIMISERVE_TRAINED_MODELS", Path(__file__).resolve().parents[2] / "models"))
 LINEAR = "kimi-linear-austen"

@@ -71,7 +71,7 @@ def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
     """`kimiserve generate --tp 2`: two gloo ranks, attention heads and experts split in two."""
     path = model_dir(name)
     prompt = chat_ids(path)[0]
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(path), "--prompt-ids",
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--model", str(path), "--prompt-ids",
                           ",".join(map(str, prompt)), "--max-tokens", str(TOKENS[name]), "--ignore-eos", "--tp", "2",
                           "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

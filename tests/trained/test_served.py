@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 from shard_svc import generate as generate_cli
 from tests.trained.conftest import CHATS, LINEAR, chat_ids, model_dir
 

@@ -51,7 +51,7 @@ def test_generate_cli_streams_the_same_tokens(tmp_path):
     model = make_tiny("kimi_k3", tmp_path / "k3-8", seed=1, layers=8)
     tokens = {}
     for weights in ("resident", "stream"):
-        cmd = [sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(model), "--prompt-ids", "1,2,3",
+        cmd = [sys.executable, "-m", "launcher.cli", "generate", "--model", str(model), "--prompt-ids", "1,2,3",
                "--max-tokens", "3", "--ignore-eos", "--json", "--weights", weights, "--prefetch-depth", "2"]
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kimiserve.health import wait_serving
 from kimiserve.ports import free_port
 from kimiserve.v1 import router_pb2, router_pb2_grpc
+from launcher.health import wait_serving
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 # 16 state slots per shard; a 256-token context so an over-long prompt is easy to write.
@@ -27,7 +27,7 @@ TERMINAL = {router_pb2.BATCH_STATUS_COMPLETED, router_pb2.BATCH_STATUS_FAILED, r
 
 def _spawn(args: list[str], log_path: Path) -> subprocess.Popen:
     with log_path.open("ab") as log:
-        return subprocess.Popen([sys.executable, "-m", "kimiserve.cli", *args], cwd=REPO_ROOT, stdout=log,
+        return subprocess.Popen([sys.executable, "-m", "launcher.cli", *args], cwd=REPO_ROOT, stdout=log,
                                 stderr=subprocess.STDOUT)
 
 

@@ -11,7 +11,7 @@ from tests.router.batch.lines import CHAT, line, slow_lines
 
 
 def kimiserve(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", *args], cwd=REPO_ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", *args], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120)
     if ok:
         assert out.returncode == 0, out.stderr[-3000:]

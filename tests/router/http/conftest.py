@@ -10,8 +10,8 @@ import pytest
 from openai import OpenAI
 
 from kimiserve.ports import free_port
-from kimiserve.up import start_stack, stop_stack
 from kimiserve.v1 import router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 
 API_KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20

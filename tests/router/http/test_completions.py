@@ -54,7 +54,7 @@ def test_n_and_several_prompts_index_choices(http_stack):
 def dumped_logprobs(model_dir, tmp_path, max_tokens: int) -> tuple[list[int], list[float]]:
     """Greedy tokens and log-softmax of their logits, from the engine run in-process (no services)."""
     dump = tmp_path / "logits.safetensors"
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(model_dir),
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--model", str(model_dir),
                           "--prompt-ids", ",".join(map(str, IDS)), "--max-tokens", str(max_tokens), "--ignore-eos",
                           "--json", "--dump-logits", str(dump)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from kimiserve.v1 import common_pb2, router_pb2
 from tests.router.http.conftest import API_KEY
-from tokenizer_svc.loading import load_tokenizer
 
 PROMPT = [11, 300, 42, 517, 9, 230, 77, 600, 5, 128, 64]
 
@@ -26,7 +26,7 @@ PROMPT = [11, 300, 42, 517, 9, 230, 77, 600, 5, 128, 64]
 def reference(http_stack, tmp_path_factory) -> torch.Tensor:
     """log-softmax [P, vocab] of the prompt's logits from the engine run in-process in float32, taken in float64."""
     dump = tmp_path_factory.mktemp("ref") / "logits.safetensors"
-    out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "generate", "--model", str(http_stack.model_dir),
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "generate", "--model", str(http_stack.model_dir),
                           "--prompt-ids", ",".join(map(str, PROMPT)), "--max-tokens", "1", "--ignore-eos",
                           "--json", "--dump-logits", str(dump)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

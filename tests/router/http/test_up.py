@@ -15,14 +15,14 @@ from kimiserve.ports import free_port
 
 
 def up(model, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(model), "--port",
+    return subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--model", str(model), "--port",
                              str(free_port()), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
 def test_up_refuses_a_taken_http_port(tiny_k3):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "kimiserve.cli", "up", "--model", str(tiny_k3), "--port",
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--model", str(tiny_k3), "--port",
                               str(free_port()), "--http-port", str(port)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert f"127.0.0.1:{port} is not free" in out.stderr and "--http-port 0" in out.stderr

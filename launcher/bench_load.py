@@ -1,4 +1,4 @@
-"""What a serving benchmark sends and keeps (`kimiserve bench`, kimiserve/bench_serve.py and bench_long.py): the
+"""What a serving benchmark sends and keeps (`kimiserve bench`, launcher/bench_serve.py and bench_long.py): the
 synthetic prompts, one streamed request and its record, and the percentiles of a list of latencies."""
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from tokenizers import Regex, pre_tokenizers
 
-from tokenizer_svc.kimi_format import KIMI_PAT_STR
-from tokenizer_svc.write import write_kimi_tokenizer
+from kimiserve.tokenizer_files.kimi_format import KIMI_PAT_STR
+from kimiserve.tokenizer_files.write import write_kimi_tokenizer
 
 NUM_MERGES = 256
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from tokenizer_svc.errors import TokenizerLoadError
-from tokenizer_svc.kimi_format import KIMI_PAT_STR
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
+from kimiserve.tokenizer_files.kimi_format import KIMI_PAT_STR
 
 
 @cache

@@ -5,17 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
-import grpc
-
-from kimiserve.router_channel import add_router_args, router_channel
 from kimiserve.sampling_args import add_sampling_args
-from kimiserve.security import SecurityConfigError
 from kimiserve.text import encodable
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.router_channel import add_router_args, with_router
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
+Reply = TypeVar("Reply", router_pb2.GenerateResponse, router_pb2.ChatResponse)
 
 
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
@@ -46,17 +46,16 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
     add_router_args(p)
 
 
-def _fail(e: grpc.RpcError) -> int:
-    sys.stderr.write(f"kimiserve: {e.code().name}: {e.details()}\n")
-    return 2
+def _stream(args: argparse.Namespace, call: Callable[[router_pb2_grpc.RouterStub], Iterable[Reply]],
+            show: Callable[[Reply], None]) -> int:
+    """Makes one streaming call to the router and shows each reply chunk as it comes; the exit code."""
 
+    def work(stub: router_pb2_grpc.RouterStub) -> int:
+        for chunk in call(stub):
+            show(chunk)
+        return 0
 
-def _channel(args: argparse.Namespace) -> grpc.Channel | None:
-    try:
-        return router_channel(args)
-    except SecurityConfigError as e:
-        sys.stderr.write(f"kimiserve: {e}\n")
-        return None
+    return with_router(args, work)
 
 
 def run_complete(args: argparse.Namespace) -> int:
@@ -65,22 +64,20 @@ def run_complete(args: argparse.Namespace) -> int:
         req.text = encodable(args.prompt)  # argv bytes that are not UTF-8 arrive as lone surrogates
     else:
         req.prompt_token_ids.ids.extend(args.prompt_ids)
-    ids, text, last = [], [], None
-    channel = _channel(args)
-    if channel is None:
-        return 2
-    with channel:
-        try:
-            for chunk in router_pb2_grpc.RouterStub(channel).Generate(req):
-                ids.extend(chunk.token_ids)
-                text.append(chunk.text)
-                if not args.json:
-                    sys.stdout.write(chunk.text)
-                    sys.stdout.flush()
-                last = chunk
-        except grpc.RpcError as e:
-            return _fail(e)
-    result = {"token_ids": ids, "text": "".join(text), "finish_reason": FINISH_NAMES[last.finish_reason],
+    chunks: list[router_pb2.GenerateResponse] = []
+
+    def show(chunk: router_pb2.GenerateResponse) -> None:
+        chunks.append(chunk)
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+
+    code = _stream(args, lambda stub: stub.Generate(req), show)
+    if code:
+        return code
+    last = chunks[-1]
+    result = {"token_ids": [t for c in chunks for t in c.token_ids], "text": "".join(c.text for c in chunks),
+              "finish_reason": FINISH_NAMES[last.finish_reason],
               "usage": {"prompt_tokens": last.usage.prompt_tokens, "completion_tokens": last.usage.completion_tokens}}
     sys.stdout.write((json.dumps(result) if args.json else "") + "\n")
     return 0
@@ -93,17 +90,14 @@ def run_chat(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature))
     if args.seed is not None:
         req.sampling.seed = args.seed
-    channel = _channel(args)
-    if channel is None:
-        return 2
-    with channel:
-        try:
-            for chunk in router_pb2_grpc.RouterStub(channel).Chat(req):
-                sys.stdout.write(chunk.text)
-                for call in chunk.tool_calls:
-                    sys.stdout.write(f"\n[tool call {call.id}: {call.name}({call.arguments})]")
-                sys.stdout.flush()
-        except grpc.RpcError as e:
-            return _fail(e)
-    sys.stdout.write("\n")
-    return 0
+
+    def show(chunk: router_pb2.ChatResponse) -> None:
+        sys.stdout.write(chunk.text)
+        for call in chunk.tool_calls:
+            sys.stdout.write(f"\n[tool call {call.id}: {call.name}({call.arguments})]")
+        sys.stdout.flush()
+
+    code = _stream(args, lambda stub: stub.Chat(req), show)
+    if code == 0:
+        sys.stdout.write("\n")
+    return code

@@ -18,12 +18,10 @@ import json
 import sys
 from pathlib import Path
 
-import grpc
 from google.protobuf import json_format
 
-from kimiserve.router_channel import add_router_args, router_channel
-from kimiserve.security import SecurityConfigError
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.router_channel import add_router_args, with_router
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
                 common_pb2.FINISH_REASON_CANCELLED: "cancelled", common_pb2.FINISH_REASON_ERROR: "error"}
@@ -125,31 +123,24 @@ def _results(stub, args) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        channel = router_channel(args)
-    except SecurityConfigError as e:
-        sys.stderr.write(f"kimiserve: {e}\n")
-        return 2
-    with channel:
-        stub = router_pb2_grpc.RouterStub(channel)
-        try:
-            if args.batch_command == "submit":
-                return _submit(stub, args)
-            if args.batch_command == "results":
-                return _results(stub, args)
-            if args.batch_command == "status":
-                batch = stub.GetBatch(router_pb2.GetBatchRequest(batch_id=args.batch_id))
-            elif args.batch_command == "cancel":
-                batch = stub.CancelBatch(router_pb2.CancelBatchRequest(batch_id=args.batch_id))
-            else:
-                page = stub.ListBatches(router_pb2.ListBatchesRequest(page_size=min(max(args.limit, 1), 100)))
-                for b in page.batches:
-                    c = b.request_counts
-                    sys.stdout.write(f"{b.id}  {batch_json(b)['status']:<11}  {c.completed + c.failed}/{c.total}"
-                                     f"  failed={c.failed}\n")
-                return 0
-        except grpc.RpcError as e:
-            sys.stderr.write(f"kimiserve: {e.code().name}: {e.details()}\n")
-            return 2
+    return with_router(args, lambda stub: _run(stub, args))
+
+
+def _run(stub: router_pb2_grpc.RouterStub, args: argparse.Namespace) -> int:
+    if args.batch_command == "submit":
+        return _submit(stub, args)
+    if args.batch_command == "results":
+        return _results(stub, args)
+    if args.batch_command == "status":
+        batch = stub.GetBatch(router_pb2.GetBatchRequest(batch_id=args.batch_id))
+    elif args.batch_command == "cancel":
+        batch = stub.CancelBatch(router_pb2.CancelBatchRequest(batch_id=args.batch_id))
+    else:
+        page = stub.ListBatches(router_pb2.ListBatchesRequest(page_size=min(max(args.limit, 1), 100)))
+        for b in page.batches:
+            c = b.request_counts
+            sys.stdout.write(f"{b.id}  {batch_json(b)['status']:<11}  {c.completed + c.failed}/{c.total}"
+                             f"  failed={c.failed}\n")
+        return 0
     sys.stdout.write(json.dumps(batch_json(batch), indent=2) + "\n")
     return 0

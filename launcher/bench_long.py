@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kimiserve.bench_load import Load, RequestRecord, percentiles
+from launcher.bench_load import Load, RequestRecord, percentiles
 
 
 async def _clients(load: Load, concurrency: int, stop: asyncio.Event) -> list[RequestRecord]:

@@ -1,4 +1,5 @@
-"""How the client commands (`chat`, `complete`, `batch`) reach a router: address, TLS / mTLS and API key.
+"""How the client commands (`chat`, `complete`, `batch`) reach a router: address, TLS / mTLS and API key, and what
+a failed connection or call looks like to the user (one line on stderr, exit code 2).
 
 The flags mirror the router's own (kimiserve/security.py): a router serving `--tls-cert` is reached with `--tls-ca`
 (the CA that signed it); one that also has `--client-ca` wants `--tls-cert` / `--tls-key` from the client (mTLS);
@@ -12,11 +13,14 @@ import collections
 import ipaddress
 import logging
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 
 from kimiserve.security import AUTH_HEADER, SecurityConfigError, UpstreamTls
+from kimiserve.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
 API_KEY_ENV = "KIMISERVE_API_KEY"
@@ -98,3 +102,19 @@ def router_channel(a: argparse.Namespace) -> grpc.Channel:
         options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
         channel = grpc.secure_channel(a.router, tls.credentials(), options=options)
     return grpc.intercept_channel(channel, _BearerKey(key)) if key else channel
+
+
+def with_router(a: argparse.Namespace, work: Callable[[router_pb2_grpc.RouterStub], int]) -> int:
+    """Runs `work` on a stub of the router the flags name and returns its exit code, or 2 with one line on stderr
+    when the flags cannot make a channel or a call fails."""
+    try:
+        channel = router_channel(a)
+    except SecurityConfigError as e:
+        sys.stderr.write(f"kimiserve: {e}\n")
+        return 2
+    with channel:
+        try:
+            return work(router_pb2_grpc.RouterStub(channel))
+        except grpc.RpcError as e:
+            sys.stderr.write(f"kimiserve: {e.code().name}: {e.details()}\n")
+            return 2

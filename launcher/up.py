@@ -1,7 +1,7 @@
 """`kimiserve up`: the whole stack on localhost as child processes (tokenizer, N shards, router), supervised.
 
 Waits until every service answers SERVING on grpc.health.v1 and prints the router address and metrics URLs. A child
-that exits is restarted on the same ports with backoff while the others keep serving (kimiserve/supervisor.py);
+that exits is restarted on the same ports with backoff while the others keep serving (launcher/supervisor.py);
 after repeated quick failures `up` stops the stack and exits 1. On Ctrl-C / SIGTERM, also during startup, it stops
 the router first (it drains in-flight requests for --drain-timeout), then the shards, then the tokenizer, and exits
 0. Children get SIGTERM from the kernel if `up` itself is killed (kimiserve/lifeline.py).
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kimiserve.devices import DEVICE_HELP, shard_devices
-from kimiserve.health import is_serving
 from kimiserve.internal_auth import is_loopback, write_token
 from kimiserve.lifeline import child_env
 from kimiserve.ports import PortInUse, check_free, free_ports
 from kimiserve.private_files import private_dir
 from kimiserve.security import SecurityConfigError, server_tls_from_args
-from kimiserve.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
+from launcher.health import is_serving
+from launcher.supervisor import GaveUp, RestartPolicy, Supervisor, describe_exit
 from router.http.origin import ANY_HOST, LOCAL_HOSTS, allowed_hosts
 from router.main import DRAIN_TIMEOUT_S
 
@@ -179,7 +179,7 @@ def ensure_default_model() -> Path:
 def check_model_dir(model: Path) -> None:
     """Refuses, before any child starts, a --model that cannot be served, naming what is missing (a child's failure
     would say the same only after the stack had half started)."""
-    from tokenizer_svc.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer
+    from kimiserve.tokenizer_files.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, has_tokenizer
 
     if not (model / "config.json").is_file():
         raise NotAServableModel(f"--model {model}: no config.json there, so it is not a checkpoint directory")
@@ -196,7 +196,7 @@ def _popen(cmd: list[str]) -> subprocess.Popen:
 
 def _spawn(name: str, args: list[str], host: str, port: int, metrics_port: int, stop_grace_s: float,
            health_port: int | None = None) -> Child:
-    cmd = [sys.executable, "-m", "kimiserve.cli", *args, "--host", host, "--port", str(port),
+    cmd = [sys.executable, "-m", "launcher.cli", *args, "--host", host, "--port", str(port),
            "--metrics-port", str(metrics_port), *(("--health-port", str(health_port)) if health_port else ())]
     child = Child(name, f"{host}:{port}", f"http://{host}:{metrics_port}/metrics", _popen(cmd), cmd, stop_grace_s,
                   f"{host}:{health_port}" if health_port else "")

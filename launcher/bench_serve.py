@@ -21,10 +21,10 @@ from pathlib import Path
 
 import grpc
 
-from kimiserve.bench_load import PERCENTILES, BenchArgs, Load, RequestRecord, percentiles
-from kimiserve.bench_long import long_prompt_report
-from kimiserve.bench_long import table as long_table
 from kimiserve.v1 import router_pb2, router_pb2_grpc
+from launcher.bench_load import PERCENTILES, BenchArgs, Load, RequestRecord, percentiles
+from launcher.bench_long import long_prompt_report
+from launcher.bench_long import table as long_table
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: a request meets the SLO when TTFT <= it")
     p.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: ... and TPOT <= it")
     p.add_argument("--long-prompt-len", type=int, default=0,
-                   help="instead of the levels: the long-prompt interference test (kimiserve/bench_long.py): one "
+                   help="instead of the levels: the long-prompt interference test (launcher/bench_long.py): one "
                         "prompt of this many tokens alone, the first --concurrency level's short clients alone, "
                         "then both at once; TTFT and ITL of each, compared")
     p.add_argument("--seed", type=int, default=0)

@@ -1,9 +1,10 @@
-"""The `kimiserve` command: one subcommand per job, each living in the package that owns it.
+"""The frame every `kimiserve` command runs in: its parser, global flags, logging and the sorting of its errors.
 
-Only the chosen subcommand's module is imported, so client commands start without loading torch. Every
-subcommand's `--help` lists each flag with its default. A user's mistake (a missing model directory, a malformed
-config.json, missing tokenizer files, a bad certificate path...) is one line on stderr and exit code 2; `--debug`
-shows the traceback instead.
+launcher/cli.py names the commands of the `kimiserve` CLI; a service's own `python -m` entry runs its one command in
+the same frame, so both behave alike. Only the chosen command's module is imported, so client commands start
+without loading torch. Every command's `--help` lists each flag with its default. A user's mistake (a missing model
+directory, a malformed config.json, missing tokenizer files, a bad certificate path...) is one line on stderr and
+exit code 2; `--debug` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -11,35 +12,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from collections.abc import Mapping
 
-from kimiserve.logs import LOG_FORMATS
+from kimiserve.lifeline import follow_parent
+from kimiserve.logs import LOG_FORMATS, setup_logging
 
-# subcommand -> (module, function adding its flags, function running it and returning an exit code, help)
-COMMANDS: dict[str, tuple[str, str, str, str]] = {
-    "generate": ("shard_svc.generate", "add_args", "run", "run the engine in-process on one prompt"),
-    "make-tiny": ("shard_svc.make_tiny", "add_make_tiny_args", "run_make_tiny",
-                  "write a tiny random checkpoint in the published format"),
-    "up": ("kimiserve.up", "add_args", "run", "start tokenizer, shards and router on localhost"),
-    "router": ("router.main", "add_args", "run", "serve the public Router API"),
-    "shard": ("shard_svc.server.main", "add_args", "run", "serve one model shard on one device"),
-    "tokenizer": ("tokenizer_svc.main", "add_args", "run", "serve a checkpoint's tokenizer"),
-    "chat": ("kimiserve.client", "add_chat_args", "run_chat", "chat with a running router (streams the reply)"),
-    "complete": ("kimiserve.client", "add_complete_args", "run_complete", "complete a prompt via the router"),
-    "batch": ("kimiserve.batch_cli", "add_args", "run", "submit, inspect, fetch or cancel batch jobs on a router"),
-    "bench": ("kimiserve.bench_serve", "add_args", "run",
-              "load a running router: concurrency or request-rate sweep, TTFT / TPOT / ITL percentiles, JSON"),
-}
-# Errors that mean the user asked for something that cannot be done (module -> class names). Only modules already
+# A command: (module, function adding its flags, function running it and returning an exit code, help).
+Command = tuple[str, str, str, str]
+# Errors that mean the user asked for something that cannot be done: module -> class names. Only modules already
 # imported are looked at: an error class of a module the command never loaded cannot have been raised.
-USER_ERRORS: dict[str, tuple[str, ...]] = {
-    "shard_svc.errors": ("ConfigError", "CheckpointError"),
-    "tokenizer_svc.errors": ("TokenizerLoadError", "UnsupportedModelType"),
-    "kimiserve.security": ("SecurityConfigError",),
-    "shard_svc.ops": ("OpBackendError",),
-    "shard_svc.weight_streaming.errors": ("StreamingConfigError",),
-    "router.batch.errors": ("BatchStoreError",),
-    "kimiserve.ports": ("PortInUse",),
-}
+UserErrors = Mapping[str, tuple[str, ...]]
 OS_USER_ERRORS = (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError)
 
 
@@ -77,21 +59,23 @@ def _global_flags(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="show the traceback of an error instead of one line")
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
+def _user_error_types(user_errors: UserErrors) -> tuple[type[BaseException], ...]:
     found: list[type[BaseException]] = list(OS_USER_ERRORS)
-    for module, names in USER_ERRORS.items():
+    for module, names in user_errors.items():
         if module in sys.modules:
             found += [getattr(sys.modules[module], n) for n in names if hasattr(sys.modules[module], n)]
     return tuple(found)
 
 
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+def build_parser(commands: Mapping[str, Command], argv: list[str]) -> argparse.ArgumentParser:
+    """The `kimiserve` parser with one subcommand per entry of `commands`; only the one named in `argv` gets its
+    flags (importing its module)."""
     parser = argparse.ArgumentParser(prog="kimiserve", description="Serve the Kimi hybrid models over gRPC.",
                                      formatter_class=DefaultsFormatter)
     _global_flags(parser, defaults=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    chosen = next((a for a in argv if a in COMMANDS), None)
-    for name, (module, adder, _, help_text) in COMMANDS.items():
+    chosen = next((a for a in argv if a in commands), None)
+    for name, (module, adder, _, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsFormatter)
         if name == chosen:
             getattr(importlib.import_module(module), adder)(p)
@@ -109,24 +93,17 @@ def _finish(p: argparse.ArgumentParser) -> None:
                 _finish(nested)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from kimiserve.lifeline import follow_parent
-
+def main(commands: Mapping[str, Command], user_errors: UserErrors, argv: list[str]) -> int:
+    """Parses `argv` (a subcommand and its flags), runs the subcommand and returns its exit code: 2 with one line on
+    stderr for an error of `user_errors` (or a missing file), unless --debug."""
     follow_parent()  # a child of `kimiserve up` stops when up dies
-    argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
-    from kimiserve.logs import setup_logging
-
+    args = build_parser(commands, argv).parse_args(argv)
     setup_logging(args.command, args.log_level, args.log_format)
-    module, _, runner, _ = COMMANDS[args.command]
+    module, _, runner, _ = commands[args.command]
     try:
         return getattr(importlib.import_module(module), runner)(args)
     except Exception as e:  # noqa: BLE001 - sorted below: the user's mistake in one line, anything else raised
-        if args.debug or not isinstance(e, _user_error_types()):
+        if args.debug or not isinstance(e, _user_error_types(user_errors)):
             raise
         sys.stderr.write(f"kimiserve {args.command}: error: {e}\n")
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

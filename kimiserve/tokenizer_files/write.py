@@ -6,8 +6,8 @@ import base64
 import json
 from pathlib import Path
 
-from tokenizer_svc.bpe import build_bpe_tokenizer
-from tokenizer_svc.kimi_format import NUM_RESERVED_SPECIAL_TOKENS, kimi_special_tokens
+from kimiserve.tokenizer_files.bpe import build_bpe_tokenizer
+from kimiserve.tokenizer_files.kimi_format import NUM_RESERVED_SPECIAL_TOKENS, kimi_special_tokens
 
 
 def write_kimi_tokenizer(out_dir: Path, ranks: dict[bytes, int], merges: list[tuple[bytes, bytes]],

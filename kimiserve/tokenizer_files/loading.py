@@ -18,9 +18,9 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders
 
 from kimiserve.text import encodable
-from tokenizer_svc.bpe import build_bpe_tokenizer, merges_from_ranks, read_tiktoken_model, unicode_to_bytes
-from tokenizer_svc.errors import TokenizerLoadError
-from tokenizer_svc.kimi_format import END_OF_TURN, kimi_special_tokens
+from kimiserve.tokenizer_files.bpe import build_bpe_tokenizer, merges_from_ranks, read_tiktoken_model, unicode_to_bytes
+from kimiserve.tokenizer_files.errors import TokenizerLoadError
+from kimiserve.tokenizer_files.kimi_format import END_OF_TURN, kimi_special_tokens
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from kimiserve.health import is_serving
+from launcher.health import is_serving
 
 log = logging.getLogger(__name__)
 
