@@ -10,7 +10,8 @@ from tests.test_import_cycles import import_graph
 
 # The project's packages, lowest first. A tuple is one floor.
 PROJECT_FLOORS = [
-    ("kimiserve",),  # the ground floor: generated stubs and the code every service shares
+    # the ground floor: generated stubs, the code every service shares, and the native sources with their builder
+    ("kimiserve", "native"),
     ("router", "tokenizer_svc", "shard_svc"),  # the services, each standing on the ground floor alone
     ("launcher",),  # the `kimiserve` command: starts, drives and measures the services
 ]

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "tokenizer_svc", "shard_svc", "kimiserve", "launcher")
+PACKAGES = ("router", "tokenizer_svc", "shard_svc", "kimiserve", "launcher", "native")
 
 
 def _modules() -> dict[str, Path]:
