@@ -20,7 +20,8 @@ from kimiserve.text import encodable_json
 from router.generation import Generation
 from router.http import chat, completions, schemas
 from router.http.batches import Batches
-from router.http.errors import HttpError, describe, error_body
+from router.errors import error_body
+from router.http.errors import HttpError, describe
 from router.http.gate import Gate
 from router.http.origin import LOCAL_HOSTS
 from router.http.streaming import ClientGone

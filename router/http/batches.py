@@ -11,8 +11,6 @@ import time
 import uuid
 from typing import Callable
 
-import grpc
-
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.tenants import Tenant
 from kimiserve.text import clip
@@ -23,7 +21,7 @@ from router.batch.files import BatchInput, FileNotFound, FileStore, StoredFile
 from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
-from router.errors import HTTP_STATUS, InvalidArgument, PermissionDenied
+from router.errors import InvalidArgument, PermissionDenied, http_status
 from router.flow import Reply
 from router.http import replies, schemas
 from router.openai_body import BodyError
@@ -224,10 +222,7 @@ def _results(runner: BatchRunner, batch_id: str):
 
 
 def _http_status(code: str) -> int:
-    if code == "invalid_request":
-        return 400
-    status = grpc.StatusCode.__members__.get(code.upper())
-    return HTTP_STATUS.get(status, 500)
+    return 400 if code == "invalid_request" else http_status(code)
 
 
 def _file_object(f: StoredFile) -> schemas.FileObject:
