@@ -241,10 +241,7 @@ def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(config_from_args(args), batch=batch_config_from_args(args))
-    try:
-        tracing.setup("router")  # on only when the OTEL_* environment asks for traces
-    except tracing.TracingConfigError as e:
-        raise SystemExit(f"router: {e}") from e
+    tracing.start("router")
 
     async def main() -> None:
         stop = asyncio.Event()

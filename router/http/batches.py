@@ -92,8 +92,7 @@ class Batches:
         except FileNotFound as e:
             raise BodyError(f"after: {e}", "after") from None
         data = [_file_object(f) for f in stored]
-        return schemas.FileList(data=data, first_id=data[0].id if data else None,
-                                last_id=data[-1].id if data else None, has_more=more)
+        return schemas.FileList.of(data, more)
 
     def delete(self, file_id: str, tenant: Tenant) -> schemas.FileDeleted:
         """Deletes an uploaded file (refused while a batch created from it has not ended: FileInUse). A batch's
@@ -156,8 +155,7 @@ class Batches:
             raise BodyError(f"after: {e} (the `after` cursor names the last batch of a page)", "after") from None
         rows, next_token = self.runner.page(limit, token, tenant)
         data = [self._object(r) for r in rows]
-        return schemas.BatchList(data=data, first_id=data[0].id if data else None,
-                                 last_id=data[-1].id if data else None, has_more=bool(next_token))
+        return schemas.BatchList.of(data, bool(next_token))
 
     def _object(self, row: BatchRow) -> schemas.BatchObject:
         source = self.files.input_of(row.id) or BatchInput("", "", f"{row.completion_window_s // 3600}h")
