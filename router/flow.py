@@ -73,7 +73,7 @@ class Prompt:
 def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
     if s.HasField("response_format") and s.response_format.WhichOneof("kind") == "tool_calls":
         raise InvalidArgument("sampling.response_format.tool_calls is set by the router from ChatRequest.tool_choice;"
-                              " use tool_choice 'required' or a named function")
+                              " use tool_choice 'required' or a named function", "response_format")
 
 
 async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:

@@ -34,7 +34,7 @@ class BatchExecutor:
         req = message.FromString(payload)
         choices = flow.request(self.gen, method, request_id, req, tenant)
         if req.n > 1:  # refused when the batch is validated (router/batch/parse.py); a result holds one choice
-            raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice")
+            raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice", "n")
         return _finish(await flow.collect(piece async for _, piece in choices), request_id)
 
 

@@ -49,7 +49,7 @@ class Batches:
         try:
             content.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise InvalidArgument(f"file {clip(filename)} is not UTF-8 text (byte {e.start})") from None
+            raise InvalidArgument(f"file {clip(filename)} is not UTF-8 text (byte {e.start})", "file") from None
         f = StoredFile(f"file-{uuid.uuid4().hex}", purpose, filename, len(content), int(time.time() * 1000),
                        tenant.name)
         self.files.add(f, content)
@@ -85,7 +85,7 @@ class Batches:
         purposes is refused rather than answered with an empty list."""
         if purpose in GENERATED_PURPOSES:
             raise InvalidArgument(f"purpose={purpose!r}: a batch's output and error files are not listed; read "
-                                  "output_file_id / error_file_id of GET /v1/batches/{batch_id}")
+                                  "output_file_id / error_file_id of GET /v1/batches/{batch_id}", "purpose")
         try:
             stored, more = self.files.page(limit, after, order == "desc", purpose,
                                            None if tenant.admin else tenant.name)
@@ -101,7 +101,7 @@ class Batches:
             batch_id = self._generated(file_id)[0]
             self.runner.get(batch_id, tenant)  # BatchNotFound when it has no such batch
             raise InvalidArgument(f"file {file_id!r} is rendered from the results of batch {batch_id!r} and lasts "
-                                  "as long as the batch; it cannot be deleted on its own")
+                                  "as long as the batch; it cannot be deleted on its own", "file_id")
         self._changeable(file_id, tenant)
         self.files.delete(file_id)
         return schemas.FileDeleted(id=file_id)

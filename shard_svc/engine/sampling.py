@@ -79,10 +79,8 @@ class SamplingParams:
         if f is not None:
             problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
         problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
-        if problems:
+        if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
             raise InvalidRequest(*sampling_rules.describe(problems))
-        if f is not None:
-            f.validate()
 
 
 def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat | None:
