@@ -130,6 +130,21 @@ async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:
 
 def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
     """Every route acts as the request's tenant (http_tenant): another tenant's file or batch is a 404."""
+
+    def by_id(verb: str, path: str, method: str, action) -> None:
+        """`verb path`, whose one path parameter (a file or batch id) is handed to `action` with the tenant."""
+
+        async def route(request: Request) -> Response:
+            (key,) = request.path_params.values()
+            return await answer(request, method, lambda: action(key, http_tenant(request)))
+
+        app.add_api_route(path, route, methods=[verb], name=action.__name__)
+
+    by_id("GET", "/v1/files/{file_id}", "HttpFiles", batches.file)
+    by_id("DELETE", "/v1/files/{file_id}", "HttpFiles", batches.delete)
+    by_id("GET", "/v1/batches/{batch_id}", "HttpBatches", batches.batch)
+    by_id("POST", "/v1/batches/{batch_id}/cancel", "HttpBatches", batches.cancel)
+
     @app.post("/v1/files")
     async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> Response:
         content = await file.read()
@@ -142,14 +157,6 @@ def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
         return await answer(request, "HttpFiles", lambda: batches.files_page(limit, after, order, purpose,
                                                                            http_tenant(request)))
 
-    @app.get("/v1/files/{file_id}")
-    async def file(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: batches.file(file_id, http_tenant(request)))
-
-    @app.delete("/v1/files/{file_id}")
-    async def delete(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: batches.delete(file_id, http_tenant(request)))
-
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:
         return await answer(request, "HttpFiles", lambda: Response(batches.content(file_id, http_tenant(request)),
@@ -160,14 +167,6 @@ def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
         async def work():
             return batches.create(await json_body(request), http_tenant(request))
         return await answer(request, "HttpBatches", work)
-
-    @app.get("/v1/batches/{batch_id}")
-    async def get(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: batches.batch(batch_id, http_tenant(request)))
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: batches.cancel(batch_id, http_tenant(request)))
 
     @app.get("/v1/batches")
     async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:

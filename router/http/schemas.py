@@ -131,9 +131,14 @@ class ModelCard(BaseModel):
     vocab_size: int
 
 
-class ModelList(BaseModel):
+class ListOf(BaseModel, Generic[Item]):
+    """OpenAI's list object."""
+
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[Item]
+
+
+ModelList = ListOf[ModelCard]
 
 
 class FileObject(BaseModel):
@@ -147,11 +152,9 @@ class FileObject(BaseModel):
     expires_at: int | None = None  # files are kept until deleted
 
 
-class Page(BaseModel, Generic[Item]):
+class Page(ListOf[Item], Generic[Item]):
     """One page of a list endpoint (files, batches), continued with `after` = last_id."""
 
-    object: Literal["list"] = "list"
-    data: list[Item]
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
@@ -184,9 +187,7 @@ class BatchErrorItem(BaseModel):
     param: str | None = None
 
 
-class BatchErrors(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchErrorItem]
+BatchErrors = ListOf[BatchErrorItem]
 
 
 class BatchObject(BaseModel):
