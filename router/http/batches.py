@@ -21,7 +21,7 @@ from router.batch.files import BatchInput, FileNotFound, FileStore, StoredFile
 from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
-from router.errors import InvalidArgument, PermissionDenied, http_status
+from router.errors import InvalidArgument, PermissionDenied, error_body, http_status
 from router.flow import Reply
 from router.http import replies, schemas
 from router.openai_body import BodyError
@@ -188,9 +188,8 @@ class Batches:
                 line["error"] = {"code": result.error.code, "message": result.error.message}
             else:
                 status = _http_status(result.error.code)
-                line["response"] = {"status_code": status, "request_id": result.request_id, "body": {"error": {
-                    "message": result.error.message, "type": "invalid_request_error" if status < 500 else
-                    "server_error", "param": None, "code": result.error.code}}}
+                line["response"] = {"status_code": status, "request_id": result.request_id, "body": error_body(
+                    status, result.error.message, result.error.code, result.error.param or None)}
             lines.append(json.dumps(line, ensure_ascii=False))
         return "".join(line + "\n" for line in lines).encode("utf-8")
 
