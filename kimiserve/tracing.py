@@ -75,9 +75,9 @@ def enabled() -> bool:
     return _state.tracer is not None
 
 
-def start(service: str) -> None:
-    """setup() at a service's start; a bad OTEL_* setting is the user's mistake: one line naming the service and the
-    setting, exit code 2 (SystemExit), no traceback."""
+def setup_or_exit(service: str) -> None:
+    """setup() at a service's start; a bad OTEL_* setting is the user's mistake: SystemExit with one line naming the
+    service and the setting, no traceback."""
     try:
         setup(service)  # on only when the OTEL_* environment asks for traces
     except TracingConfigError as e:

@@ -241,7 +241,7 @@ def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(config_from_args(args), batch=batch_config_from_args(args))
-    tracing.start("router")
+    tracing.setup_or_exit("router")
 
     async def main() -> None:
         stop = asyncio.Event()
