@@ -6,8 +6,7 @@ import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
-
-import grpc
+from contextlib import aclosing
 
 from kimiserve import tracing
 from kimiserve.tenants import grpc_tenant
@@ -124,14 +123,18 @@ class RouterService(BatchRpcs, router_pb2_grpc.RouterServicer):
 
     @traced
     async def Generate(self, request, context):
-        async for request_id, i, p, total in self._answer("Generate", request, context):
-            yield router_pb2.GenerateResponse(**_common_fields(request_id, i, p, total))
+        # aclosing: a client that goes away closes this generator; _answer's cleanup (cancel on the shard, the
+        # count) must run then, not when the abandoned inner generator is collected.
+        async with aclosing(self._answer("Generate", request, context)) as replies:
+            async for request_id, i, p, total in replies:
+                yield router_pb2.GenerateResponse(**_common_fields(request_id, i, p, total))
 
     @traced
     async def Chat(self, request, context):
-        async for request_id, i, p, total in self._answer("Chat", request, context):
-            yield router_pb2.ChatResponse(**_common_fields(request_id, i, p, total), reasoning_text=p.reasoning,
-                                          tool_calls=p.tool_call_protos())
+        async with aclosing(self._answer("Chat", request, context)) as replies:
+            async for request_id, i, p, total in replies:
+                yield router_pb2.ChatResponse(**_common_fields(request_id, i, p, total), reasoning_text=p.reasoning,
+                                              tool_calls=p.tool_call_protos())
 
     async def ListModels(self, request, context):
         try:
