@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimiserve import sampling_rules
 from shard_svc.config import ModelConfig
 from shard_svc.engine.prefill_share import PrefillShare, context_tokens_per_token
 from shard_svc.engine.prefix_cache import PrefixCache
@@ -159,11 +160,11 @@ class Engine:
 
     def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if not prompt:
-            raise InvalidRequest(f"request {request_id!r}: empty prompt")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+            raise InvalidRequest(f"request {request_id!r}: empty prompt", "prompt")
+        bad = sampling_rules.token_id_problems("prompt", prompt, self.cfg.vocab_size)
         if bad:
-            raise InvalidRequest(f"request {request_id!r}: {len(bad)} token ids outside [0, {self.cfg.vocab_size}), "
-                                 f"first: {bad[:8]}")
+            message, param = sampling_rules.describe(bad)
+            raise InvalidRequest(f"request {request_id!r}: {message}", param)
         params.validate(self.cfg.vocab_size)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
