@@ -17,7 +17,7 @@ from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.grammar import Grammars
 from shard_svc.engine.penalties import TokenCounts
-from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_generator, sample_all
+from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_draws, sample_all
 from shard_svc.engine.scheduler import Scheduler
 from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
 from shard_svc.engine.step_sync import ALONE, StepSync
@@ -186,7 +186,7 @@ class Engine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
-        seq = Sequence(request_id, list(prompt), params, make_generator(params, self.device),
+        seq = Sequence(request_id, list(prompt), params, make_draws(params, self.device),
                        keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
                        prefix=PrefixHints(prefix.salt, points))
         self.sequences[request_id] = seq
@@ -293,7 +293,9 @@ class Engine:
                                  if seq.params.has_penalties and not seq.output])
         constrained = [seq for seq, _ in emitting if seq.matcher is not None]
         masks = iter(self.grammars.masks([seq.matcher for seq in constrained]) if constrained else ())
-        return sample_all([SampleRow(row, seq.params, seq.generator, seq.slot,
+        # Each sampled row draws with its generator seeded for the position of the token it draws (num_tokens:
+        # prompt + output so far), so a continuation of the sequence draws what it would have.
+        return sample_all([SampleRow(row, seq.params, seq.draws.at(seq.num_tokens) if seq.draws else None, seq.slot,
                                      next(masks) if seq.matcher is not None else None)
                            for seq, row in emitting], self.token_counts)
 

@@ -8,17 +8,22 @@ Each row's distribution is built in this order (the proto's SamplingParams docum
   3. greedy: argmax; sampled: max-shifted temperature, top-k, top-p, then a draw with the row's own generator.
 logprob / top_logprobs are the natural logs of that final distribution (greedy: log-softmax of the penalised,
 masked logits). Every row's result depends only on its own logits, counts, mask and generator.
+
+A sampled sequence's generator is reseeded before each of its draws with kimiserve.seeds.position_seed(seed,
+position), position being the absolute index of the token drawn (prompt length + tokens generated before it): a
+draw depends on (seed, position, distribution) alone, never on the generator's history, so a continuation (prompt +
+the first k outputs, same seed) draws what the original did from position prompt + k on.
 """
 
 from __future__ import annotations
 
-import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from kimiserve import sampling_rules
+from kimiserve.seeds import SEED_BITS, draw_seed, position_seed
 from shard_svc.engine.grammar import ResponseFormat, apply_allowed
 from shard_svc.engine.penalties import Penalties, TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
@@ -79,6 +84,9 @@ class SamplingParams:
         if f is not None:
             problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
         problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
+        if self.seed is not None and not 0 <= self.seed < 1 << SEED_BITS:
+            problems.append(sampling_rules.Problem("seed", f"seed must be in [0, 2^{SEED_BITS}) (the wire's uint64), "
+                                                           f"got {self.seed}"))
         if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
             raise InvalidRequest(*sampling_rules.describe(problems))
 
@@ -95,12 +103,25 @@ def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat 
     return ResponseFormat(kind, f.regex if kind == "regex" else "")
 
 
-def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+class SeededDraws:
+    """A sampled sequence's randomness: its seed (params.seed, or one drawn when the request set none) and one
+    generator on the device, reseeded for every draw. Reseeding sets the generator's state in place (on CUDA: the
+    Philox seed and offset, host-side), so a draw allocates no generator and syncs nothing."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed = seed
+        self._generator = torch.Generator(device=device)
+
+    def at(self, position: int) -> torch.Generator:
+        """The generator for the draw of the token at `position` (absolute in the sequence)."""
+        return self._generator.manual_seed(position_seed(self.seed, position))
+
+
+def make_draws(params: SamplingParams, device: torch.device) -> SeededDraws | None:
+    """None for a greedy sequence; else its draws, seeded by params.seed or, unseeded, by a seed drawn now, once."""
     if params.temperature == 0:
         return None
-    gen = torch.Generator(device=device)
-    gen.manual_seed(params.seed if params.seed is not None else random.getrandbits(63))
-    return gen
+    return SeededDraws(params.seed if params.seed is not None else draw_seed(), device)
 
 
 # The token reported for a row that cannot be sampled: its logits hold NaN or +inf, or its response_format mask
@@ -116,7 +137,7 @@ class SampleRow:
 
     logits: torch.Tensor  # fp32 [vocab], on the device
     params: SamplingParams
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # sampled rows: seeded for this draw (SeededDraws.at)
     slot: int | None = None  # the sequence's state slot: its row of TokenCounts (needed when it has penalties)
     allowed: torch.Tensor | None = None  # response_format bitmask, int32 [ceil(vocab / 32)] on the host; None: all
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from shard_svc.engine.prompt_logprobs import PromptScores
-from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sampling import SamplingParams, SeededDraws
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Sequence:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    generator: torch.Generator | None = None
+    draws: SeededDraws | None = None  # a sampled sequence's randomness; None when greedy
     keep_prompt_logits: bool = False  # for --dump-logits: keep logits at every prompt position
     stop_ids: frozenset[int] = frozenset()  # sampled ids that end the sequence (stop ids, EOS unless ignored)
     matcher: Any = None  # response_format: an llguidance.LLMatcher advanced with every token (engine/grammar.py)
