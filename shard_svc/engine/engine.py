@@ -145,22 +145,33 @@ class Engine:
         self.token_counts = TokenCounts(pools.kda_pool.slots.num_slots, cfg.vocab_size, device)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams):
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, continued: int = 0):
         """The checks that depend only on the request and the engine's fixed sizes (not on what is live), so a
         server thread can refuse a bad request at once while the engine thread steps. Raises InvalidRequest /
         ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), to hand to
-        add_request: grammars are compiled on the submitting thread, not the engine's."""
-        self._check_sizes(request_id, prompt, params)
+        add_request: grammars are compiled on the submitting thread, not the engine's. `continued`: the last ids of
+        `prompt` that are output already generated (a continuation); the matcher is returned advanced over them."""
+        self._check_sizes(request_id, prompt, params, continued)
         if params.response_format is None:
             return None
         if self.grammars is None:
             raise InvalidRequest(f"request {request_id!r}: response_format needs the checkpoint's tokenizer "
                                  "(tokenizer.json or tiktoken.model), which this shard has not loaded")
-        return self.grammars.compile(params.response_format, request_id)
+        matcher = self.grammars.compile(params.response_format, request_id)
+        for i, token in enumerate(prompt[len(prompt) - continued:]):
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                raise InvalidRequest(f"request {request_id!r}: continued token {i} of {continued} (id {token}) "
+                                     f"does not continue the response_format: "
+                                     f"{matcher.get_error() or 'the format was already complete'}",
+                                     "continued_tokens")
+        return matcher
 
-    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, continued: int = 0) -> None:
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt", "prompt")
+        if continued >= len(prompt):
+            raise InvalidRequest(f"request {request_id!r}: continued_tokens {continued} must be fewer than the "
+                                 f"{len(prompt)} prompt ids (at least one is the original prompt)", "continued_tokens")
         bad = sampling_rules.token_id_problems("prompt", prompt, self.cfg.vocab_size)
         if bad:
             message, param = sampling_rules.describe(bad)
@@ -173,25 +184,27 @@ class Engine:
                                  f"({self.context_limits})")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints()) -> Sequence:
+                    keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints(),
+                    continued: int = 0) -> Sequence:
         """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
         check_request returned for it (compiled here when not given). `prefix`: its cache salt and message
-        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt)."""
+        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt). `continued`:
+        the last ids of `prompt` are output already generated (a continuation: check_request)."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
         if matcher is None:
-            matcher = self.check_request(request_id, prompt, params)
+            matcher = self.check_request(request_id, prompt, params, continued)
         else:
-            self._check_sizes(request_id, prompt, params)
+            self._check_sizes(request_id, prompt, params, continued)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
         seq = Sequence(request_id, list(prompt), params, make_draws(params, self.device),
                        keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
-                       prefix=PrefixHints(prefix.salt, points))
+                       prefix=PrefixHints(prefix.salt, points), continued=continued)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix)
+        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix, continued)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -289,7 +302,7 @@ class Engine:
     def _sample(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
         """Draws a token for each (sequence, logits row): the penalties' counts of sequences about to draw their
         first token are set up, response_format masks computed for the constrained ones, then one batched draw."""
-        self.token_counts.start([(seq.slot, seq.prompt) for seq, _ in emitting
+        self.token_counts.start([(seq.slot, seq.prompt, seq.continued) for seq, _ in emitting
                                  if seq.params.has_penalties and not seq.output])
         constrained = [seq for seq, _ in emitting if seq.matcher is not None]
         masks = iter(self.grammars.masks([seq.matcher for seq in constrained]) if constrained else ())
@@ -331,7 +344,7 @@ class Engine:
                 return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
         if len(seq.output) >= seq.params.max_tokens:
             return self._finish(seq, "length", token=token, last_logits=logits, **extra)
-        return TokenEvent(seq.request_id, token, len(seq.output) - 1, cached_tokens=seq.cached_tokens,
+        return TokenEvent(seq.request_id, token, seq.continued + len(seq.output) - 1, cached_tokens=seq.cached_tokens,
                           prompt_scores=self._scores(seq), **extra)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
@@ -341,14 +354,17 @@ class Engine:
         self.scheduler.finish(seq, last_logits)
         seq.finish_reason, seq.error, seq.finished_at = reason, error, time.monotonic()
         self.sequences.pop(seq.request_id, None)
-        index = len(seq.output) - 1 if token is not None else len(seq.output)
-        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt), len(seq.output), error, logprob,
+        generated = seq.continued + len(seq.output)
+        index = generated - 1 if token is not None else generated
+        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt) - seq.continued, generated, error,
+                          logprob,
                           seq.cached_tokens, top_logprobs, self._scores(seq) if token is not None else None)
 
     @staticmethod
     def _scores(seq: Sequence) -> PromptScores | None:
-        """The scored prompt, handed over once, with the first token (a one-token prompt scores nothing)."""
-        if seq.params.prompt_logprobs is None or len(seq.output) != 1:
+        """The scored prompt, handed over once, with the first token (a one-token prompt scores nothing; a
+        continuation's first leg handed it over)."""
+        if seq.params.prompt_logprobs is None or len(seq.output) != 1 or seq.continued:
             return None
         return seq.prompt_scores or PromptScores()
 

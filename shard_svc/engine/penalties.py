@@ -35,18 +35,24 @@ class TokenCounts:
             self.output = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32, device=self.device)
             self.prompt = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=self.device)
 
-    def start(self, sequences: list[tuple[int, list[int]]]) -> None:
-        """(slot, prompt) of sequences about to draw their first token: their rows are cleared and their prompt
-        tokens marked, in one transfer and three indexed writes for all of them."""
+    def start(self, sequences: list[tuple[int, list[int], int]]) -> None:
+        """(slot, prompt, continued) of sequences about to draw their first token: their rows are cleared and their
+        prompt tokens marked, in one transfer and a few indexed writes for all of them. The last `continued` ids of
+        a prompt are output an earlier shard generated (a continuation): counted as output, not marked as prompt."""
         if not sequences:
             return
         self._allocate()
-        slots = torch.tensor([slot for slot, _ in sequences], device=self.device)
+        slots = torch.tensor([slot for slot, _, _ in sequences], device=self.device)
         self.output[slots] = 0
         self.prompt[slots] = False
-        rows = torch.tensor([slot for slot, prompt in sequences for _ in prompt], device=self.device)
-        ids = torch.tensor([t for _, prompt in sequences for t in prompt], device=self.device)
+        heads = [(slot, prompt[:len(prompt) - continued]) for slot, prompt, continued in sequences]
+        rows = torch.tensor([slot for slot, head in heads for _ in head], device=self.device)
+        ids = torch.tensor([t for _, head in heads for t in head], device=self.device)
         self.prompt[rows, ids] = True
+        tails = [(slot, prompt[len(prompt) - continued:]) for slot, prompt, continued in sequences if continued]
+        if tails:
+            self.add(torch.tensor([slot for slot, tail in tails for _ in tail], device=self.device),
+                     torch.tensor([t for _, tail in tails for t in tail], device=self.device))
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts one more occurrence of tokens[i] in the output of the sequence in slots[i] (device tensors)."""

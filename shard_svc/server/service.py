@@ -31,7 +31,9 @@ def error_code(e: Exception) -> int:
         return shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS
     if isinstance(e, InvalidRequest | ContextTooLong | ValueError):
         return shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT
-    if isinstance(e, CapacityError | ShuttingDown):
+    if isinstance(e, ShuttingDown):
+        return shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE
+    if isinstance(e, CapacityError):
         return shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED
     return shard_pb2.SHARD_ERROR_CODE_INTERNAL
 
@@ -136,7 +138,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             try:
                 params = SamplingParams.from_proto(sub.sampling, sub.max_tokens)
                 prefix = PrefixHints(sub.cache_salt, tuple(sub.message_boundaries))
-                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context, prefix)
+                self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context, prefix,
+                                 sub.continued_tokens)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)
