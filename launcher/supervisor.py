@@ -5,6 +5,10 @@ A failure is "quick" when the child ran less than `stable_s` since its last star
 failures in a row `up` gives up (GaveUp): something is wrong that restarting will not fix (a missing checkpoint, a
 port taken by another program), and a supervisor above `up` (systemd, a container runtime) must see it exit non-zero.
 A child that stayed up `stable_s` has its count reset, so a rare crash after hours is always restarted.
+
+A child that exits 0 stopped cleanly: a service exits 0 only when told to stop (SIGTERM) and done draining, as a
+shard does in a rolling restart. It is started again at once and the exit is not a failure: no backoff, and it does
+not count towards giving up.
 """
 
 from __future__ import annotations
@@ -103,6 +107,11 @@ class Supervisor:
 
     def _exited(self, child: Supervised, w: _Watch, returncode: int, now: float) -> None:
         uptime = now - w.started_at
+        if returncode == 0:
+            w.down_since, w.serving, w.restart_at = now, False, now
+            log.info("child stopped cleanly; restarting", extra={"child": child.name, "pid": child.pid,
+                                                                  "uptime_s": round(uptime, 3)})
+            return
         if uptime >= self.policy.stable_s:
             w.failures = 0
         w.failures += 1

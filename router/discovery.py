@@ -124,7 +124,7 @@ class ShardDiscovery:
                 await asyncio.sleep(0.1)
         finally:
             left = client.view.in_flight
-            client._mark_down("removed by shard discovery")  # fails what is left with UNAVAILABLE
+            client._mark_down("removed by shard discovery")  # what is left fails over
             await client.close()
             log.info("shard drained and closed", extra={"shard": client.address, "failed_in_flight": left})
 

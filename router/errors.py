@@ -34,6 +34,16 @@ class ShardUnavailable(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ShardLost(ShardUnavailable):
+    """A sequence's shard went away under it (its stream ended or broke, its probes failed, or it refused the
+    sequence as draining): router/generation.py fails the sequence over to another shard, within its bound. `kind`
+    is the metric's reason label: stream_ended, stream_broke, probes_failed, refused or removed (by discovery)."""
+
+    def __init__(self, shard: str, reason: str, kind: str):
+        super().__init__(f"shard {shard} lost the sequence: {reason}")
+        self.shard, self.reason, self.kind = shard, reason, kind
+
+
 class NotFound(RouterError):
     code = grpc.StatusCode.NOT_FOUND
 

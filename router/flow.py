@@ -150,8 +150,8 @@ def choice_count(n: int) -> int:
 
 def choice_sampling(s: common_pb2.SamplingParams, index: int) -> common_pb2.SamplingParams:
     """Sampling of choice `index` of n: the same, with seed + index (mod 2^64) when a seed is set, so choices differ
-    but the request stays reproducible, and choice 0 equals the single request. Unset seeds stay unset: the shard
-    draws a fresh one per sequence."""
+    but the request stays reproducible, and choice 0 equals the single request. Unset seeds stay unset here:
+    Generation.run draws a fresh one per sampled sequence."""
     out = common_pb2.SamplingParams()
     out.CopyFrom(s)
     if s.HasField("seed"):

@@ -8,19 +8,22 @@ request's span (kimiserve/tracing.py); the shard's spans hang under `stream` thr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kimiserve import sampling_rules, tracing
+from kimiserve.seeds import draw_seed
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
 from router.cache_salt import cache_salt_for
-from router.errors import InvalidArgument, RouterError, ShardUnavailable
+from router.errors import InvalidArgument, RouterError, ShardLost, ShardUnavailable
+from router.failover import FailoverRefused, Legs
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, block_names
 from router.request_ids import LiveIds
@@ -29,6 +32,10 @@ from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
+DEFAULT_MAX_FAILOVERS = 2
+# A failover waits this long for a shard in rotation (the only other one may be restarting), checking this often.
+FAILOVER_WAIT_S = 15.0
+FAILOVER_POLL_S = 0.2
 
 
 @dataclass
@@ -109,8 +116,11 @@ class Generation:
     """The router's engine-facing half: everything between a validated prompt and a stream of chunks."""
 
     def __init__(self, shards: list[ShardClient], tokenizer: TokenizerClient, admission: Admission,
-                 metrics: RouterMetrics, default_max_tokens: int, prefixes: PrefixIndex):
+                 metrics: RouterMetrics, default_max_tokens: int, prefixes: PrefixIndex,
+                 max_failovers: int = DEFAULT_MAX_FAILOVERS):
+        """max_failovers: how many times one sequence may move to another shard when its own is lost."""
         self.shards, self.tokenizer, self.admission = shards, tokenizer, admission
+        self.max_failovers = max_failovers
         self.prefixes = prefixes  # what this router sent to which shard, for prefix affinity
         self.metrics, self.default_max_tokens = metrics, default_max_tokens
         # Every request id and sequence id live in this router, interactive and batch: a request with a live id is
@@ -161,6 +171,11 @@ class Generation:
             raise RouterError(f"sequence {request_id!r} was not claimed in the live-id registry before it ran")
         validate_sampling(s)
         max_tokens = self._budget(prompt, s)
+        sampled = not s.HasField("temperature") or s.temperature > 0
+        if sampled and not s.HasField("seed"):
+            # Drawn here, once, so that a continuation on another shard is sent the same seed and draws on as the
+            # first leg would have (kimiserve/seeds.py).
+            s = _with(s, seed=draw_seed())
         arrival = time.monotonic()
         submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
                                                max_tokens=max_tokens,
@@ -188,41 +203,88 @@ class Generation:
                 admission.end()
 
     async def _routed(self, method, request_id, submit, keep_special_tokens, hidden_ids, out: _Outcome, span):
-        """submit: the sequence's Submit, all but its trace context."""
-        prompt, s = list(submit.prompt_token_ids), submit.sampling
-        with span.child("route") as route:
-            try:
-                names = block_names(prompt, submit.cache_salt)
-                shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
-            except NoHealthyShard as e:
-                raise ShardUnavailable(str(e)) from e
-            self.prefixes.record(shard.name, names)
-            route.set("shard", shard.name)
-        out.shard = shard.name
-        shard_client = next(c for c in self.shards if c.view is shard)
-        with span.child("stream", shard=shard.name) as stream:
-            submit.trace_context.update(stream.carrier())
-            log.info("request routed", extra={"request_id": request_id, "shard": shard.name,
-                                              "prompt_tokens": len(prompt), "max_tokens": submit.max_tokens})
-            events = await shard_client.submit(submit)
-            async for chunk in self._stream(method, request_id, shard_client, events, prompt, s,
-                                            keep_special_tokens, hidden_ids, out, stream):
+        """submit: the sequence's first Submit, all but its trace context. Its legs (router/failover.py) run under one
+        `stream` span, each after its own `route` span."""
+        legs = Legs(request_id, submit, self.max_failovers)
+        with span.child("stream") as stream:
+            async for chunk in self._stream(method, legs, keep_special_tokens, hidden_ids, out, span, stream):
                 yield chunk
 
-    async def _stream(self, method, request_id, shard, events, prompt, s, keep_special, hidden_ids,
-                      out: _Outcome, span):
-        detok = self.tokenizer.detokenizer(keep_special, span.metadata())
+    async def _place(self, legs: Legs, submit: shard_pb2.ShardRequest.Submit, span, stream,
+                     wait_s: float = 0.0) -> tuple[ShardClient, asyncio.Queue]:
+        """Chooses a shard for the next leg and sends it; waits up to `wait_s` for a shard in rotation (a failover
+        while the only healthy shard restarts)."""
+        prompt = list(submit.prompt_token_ids)
+        deadline = time.monotonic() + wait_s
+        with span.child("route") as route:
+            while True:
+                try:
+                    names = block_names(prompt, submit.cache_salt)
+                    shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
+                    break
+                except NoHealthyShard as e:
+                    if time.monotonic() >= deadline:
+                        raise ShardUnavailable(str(e) + (f" after waiting {wait_s:g} s to fail over request "
+                                                         f"{legs.request_id!r}" if wait_s else "")) from e
+                    await asyncio.sleep(FAILOVER_POLL_S)
+            self.prefixes.record(shard.name, names)
+            route.set("shard", shard.name)
+        legs.shards.append(shard.name)
+        submit.request_id = legs.leg_id
+        submit.trace_context.update(stream.carrier())
+        stream.set("shard", shard.name)
+        log.info("request routed", extra={"request_id": legs.request_id, "leg_id": legs.leg_id, "shard": shard.name,
+                                          "prompt_tokens": len(prompt), "continued_tokens": submit.continued_tokens,
+                                          "max_tokens": submit.max_tokens})
+        shard_client = next(c for c in self.shards if c.view is shard)
+        return shard_client, await shard_client.submit(submit)
+
+    async def _stream(self, method, legs: Legs, keep_special, hidden_ids, out: _Outcome, span, stream):
+        """The sequence's pieces, leg after leg: a ShardLost fails it over (router/failover.py) and the stream goes
+        on; the detokenizer, the stop strings and the count of tokens passed on span every leg, and a token whose
+        index was passed on already (a leg's last event crossing its failover) is dropped, never sent twice."""
+        request_id, first = legs.request_id, legs.first
+        prompt, s = list(first.prompt_token_ids), first.sampling
+        detok = self.tokenizer.detokenizer(keep_special, stream.metadata())
         stops = StopStringFilter(list(s.stop))
+        generated: list[int] = []  # every token id passed on, across legs (out.generated counts them too)
         cached = 0
         finished = False
+        lost_at: float | None = None  # when the current leg's shard was lost, until its continuation's first event
+        shard, events = await self._place(legs, first, span, stream)
+        out.shard = shard.address
         try:
             while True:
                 event = await events.get()
+                if isinstance(event, ShardLost):
+                    lost_at = time.monotonic()
+                    ended = self._ended_at_loss(legs, generated)
+                    if ended is not None:  # the leg had sent its last token; only its Finished was lost
+                        finished = True
+                        out.finish_reason = finish_reason_name(ended)
+                        tail = stops.feed(await detok.finish()) + stops.flush()
+                        yield Piece(text=tail, finish_reason=ended, usage=common_pb2.Usage(
+                            prompt_tokens=len(prompt), completion_tokens=out.generated, cached_prompt_tokens=cached))
+                        break
+                    shard, events = await self._fail_over(legs, event, generated, span, stream)
+                    out.shard = shard.address
+                    continue
                 if isinstance(event, Exception):
                     raise event
+                if lost_at is not None:
+                    self.metrics.failover_seconds.observe(time.monotonic() - lost_at)
+                    lost_at = None
                 kind = event.WhichOneof("kind")
                 if kind == "token":
+                    if event.token.index < len(generated):
+                        log.warning("token dropped: its index was passed on already", extra={
+                            "request_id": request_id, "shard": shard.address, "index": event.token.index})
+                        continue
+                    if event.token.index > len(generated):
+                        raise RouterError(f"request {request_id!r}: shard {shard.address} sent token index "
+                                          f"{event.token.index} after {len(generated)} tokens (a gap)")
                     token = event.token.token_id
+                    generated.append(token)
                     cached = cached or event.token.cached_prompt_tokens
                     gap = out.token(time.monotonic())
                     if gap is not None:
@@ -238,7 +300,7 @@ class Generation:
                     if stops.stopped:
                         finished = True
                         out.finish_reason = "stop"
-                        await shard.cancel(request_id)
+                        await shard.cancel(legs.leg_id)
                         usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
                                                  cached_prompt_tokens=cached)
                         yield Piece([token], text=text, finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage,
@@ -251,13 +313,52 @@ class Generation:
                     f = event.finished
                     out.finish_reason = finish_reason_name(f.finish_reason)
                     out.timing = f.timing if f.HasField("timing") else None
-                    yield Piece(text=tail, finish_reason=f.finish_reason, usage=f.usage, error_message=f.error_message)
+                    usage = f.usage
+                    if legs.failovers:  # the shard counted its leg's share of the prompt cache; the client's is the first's
+                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
+                                                 cached_prompt_tokens=cached)
+                    yield Piece(text=tail, finish_reason=f.finish_reason, usage=usage, error_message=f.error_message)
                     break
+        except FailoverRefused as e:
+            self.metrics.failover_failed.labels(e.why).inc()
+            log.error("stream failed despite failover", extra={"request_id": request_id, "shards": legs.shards,
+                                                                "failovers": legs.failovers, "why": e.why,
+                                                                "error": str(e)})
+            raise
         finally:
             detok.cancel()  # a no-op once the stream has ended
             if not finished:
-                await shard.cancel(request_id)  # client cancelled, deadline passed, or the stream failed
+                await shard.cancel(legs.leg_id)  # client cancelled, deadline passed, or the stream failed
             self._observe(method, request_id, len(prompt), out)
+
+    def _ended_at_loss(self, legs: Legs, generated: list[int]) -> int | None:
+        """The finish reason of a sequence whose last token was passed on before its shard was lost (its budget
+        spent, or a stop or end-of-sequence id), else None: it has more to generate."""
+        if len(generated) >= legs.first.max_tokens:
+            return common_pb2.FINISH_REASON_LENGTH
+        s = legs.first.sampling
+        stop_ids = set(s.stop_token_ids) | (set() if s.ignore_eos else set(self.model_info().eos_token_ids))
+        if generated and generated[-1] in stop_ids:
+            return common_pb2.FINISH_REASON_STOP
+        return None
+
+    async def _fail_over(self, legs: Legs, lost: ShardLost, generated: list[int], span,
+                         stream) -> tuple[ShardClient, asyncio.Queue]:
+        """The continuation sent to another shard, or FailoverRefused (bounded, fits, a shard in rotation)."""
+        try:
+            continuation = legs.continuation(lost, generated, self.max_context_tokens())
+        except ShardUnavailable as e:
+            raise e if isinstance(e, FailoverRefused) else FailoverRefused(str(e), "no_shard") from e
+        self.metrics.failovers.labels(lost.kind).inc()
+        self.metrics.failover_recomputed_tokens.inc(len(continuation.prompt_token_ids))
+        log.warning("request failing over", extra={"request_id": legs.request_id, "from_shard": lost.shard,
+                                                   "reason": lost.reason, "generated": len(generated),
+                                                   "failover": legs.failovers + 1})
+        try:
+            return await self._place(legs, continuation, span, stream, wait_s=FAILOVER_WAIT_S)
+        except ShardUnavailable as e:
+            raise FailoverRefused(f"request {legs.request_id!r} cannot fail over from shard {lost.shard} "
+                                  f"({lost.reason}): {e}; shards tried: {', '.join(legs.shards)}", "no_shard") from e
 
     def _observe(self, method: str, request_id: str, prompt_tokens: int, out: _Outcome) -> None:
         """Metrics, one log line and the request span's attributes, once per request sent to a shard."""
@@ -290,6 +391,15 @@ class Generation:
         span = tracing.current()
         for key in ("tenant", "finish_reason", "prompt_tokens", "completion_tokens", "shard"):
             span.set(key, facts[key])
+
+
+def _with(s: common_pb2.SamplingParams, **fields) -> common_pb2.SamplingParams:
+    """A copy of `s` with `fields` set (the caller's message is left as it was: flow shares it between choices)."""
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(s)
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
 
 
 def _round(t: float | None, since: float = 0.0) -> float | None:

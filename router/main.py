@@ -24,7 +24,7 @@ from router.batch.config import BatchConfig  # batch jobs (router/batch)
 from router.batch.errors import BatchStoreError
 from router.batch.setup import BatchWiring, add_batch_args, batch_config_from_args, default_db_path
 from router.discovery import ShardDiscovery, dns_resolver, split_host_port, static_resolver
-from router.generation import Generation
+from router.generation import DEFAULT_MAX_FAILOVERS, Generation
 from router.http.app import build_app  # the OpenAI-compatible HTTP API (router/http)
 from router.http.batches import Batches
 from router.http.origin import LOCAL_HOSTS, allowed_hosts
@@ -69,6 +69,7 @@ class RouterConfig:
     internal_token_file: Path | None = None  # sent on every tokenizer and shard call (kimiserve/internal_auth.py)
     http_allowed_hosts: tuple[str, ...] = LOCAL_HOSTS  # Host / Origin accepted without API keys (router/http/origin.py)
     http_header_timeout_s: float = 10.0  # a request head must be complete this soon (router/http/protocol.py)
+    max_failovers: int = DEFAULT_MAX_FAILOVERS  # times one sequence may move to another shard (router/failover.py)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -84,6 +85,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, default=256, help="requests at the shards at once")
     p.add_argument("--max-queued", type=int, default=1024, help="requests waiting beyond that; then refused")
     p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--max-failovers", type=_non_negative, default=DEFAULT_MAX_FAILOVERS, metavar="N",
+                   help="times one stream may move to another shard when its own dies or drains away mid-stream, "
+                        "continuing where it was; then it fails with UNAVAILABLE (0: never fail over)")
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="seconds in-flight requests may finish after SIGTERM")
     p.add_argument("--api-keys-file", default=None,
@@ -106,6 +110,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_batch_args(p)
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -124,7 +135,7 @@ def config_from_args(a: argparse.Namespace) -> RouterConfig:
                         security.server_tls_from_args(a), security.upstream_tls_from_args(a), a.api_keys_file,
                         a.health_port, http_port=a.http_port, http_max_body_bytes=a.http_max_body_bytes,
                         internal_token_file=a.internal_token_file, http_allowed_hosts=a.http_allowed_hosts,
-                        http_header_timeout_s=a.http_header_timeout)
+                        http_header_timeout_s=a.http_header_timeout, max_failovers=a.max_failovers)
 
 
 async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
@@ -160,7 +171,7 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     await discovery.refresh()
     discovery.start()
     generation = Generation(shards, tokenizer, Admission(cfg.max_in_flight, cfg.max_queued, metrics), metrics,
-                            cfg.default_max_tokens, prefixes)
+                            cfg.default_max_tokens, prefixes, cfg.max_failovers)
     api_keys = security.ApiKeys(cfg.api_keys_file) if cfg.api_keys_file else None
     interceptors = [security.ApiKeyInterceptor(api_keys)] if api_keys else []
     interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at

@@ -43,6 +43,21 @@ class RouterMetrics:
                                      ["method"], registry=r)
         self.generation_tokens = Counter("kimiserve_router_generation_tokens",
                                          "Generated tokens of finished requests", ["method"], registry=r)
+        # Failover (router/failover.py): sequences moved to another shard when theirs was lost, by how it was lost
+        # (stream_ended, stream_broke, probes_failed, refused, removed); the prompt tokens their continuations sent
+        # again (prefilled again unless the new shard's prefix cache held them); loss to the continuation's first
+        # event; streams that failed anyway (bound: --max-failovers spent; context: the continuation fits no shard;
+        # no_shard: none in rotation).
+        self.failovers = Counter("kimiserve_router_failovers", "Sequences failed over to another shard, by reason",
+                                 ["reason"], registry=r)
+        self.failover_recomputed_tokens = Counter("kimiserve_router_failover_recomputed_prompt_tokens",
+                                                  "Prompt tokens (original prompt + tokens generated so far) sent "
+                                                  "again by failover continuations", registry=r)
+        self.failover_seconds = Histogram("kimiserve_router_failover_seconds",
+                                          "A sequence's shard lost to the first event of its continuation",
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.failover_failed = Counter("kimiserve_router_failover_failed_streams",
+                                       "Streams failed although failover was tried, by why", ["why"], registry=r)
         self.queued = Gauge("kimiserve_router_queued_requests", "Requests waiting for router admission",
                             registry=r)
         self.in_flight = Gauge("kimiserve_router_in_flight_requests", "Requests sent to shards", registry=r)

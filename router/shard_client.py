@@ -1,8 +1,11 @@
 """One shard as the router sees it: a long-lived Stream multiplexing sequences by request id, a poller for Load
 and health, and the shard's slice of the balancer's view.
 
-When the stream breaks or health fails, every in-flight request on the shard fails with UNAVAILABLE and the shard
-leaves rotation; the poller keeps probing and puts it back once it is SERVING again.
+A shard whose health answers NOT_SERVING is draining (SIGTERM, a rolling restart): it leaves rotation for new
+sequences while the ones it runs go on to their end on its stream. When the stream ends or breaks, or the probes fail
+PROBES_TO_FAIL times in a row (a hung or unreachable shard), the shard leaves rotation and every sequence still on it
+gets ShardLost, which router/generation.py answers by failing the sequence over to another shard. The poller keeps
+probing and puts the shard back once it is SERVING again.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from router.balancer import ShardView
-from router.errors import ShardUnavailable, from_shard
+from router.errors import ShardLost, ShardUnavailable, from_shard
 
 log = logging.getLogger(__name__)
 # A busy shard can answer a probe late; only several misses in a row (or a broken stream) take it out of rotation.
@@ -85,15 +88,15 @@ class ShardClient:
         try:
             async for event in call:
                 self._dispatch(event)
-            reason = "the shard closed its stream"
+            reason, kind = "the shard closed its stream", "stream_ended"
         except grpc.aio.AioRpcError as e:
-            reason = f"stream broke: {e.code().name} {e.details()}"
+            reason, kind = f"stream broke: {e.code().name} {e.details()}", "stream_broke"
         except asyncio.CancelledError:
             call.cancel()
             return
         finally:
             writer.cancel()
-        self._mark_down(reason)
+        self._mark_down(reason, kind)
 
     def _dispatch(self, event: shard_pb2.ShardEvent) -> None:
         events = self._inflight.get(event.request_id)
@@ -103,25 +106,33 @@ class ShardClient:
                                                                      "kind": event.WhichOneof("kind")})
             return
         if event.WhichOneof("kind") == "error":
-            events.put_nowait(from_shard(event.error))
+            refusal = from_shard(event.error)
+            if event.error.code == shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE:  # draining or failed: another shard can
+                refusal = ShardLost(self.address, f"the shard refused it: {event.error.message}", "refused")
+            events.put_nowait(refusal)
             self.forget(event.request_id)
             return
         events.put_nowait(event)
         if event.WhichOneof("kind") == "finished":
             self.forget(event.request_id)
 
-    def _mark_down(self, reason: str) -> None:
-        if self.view.healthy:
+    def _mark_down(self, reason: str, kind: str = "removed") -> None:
+        """The shard's stream is gone: out of rotation, and each sequence on it told so (ShardLost), once. Its id
+        is forgotten first, so nothing the old stream still delivers can reach the sequence after that."""
+        if self._outbox is not None:
             log.warning("shard left rotation", extra={"shard": self.address, "reason": reason,
-                                                      "failed_request_ids": list(self._inflight)})
+                                                      "lost_request_ids": list(self._inflight)})
         self.view.healthy = False
         self._outbox = None
+        self._stream_task = None
         for rid, events in list(self._inflight.items()):
-            events.put_nowait(ShardUnavailable(f"shard {self.address} failed while serving {rid!r}: {reason}"))
             self.forget(rid)
+            events.put_nowait(ShardLost(self.address, reason, kind))
 
     # -- polling -----------------------------------------------------------------------------------------------
     async def _probe(self) -> bool:
+        """True: SERVING and the device op answered; False: the shard says NOT_SERVING (draining). Raises the
+        AioRpcError of a probe that got no answer."""
         reply = await self._health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
         if reply.status != health_pb2.HealthCheckResponse.SERVING:
             return False
@@ -136,9 +147,10 @@ class ShardClient:
 
     async def _poll(self) -> None:
         while True:
+            draining = False
             try:
                 ok = await self._probe()
-                reason = "health is not SERVING"
+                draining = not ok
             except grpc.aio.AioRpcError as e:
                 ok, reason = False, f"{e.code().name} {e.details()}"
                 if e.code() == grpc.StatusCode.UNAUTHENTICATED and not self._refused_logged:
@@ -147,14 +159,19 @@ class ShardClient:
                     log.error("shard refuses the router's calls: give the router the shards' --internal-token-file "
                               "(or a client certificate they accept)", extra={"shard": self.address,
                                                                                "reason": reason})
-            self._failed_probes = 0 if ok else self._failed_probes + 1
+            self._failed_probes = 0 if ok or draining else self._failed_probes + 1
             if ok and not self.view.healthy:
-                self._outbox = asyncio.Queue()
-                self._stream_task = asyncio.create_task(self._run_stream(self._outbox))
+                if self._outbox is None:  # no stream (a first start, a restart): a new one; a drain undone: the same
+                    self._outbox = asyncio.Queue()
+                    self._stream_task = asyncio.create_task(self._run_stream(self._outbox))
                 self.view.healthy = True
                 log.info("shard in rotation", extra={"shard": self.address})
-            elif self._failed_probes >= PROBES_TO_FAIL and self.view.healthy:
+            elif draining and self.view.healthy:
+                self.view.healthy = False
+                log.warning("shard draining: out of rotation for new sequences, its running ones go on",
+                            extra={"shard": self.address, "running_request_ids": list(self._inflight)})
+            elif self._failed_probes >= PROBES_TO_FAIL and self._outbox is not None:
                 if self._stream_task:
                     self._stream_task.cancel()
-                self._mark_down(reason)
+                self._mark_down(reason, "probes_failed")
             await asyncio.sleep(self._poll_interval)

@@ -78,3 +78,22 @@ def test_a_child_that_stayed_up_is_forgiven_its_earlier_failures():
     clock.now += 0.5
     sup.check()
     assert child.starts == 3 and child.poll() is None
+
+
+def test_a_clean_exit_is_restarted_at_once_and_is_no_failure():
+    """A shard drained by SIGTERM (a rolling restart) exits 0: started again on the next check, with no backoff, and
+    however often it happens `up` never gives up on it; a crash right after still gets the first backoff."""
+    clock, child = Clock(), FakeChild("shard-0")
+    sup = Supervisor([child], RestartPolicy(backoff_s=0.5, max_failures=2), clock=clock, serving=lambda _: True)
+    for attempt in range(1, 6):
+        child.returncode = 0
+        sup.check()  # sees the clean exit
+        sup.check()  # and restarts it, no time having passed
+        assert child.starts == attempt and child.poll() is None
+    child.returncode = -9
+    sup.check()
+    sup.check()
+    assert child.starts == 5, "a crash waits for its backoff"
+    clock.now += 0.5
+    sup.check()
+    assert child.starts == 6

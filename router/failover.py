@@ -1,0 +1,72 @@
+"""Failing a sequence over to another shard by continuation, within a bound.
+
+When a sequence's shard goes away mid-stream (router/shard_client.py ShardLost), the router holds all it needs to go
+on elsewhere: the original Submit and every token id it has passed on. The continuation is the prompt plus those
+tokens, marked as `continued_tokens` so the shard treats them as output (grammar, penalties, token indices, usage:
+protos/kimiserve/v1/shard.proto), with the budget left and the same sampling, seed included (the router fixes an
+unseeded sampled request's seed before its first leg, so the continuation draws what the original would have).
+The text side (detokenizer, stop strings) never left the router, so the client's stream goes on with no gap and no
+repeated token. Each leg runs under its own shard-side id (`<request id>/failover-<n>`), so a leg can never collide
+with a previous one still being cleaned up on a shard that comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kimiserve.v1 import shard_pb2
+from router.errors import ShardLost, ShardUnavailable
+
+
+class FailoverRefused(ShardUnavailable):
+    """The sequence cannot fail over again (its bound is spent, or it no longer fits any shard): its stream fails.
+    `why` labels the metric of streams failed despite failover."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass
+class Legs:
+    """One sequence's legs: the shard each ran on and its shard-side id."""
+
+    request_id: str
+    first: shard_pb2.ShardRequest.Submit  # the first leg's Submit: the original prompt and budget
+    max_failovers: int
+    shards: list[str] = field(default_factory=list)  # the shard of each leg so far, in order
+
+    @property
+    def failovers(self) -> int:
+        return max(len(self.shards) - 1, 0)
+
+    @property
+    def leg_id(self) -> str:
+        """The current leg's id on its shard."""
+        return self.request_id if self.failovers == 0 else f"{self.request_id}/failover-{self.failovers}"
+
+    def continuation(self, lost: ShardLost, generated: list[int], max_context: int) -> shard_pb2.ShardRequest.Submit:
+        """The Submit that continues the sequence after `generated` (every token id passed on so far), or
+        FailoverRefused naming the request, the shards tried and the sizes."""
+        tried = ", ".join(self.shards)
+        if self.failovers >= self.max_failovers:
+            raise FailoverRefused(f"request {self.request_id!r} failed: its shard {lost.shard} was lost "
+                                  f"({lost.reason}) after {len(generated)} tokens, and it has already failed over "
+                                  f"{self.failovers} times (--max-failovers {self.max_failovers}); shards tried: "
+                                  f"{tried}", "bound")
+        prompt = list(self.first.prompt_token_ids)
+        left = self.first.max_tokens - len(generated)
+        total = len(prompt) + len(generated) + left
+        if total > max_context:
+            raise FailoverRefused(f"request {self.request_id!r} cannot fail over from shard {lost.shard} "
+                                  f"({lost.reason}): its continuation of {len(prompt)} prompt + {len(generated)} "
+                                  f"generated + {left} remaining = {total} tokens exceeds the maximum context of "
+                                  f"{max_context} tokens the shards now hold; shards tried: {tried}", "context")
+        sub = shard_pb2.ShardRequest.Submit()
+        sub.CopyFrom(self.first)
+        sub.ClearField("trace_context")  # each leg hangs under the stream span it is sent from
+        sub.prompt_token_ids.extend(generated)
+        sub.max_tokens = left
+        sub.continued_tokens = len(generated)
+        sub.sampling.ClearField("prompt_logprobs")  # the first leg sent the scored prompt
+        return sub
