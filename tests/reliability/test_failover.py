@@ -1,0 +1,140 @@
+"""Streams survive a shard's death and its drain, token for token (`kimiserve up --shards 2`, the trained default
+model, real processes and real gRPC on localhost).
+
+16 concurrent streams (8 greedy, 8 seeded at temperature 1) run once on the undisturbed stack: the reference. Then:
+- SIGKILL of one shard mid-stream: the router fails its streams over to the other shard as continuations; 16/16
+  complete, each equal token for token to its reference (no gap, no token twice, usage counting each token once);
+  `up` restarts the dead shard and the router puts it back in rotation;
+- SIGTERM of one shard mid-stream (a rolling restart's drain): it leaves rotation for new requests while its streams
+  go on to their end on it; 16/16 complete and equal; it exits cleanly and `up` restarts it at once, not as a crash.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+import pytest
+
+from kimiserve.v1 import common_pb2, router_pb2
+from launcher.up import DEFAULT_MODEL_DIR
+from tests.reliability.conftest import UpStack
+from tests.services.helpers import scrape, shard_load, total, wait_until
+
+GREEDY = SEEDED = 8
+TOKENS = 200
+MID_STREAM = 24  # every stream has this many tokens when the signal goes
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> UpStack:
+    """The trained default model: its streams are text-like, so a continuation that went wrong would show."""
+    s = UpStack(DEFAULT_MODEL_DIR, tmp_path_factory.mktemp("failover")).wait_up()
+    yield s
+    s.close()
+
+
+def request(i: int) -> router_pb2.GenerateRequest:
+    s = (common_pb2.SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True) if i < GREEDY else
+         common_pb2.SamplingParams(max_tokens=TOKENS, temperature=1.0, seed=7000 + i, ignore_eos=True))
+    req = router_pb2.GenerateRequest(sampling=s)
+    req.prompt_token_ids.ids.extend([100 + (37 * i) % 1900, 5 + i, 300 + i, 42, 1000 + 13 * i])
+    return req
+
+
+class Streams:
+    """The 16 streams in threads: each one's token ids, text, usage or error as they arrive."""
+
+    def __init__(self, stub):
+        n = GREEDY + SEEDED
+        self.ids: list[list[int]] = [[] for _ in range(n)]
+        self.text, self.usage = [""] * n, [None] * n
+        self.errors: dict[int, str] = {}
+        self.threads = [threading.Thread(target=self._one, args=(stub, i), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _one(self, stub, i: int) -> None:
+        try:
+            for chunk in stub.Generate(request(i), timeout=120):
+                self.ids[i].extend(chunk.token_ids)
+                self.text[i] += chunk.text
+                if chunk.HasField("usage"):
+                    self.usage[i] = chunk.usage
+        except grpc.RpcError as e:
+            self.errors[i] = f"{e.code().name}: {e.details()}"
+
+    def mid_stream(self) -> bool:
+        return min(len(ids) for ids in self.ids) >= MID_STREAM
+
+    def join(self) -> "Streams":
+        for t in self.threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in self.threads), "a stream neither finished nor failed"
+        return self
+
+
+@pytest.fixture(scope="module")
+def reference(stack) -> Streams:
+    ref = Streams(stack.stub).join()
+    assert not ref.errors, ref.errors
+    assert all(len(ids) == TOKENS for ids in ref.ids)
+    assert len({tuple(ids) for ids in ref.ids[GREEDY:]}) == SEEDED, "the seeded streams should all differ"
+    return ref
+
+
+def faulted(stack: UpStack, victim_name: str, sig: signal.Signals) -> tuple[Streams, int]:
+    """The 16 streams with `sig` sent to the victim once every stream is MID_STREAM tokens in; returns them (ended)
+    and the victim's pid."""
+    streams = Streams(stack.stub)
+    victim = stack.child(victim_name)
+    wait_until(streams.mid_stream, 60, f"every stream {MID_STREAM} tokens in")
+    assert shard_load(victim.address, stack.internal_token).running_seqs > 0, \
+        "the test needs streams on the shard it signals"
+    assert max(len(ids) for ids in streams.ids) < TOKENS, "a stream ended before the signal: nothing was tested"
+    os.kill(victim.pid, sig)
+    return streams.join(), victim.pid
+
+
+def assert_equal_to(streams: Streams, reference: Streams) -> None:
+    assert not streams.errors, streams.errors
+    for i in range(GREEDY + SEEDED):
+        kind = "greedy" if i < GREEDY else "seeded"
+        assert streams.ids[i] == reference.ids[i], f"{kind} stream {i} differs from the undisturbed run"
+        assert streams.text[i] == reference.text[i], f"{kind} stream {i}: its text differs"
+        u = streams.usage[i]
+        assert (u.prompt_tokens, u.completion_tokens) == (5, TOKENS), f"stream {i} usage {u}"
+
+
+def router_series(stack: UpStack) -> dict[str, float]:
+    return scrape(stack.child("router").metrics_url)
+
+
+def test_sigkill_mid_stream_fails_over_token_for_token_and_up_restarts_the_shard(stack, reference):
+    in_rotation = stack.rotation_events(stack.child("shard-1").address, "shard in rotation")
+    streams, pid = faulted(stack, "shard-1", signal.SIGKILL)
+    assert_equal_to(streams, reference)
+    series = router_series(stack)
+    assert total(series, "kimiserve_router_failovers_total") >= 1
+    assert total(series, "kimiserve_router_failover_recomputed_prompt_tokens_total") > 0
+    assert total(series, "kimiserve_router_failover_failed_streams_total") == 0
+    restarted = stack.wait_restarted("shard-1", pid)
+    stack.wait_back_in_rotation(restarted.address, in_rotation)
+    stack.assert_shards_idle()
+
+
+def test_sigterm_mid_stream_drains_its_streams_to_the_end_and_up_restarts_it_cleanly(stack, reference):
+    address = stack.child("shard-0").address
+    in_rotation = stack.rotation_events(address, "shard in rotation")
+    streams, pid = faulted(stack, "shard-0", signal.SIGTERM)
+    assert_equal_to(streams, reference)
+    restarted = stack.wait_restarted("shard-0", pid)
+    assert [e["pid"] for e in stack.events("child stopped cleanly; restarting")] == [pid]
+    assert not [e for e in stack.events("child exited; restarting") if e["pid"] == pid], "a drain is no crash"
+    stack.wait_back_in_rotation(restarted.address, in_rotation)
+    assert total(router_series(stack), "kimiserve_router_failover_failed_streams_total") == 0
+    stack.assert_shards_idle()
+    # Both shards serve again: a second round is undisturbed and equal.
+    assert_equal_to(Streams(stack.stub).join(), reference)
