@@ -314,7 +314,7 @@ class Generation:
                     out.finish_reason = finish_reason_name(f.finish_reason)
                     out.timing = f.timing if f.HasField("timing") else None
                     usage = f.usage
-                    if legs.failovers:  # the shard counted its leg's share of the prompt cache; the client's is the first's
+                    if legs.failovers:  # the shard counted its own leg's cache hits; the client's are the first leg's
                         usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
                                                  cached_prompt_tokens=cached)
                     yield Piece(text=tail, finish_reason=f.finish_reason, usage=usage, error_message=f.error_message)
