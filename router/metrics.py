@@ -7,6 +7,10 @@ from kimiserve import buckets
 
 LATENCY_BUCKETS = buckets.REQUEST_SECONDS
 TPOT_BUCKETS = buckets.TOKEN_GAP_SECONDS
+# How a sequence's shard was lost (router/errors.py ShardLost.kind), and why a failover was refused
+# (router/failover.py FailoverRefused.why): the label values of the failover counters.
+LOST_REASONS = ("stream_ended", "stream_broke", "probes_failed", "refused", "removed")
+FAILOVER_FAILURES = ("bound", "context", "no_shard")
 
 
 class RouterMetrics:
@@ -58,6 +62,10 @@ class RouterMetrics:
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.failover_failed = Counter("kimiserve_router_failover_failed_streams",
                                        "Streams failed although failover was tried, by why", ["why"], registry=r)
+        for reason in LOST_REASONS:  # every series from the start: a rate over none is no data, not zero
+            self.failovers.labels(reason)
+        for why in FAILOVER_FAILURES:
+            self.failover_failed.labels(why)
         self.queued = Gauge("kimiserve_router_queued_requests", "Requests waiting for router admission",
                             registry=r)
         self.in_flight = Gauge("kimiserve_router_in_flight_requests", "Requests sent to shards", registry=r)

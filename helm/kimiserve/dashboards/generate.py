@@ -164,6 +164,24 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
            "{{finish_reason}}")],
          "Requests per second by how their generation ended: stop, length, cancelled, error, none (the stream "
          "failed before a finish)."),
+        ("Stream failover", "short",
+         [(f"sum by (reason) (rate(kimiserve_router_failovers_total{{{SEL}}}[{RATE}]))", "failed over: {{reason}}"),
+          (f"sum by (why) (rate(kimiserve_router_failover_failed_streams_total{{{SEL}}}[{RATE}]))",
+           "failed anyway: {{why}}"),
+          (f"sum(rate(kimiserve_router_failover_recomputed_prompt_tokens_total{{{SEL}}}[{RATE}]))",
+           "prompt tokens sent again")],
+         "Streams per second moved to another shard when theirs died or left mid-stream, by how it was lost "
+         "(stream_ended, stream_broke, probes_failed, refused, removed); streams that failed anyway (bound: "
+         "--max-failovers spent; context: the continuation fits no shard; no_shard: none in rotation); and the "
+         "prompt tokens per second their continuations sent again (prefilled again unless a prefix cache held "
+         "them)."),
+        # A sum, not quantiles of kimiserve_router_failover_seconds: a quantile over no failover is no data, and
+        # every panel must show data on a healthy stack (tests/deploy/test_stack.py).
+        ("Failover pause", "s",
+         [(f"sum(rate(kimiserve_router_failover_seconds_sum{{{SEL}}}[{RATE}]))", "pause per second")],
+         "Seconds per second that streams stood still while failing over: their shard lost to the first event of "
+         "the continuation on another shard. Divided by the failovers per second it is the mean pause; "
+         "kimiserve_router_failover_seconds holds the whole distribution."),
     ]),
     ("Prefill", [
         ("Prefill pass duration per shard", "s",
@@ -316,6 +334,13 @@ ALERTS: list[dict] = [
      "expr": "kimiserve_router_queued_requests unless on (namespace, instance) (kimiserve_router_shard_healthy == 1)",
      "summary": "Router {{ $labels.instance }} has no healthy shard",
      "description": "Every request to this router fails with UNAVAILABLE: no shard is discovered or in rotation."},
+    {"alert": "KimiserveStreamsFailedDespiteFailover", "for": "1m", "severity": "warning",
+     "expr": "sum by (namespace, model, why) (increase(kimiserve_router_failover_failed_streams_total[10m])) > 0",
+     "summary": "Streams failed although the router tried to fail them over ({{ $labels.why }})",
+     "description": "{{ $value }} streams lost their shard mid-stream and could not continue elsewhere in the last "
+                    "10 minutes: bound (--max-failovers spent: shards keep dying), context (the continuation fits "
+                    "no shard), no_shard (none in rotation). The router's log line \"stream failed despite "
+                    "failover\" names each request and the shards tried."},
     {"alert": "KimiserveRouterQueueGrowing", "for": "10m", "severity": "warning",
      "expr": "kimiserve_router_queued_requests > 0 and deriv(kimiserve_router_queued_requests[10m]) > 0",
      "summary": "Router {{ $labels.instance }} admission queue keeps growing",
