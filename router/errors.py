@@ -69,7 +69,8 @@ class ToolChoiceNotMet(RouterError):
 # A shard's refusal of a Submit (ShardEvent.Error.code) -> the router error it is answered with.
 SHARD_ERRORS: dict[int, type[RouterError]] = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
                                               shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS: AlreadyExists,
-                                              shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded}
+                                              shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded,
+                                              shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE: ShardUnavailable}
 # A tokenizer call's final status -> the router error; any other status is the router's INTERNAL.
 TOKENIZER_ERRORS: dict[grpc.StatusCode, type[RouterError]] = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
                                                               grpc.StatusCode.NOT_FOUND: NotFound,
