@@ -144,22 +144,35 @@ class Engine:
         self.token_counts = TokenCounts(pools.kda_pool.slots.num_slots, cfg.vocab_size, device)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams):
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int = 0):
         """The checks that depend only on the request and the engine's fixed sizes (not on what is live), so a
         server thread can refuse a bad request at once while the engine thread steps. Raises InvalidRequest /
-        ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), to hand to
-        add_request: grammars are compiled on the submitting thread, not the engine's."""
-        self._check_sizes(request_id, prompt, params)
+        ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), advanced over
+        the prompt's `prior_output` last tokens (add_request), to hand to add_request: grammars are compiled on the
+        submitting thread, not the engine's."""
+        self._check_sizes(request_id, prompt, params, prior_output)
         if params.response_format is None:
             return None
         if self.grammars is None:
             raise InvalidRequest(f"request {request_id!r}: response_format needs the checkpoint's tokenizer "
                                  "(tokenizer.json or tiktoken.model), which this shard has not loaded")
-        return self.grammars.compile(params.response_format, request_id)
+        matcher = self.grammars.compile(params.response_format, request_id)
+        prior = prompt[len(prompt) - prior_output:]
+        for i, token in enumerate(prior):
+            if not matcher.consume_token(token):
+                raise InvalidRequest(f"request {request_id!r}: response_format refuses prior output token {token} "
+                                     f"(index {i} of {prior_output}): {matcher.get_error()}")
+        if prior and matcher.is_stopped():
+            raise InvalidRequest(f"request {request_id!r}: response_format is already complete after the "
+                                 f"{prior_output} prior output tokens: nothing is left to continue")
+        return matcher
 
-    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int) -> None:
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt")
+        if not 0 <= prior_output < len(prompt):
+            raise InvalidRequest(f"request {request_id!r}: prior_output_tokens {prior_output} must be below the "
+                                 f"prompt's {len(prompt)} tokens (the original prompt is not empty)")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise InvalidRequest(f"request {request_id!r}: {len(bad)} token ids outside [0, {self.cfg.vocab_size}), "
@@ -172,25 +185,29 @@ class Engine:
                                  f"({self.context_limits})")
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
-                    keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints()) -> Sequence:
+                    keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints(),
+                    prior_output: int = 0) -> Sequence:
         """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
         check_request returned for it (compiled here when not given). `prefix`: its cache salt and message
-        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt)."""
+        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt).
+        `prior_output`: for a continuation, how many of the prompt's last tokens are the sequence's own earlier
+        output: penalties count them as output and the response_format has consumed them, so the continuation
+        samples from what the uninterrupted sequence would have (its seeded draws are keyed by position already)."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
         if matcher is None:
-            matcher = self.check_request(request_id, prompt, params)
+            matcher = self.check_request(request_id, prompt, params, prior_output)
         else:
-            self._check_sizes(request_id, prompt, params)
+            self._check_sizes(request_id, prompt, params, prior_output)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
         seq = Sequence(request_id, list(prompt), params, make_draws(params, self.device),
                        keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
-                       prefix=PrefixHints(prefix.salt, points))
+                       prefix=PrefixHints(prefix.salt, points), prior_output=prior_output)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix)
+        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix, prior_output)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -288,7 +305,7 @@ class Engine:
     def _sample(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
         """Draws a token for each (sequence, logits row): the penalties' counts of sequences about to draw their
         first token are set up, response_format masks computed for the constrained ones, then one batched draw."""
-        self.token_counts.start([(seq.slot, seq.prompt) for seq, _ in emitting
+        self.token_counts.start([(seq.slot, seq.prompt, seq.prior_output) for seq, _ in emitting
                                  if seq.params.has_penalties and not seq.output])
         constrained = [seq for seq, _ in emitting if seq.matcher is not None]
         masks = iter(self.grammars.masks([seq.matcher for seq in constrained]) if constrained else ())

@@ -35,18 +35,24 @@ class TokenCounts:
             self.output = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32, device=self.device)
             self.prompt = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=self.device)
 
-    def start(self, sequences: list[tuple[int, list[int]]]) -> None:
-        """(slot, prompt) of sequences about to draw their first token: their rows are cleared and their prompt
-        tokens marked, in one transfer and three indexed writes for all of them."""
+    def start(self, sequences: list[tuple[int, list[int], int]]) -> None:
+        """(slot, prompt, prior output) of sequences about to draw their first token: their rows are cleared, their
+        prompt tokens marked and, for a continuation, the prompt's last `prior output` tokens counted as output
+        instead (they are what it generated before it moved), with the same few transfers and writes for all."""
         if not sequences:
             return
         self._allocate()
-        slots = torch.tensor([slot for slot, _ in sequences], device=self.device)
+        slots = torch.tensor([slot for slot, _, _ in sequences], device=self.device)
         self.output[slots] = 0
         self.prompt[slots] = False
-        rows = torch.tensor([slot for slot, prompt in sequences for _ in prompt], device=self.device)
-        ids = torch.tensor([t for _, prompt in sequences for t in prompt], device=self.device)
+        split = [(slot, prompt[:len(prompt) - prior], prompt[len(prompt) - prior:])
+                 for slot, prompt, prior in sequences]
+        rows = torch.tensor([slot for slot, own, _ in split for _ in own], device=self.device)
+        ids = torch.tensor([t for _, own, _ in split for t in own], device=self.device)
         self.prompt[rows, ids] = True
+        out_rows = torch.tensor([slot for slot, _, out in split for _ in out], device=self.device, dtype=torch.long)
+        out_ids = torch.tensor([t for _, _, out in split for t in out], device=self.device, dtype=torch.long)
+        self.output.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.int32), accumulate=True)
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts one more occurrence of tokens[i] in the output of the sequence in slots[i] (device tensors)."""

@@ -19,7 +19,8 @@ class StepSync(Protocol):
     def world(self) -> int:
         """How many engines step together (1: this one alone)."""
 
-    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix) -> None: ...
+    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
+               prior_output: int) -> None: ...
 
     def on_cancel(self, request_id: str) -> None: ...
 
@@ -39,7 +40,8 @@ class Alone:
     kda_heads: int | None = None
     world = 1
 
-    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix) -> None:
+    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
+               prior_output: int) -> None:
         pass
 
     def on_cancel(self, request_id: str) -> None:

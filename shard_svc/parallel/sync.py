@@ -59,9 +59,10 @@ class StepSync:
         return self.group.world
 
     # -- leader: requests and messages ---------------------------------------------------------------------------
-    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix) -> None:
+    def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
+               prior_output: int) -> None:
         if self.leader:
-            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits, prefix))
+            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits, prefix, prior_output))
 
     def on_cancel(self, request_id: str) -> None:
         if self.leader:
@@ -90,9 +91,9 @@ class StepSync:
     def apply(self, engine, msg: StepMessage) -> None:
         for entry in msg.journal:
             if entry[0] == "add":
-                _, request_id, prompt, params, keep, prefix = entry
+                _, request_id, prompt, params, keep, prefix, prior_output = entry
                 try:
-                    engine.add_request(request_id, prompt, params, keep, prefix=prefix)
+                    engine.add_request(request_id, prompt, params, keep, prefix=prefix, prior_output=prior_output)
                 except Exception as e:  # noqa: BLE001 - rank 0 accepted it, so refusing it here is a divergence
                     raise GroupDiverged(f"rank {self.group.rank} refused request {request_id!r} that rank 0 "
                                         f"accepted: {e}") from e

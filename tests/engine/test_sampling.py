@@ -133,7 +133,7 @@ def _counts_with(history: dict[int, tuple[list[int], list[int]]], vocab: int, sl
     """TokenCounts whose slots hold the given (prompt, output) histories, filled as the engine fills them: start()
     at the first draw, then one add() per generated token."""
     counts = TokenCounts(slots, vocab, torch.device("cpu"))
-    counts.start([(slot, prompt) for slot, (prompt, _) in history.items()])
+    counts.start([(slot, prompt, 0) for slot, (prompt, _) in history.items()])
     for slot, (_, output) in history.items():
         for t in output:
             counts.add(torch.tensor([slot]), torch.tensor([t]))
