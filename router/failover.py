@@ -2,7 +2,7 @@
 
 When a sequence's shard goes away mid-stream (router/shard_client.py ShardLost), the router holds all it needs to go
 on elsewhere: the original Submit and every token id it has passed on. The continuation is the prompt plus those
-tokens, marked as `continued_tokens` so the shard treats them as output (grammar, penalties, token indices, usage:
+tokens, marked as `prior_output_tokens` so the shard treats them as output (grammar, penalties, token indices, usage:
 protos/kimiserve/v1/shard.proto), with the budget left and the same sampling, seed included (the router fixes an
 unseeded sampled request's seed before its first leg, so the continuation draws what the original would have).
 The text side (detokenizer, stop strings) never left the router, so the client's stream goes on with no gap and no
@@ -67,6 +67,6 @@ class Legs:
         sub.ClearField("trace_context")  # each leg hangs under the stream span it is sent from
         sub.prompt_token_ids.extend(generated)
         sub.max_tokens = left
-        sub.continued_tokens = len(generated)
+        sub.prior_output_tokens = len(generated)
         sub.sampling.ClearField("prompt_logprobs")  # the first leg sent the scored prompt
         return sub

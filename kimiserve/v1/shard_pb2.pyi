@@ -26,7 +26,7 @@ SHARD_ERROR_CODE_UNAVAILABLE: ShardErrorCode
 class ShardRequest(_message.Message):
     __slots__ = ("submit", "cancel")
     class Submit(_message.Message):
-        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "trace_context", "cache_salt", "message_boundaries", "continued_tokens")
+        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "trace_context", "cache_salt", "message_boundaries", "prior_output_tokens")
         class TraceContextEntry(_message.Message):
             __slots__ = ("key", "value")
             KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,7 +41,7 @@ class ShardRequest(_message.Message):
         TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
         CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
         MESSAGE_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
-        CONTINUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: _common_pb2.SamplingParams
@@ -49,8 +49,8 @@ class ShardRequest(_message.Message):
         trace_context: _containers.ScalarMap[str, str]
         cache_salt: str
         message_boundaries: _containers.RepeatedScalarFieldContainer[int]
-        continued_tokens: int
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., message_boundaries: _Optional[_Iterable[int]] = ..., continued_tokens: _Optional[int] = ...) -> None: ...
+        prior_output_tokens: int
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., message_boundaries: _Optional[_Iterable[int]] = ..., prior_output_tokens: _Optional[int] = ...) -> None: ...
     class Cancel(_message.Message):
         __slots__ = ("request_id",)
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -145,33 +145,37 @@ class Engine:
         self.token_counts = TokenCounts(pools.kda_pool.slots.num_slots, cfg.vocab_size, device)
 
     # -- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, continued: int = 0):
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int = 0):
         """The checks that depend only on the request and the engine's fixed sizes (not on what is live), so a
         server thread can refuse a bad request at once while the engine thread steps. Raises InvalidRequest /
-        ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), to hand to
-        add_request: grammars are compiled on the submitting thread, not the engine's. `continued`: the last ids of
-        `prompt` that are output already generated (a continuation); the matcher is returned advanced over them."""
-        self._check_sizes(request_id, prompt, params, continued)
+        ContextTooLong. Returns the sequence's compiled response_format matcher (None without one), advanced over
+        the prompt's `prior_output` last tokens (add_request), to hand to add_request: grammars are compiled on the
+        submitting thread, not the engine's."""
+        self._check_sizes(request_id, prompt, params, prior_output)
         if params.response_format is None:
             return None
         if self.grammars is None:
             raise InvalidRequest(f"request {request_id!r}: response_format needs the checkpoint's tokenizer "
                                  "(tokenizer.json or tiktoken.model), which this shard has not loaded")
         matcher = self.grammars.compile(params.response_format, request_id)
-        for i, token in enumerate(prompt[len(prompt) - continued:]):
-            if not matcher.consume_token(token) or matcher.is_stopped():
-                raise InvalidRequest(f"request {request_id!r}: continued token {i} of {continued} (id {token}) "
-                                     f"does not continue the response_format: "
-                                     f"{matcher.get_error() or 'the format was already complete'}",
-                                     "continued_tokens")
+        prior = prompt[len(prompt) - prior_output:]
+        for i, token in enumerate(prior):
+            if not matcher.consume_token(token):
+                raise InvalidRequest(f"request {request_id!r}: response_format refuses prior output token {token} "
+                                     f"(index {i} of {prior_output}): {matcher.get_error()}", "prior_output_tokens")
+        if prior and matcher.is_stopped():
+            raise InvalidRequest(f"request {request_id!r}: response_format is already complete after the "
+                                 f"{prior_output} prior output tokens: nothing is left to continue",
+                                 "prior_output_tokens")
         return matcher
 
-    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, continued: int = 0) -> None:
+    def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int) -> None:
         if not prompt:
             raise InvalidRequest(f"request {request_id!r}: empty prompt", "prompt")
-        if continued >= len(prompt):
-            raise InvalidRequest(f"request {request_id!r}: continued_tokens {continued} must be fewer than the "
-                                 f"{len(prompt)} prompt ids (at least one is the original prompt)", "continued_tokens")
+        if not 0 <= prior_output < len(prompt):
+            raise InvalidRequest(f"request {request_id!r}: prior_output_tokens {prior_output} must be below the "
+                                 f"prompt's {len(prompt)} tokens (the original prompt is not empty)",
+                                 "prior_output_tokens")
         bad = sampling_rules.token_id_problems("prompt", prompt, self.cfg.vocab_size)
         if bad:
             message, param = sampling_rules.describe(bad)
@@ -185,26 +189,28 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints(),
-                    continued: int = 0) -> Sequence:
+                    prior_output: int = 0) -> Sequence:
         """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
         check_request returned for it (compiled here when not given). `prefix`: its cache salt and message
-        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt). `continued`:
-        the last ids of `prompt` are output already generated (a continuation: check_request)."""
+        boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt).
+        `prior_output`: for a continuation, how many of the prompt's last tokens are the sequence's own earlier
+        output: penalties count them as output and the response_format has consumed them, so the continuation
+        samples from what the uninterrupted sequence would have (its seeded draws are keyed by position already)."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
         if matcher is None:
-            matcher = self.check_request(request_id, prompt, params, continued)
+            matcher = self.check_request(request_id, prompt, params, prior_output)
         else:
-            self._check_sizes(request_id, prompt, params, continued)
+            self._check_sizes(request_id, prompt, params, prior_output)
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos
                                                        else frozenset(self.cfg.eos_token_ids))
         points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
         seq = Sequence(request_id, list(prompt), params, make_draws(params, self.device),
                        keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
-                       prefix=PrefixHints(prefix.salt, points), continued=continued)
+                       prefix=PrefixHints(prefix.salt, points), prior_output=prior_output)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
-        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix, continued)
+        self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix, prior_output)
         return seq
 
     def cancel(self, request_id: str) -> TokenEvent | None:
@@ -302,7 +308,7 @@ class Engine:
     def _sample(self, emitting: list[tuple[Sequence, torch.Tensor]]) -> list[Drawn]:
         """Draws a token for each (sequence, logits row): the penalties' counts of sequences about to draw their
         first token are set up, response_format masks computed for the constrained ones, then one batched draw."""
-        self.token_counts.start([(seq.slot, seq.prompt, seq.continued) for seq, _ in emitting
+        self.token_counts.start([(seq.slot, seq.prompt, seq.prior_output) for seq, _ in emitting
                                  if seq.params.has_penalties and not seq.output])
         constrained = [seq for seq, _ in emitting if seq.matcher is not None]
         masks = iter(self.grammars.masks([seq.matcher for seq in constrained]) if constrained else ())
@@ -344,8 +350,9 @@ class Engine:
                 return self._finish(seq, "stop", token=token, last_logits=logits, **extra)
         if len(seq.output) >= seq.params.max_tokens:
             return self._finish(seq, "length", token=token, last_logits=logits, **extra)
-        return TokenEvent(seq.request_id, token, seq.continued + len(seq.output) - 1, cached_tokens=seq.cached_tokens,
-                          prompt_scores=self._scores(seq), **extra)
+        # A continuation's indices go on from its prior output: the router checks each against what it passed on.
+        return TokenEvent(seq.request_id, token, seq.prior_output + len(seq.output) - 1,
+                          cached_tokens=seq.cached_tokens, prompt_scores=self._scores(seq), **extra)
 
     def _finish(self, seq: Sequence, reason: str, token: int | None = None, error: str | None = None,
                 logprob: float | None = None, last_logits: torch.Tensor | None = None,
@@ -354,17 +361,16 @@ class Engine:
         self.scheduler.finish(seq, last_logits)
         seq.finish_reason, seq.error, seq.finished_at = reason, error, time.monotonic()
         self.sequences.pop(seq.request_id, None)
-        generated = seq.continued + len(seq.output)
+        generated = seq.prior_output + len(seq.output)
         index = generated - 1 if token is not None else generated
-        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt) - seq.continued, generated, error,
-                          logprob,
-                          seq.cached_tokens, top_logprobs, self._scores(seq) if token is not None else None)
+        return TokenEvent(seq.request_id, token, index, reason, len(seq.prompt) - seq.prior_output, generated, error,
+                          logprob, seq.cached_tokens, top_logprobs, self._scores(seq) if token is not None else None)
 
     @staticmethod
     def _scores(seq: Sequence) -> PromptScores | None:
         """The scored prompt, handed over once, with the first token (a one-token prompt scores nothing; a
         continuation's first leg handed it over)."""
-        if seq.params.prompt_logprobs is None or len(seq.output) != 1 or seq.continued:
+        if seq.params.prompt_logprobs is None or len(seq.output) != 1 or seq.prior_output:
             return None
         return seq.prompt_scores or PromptScores()
 

@@ -36,23 +36,23 @@ class TokenCounts:
             self.prompt = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.bool, device=self.device)
 
     def start(self, sequences: list[tuple[int, list[int], int]]) -> None:
-        """(slot, prompt, continued) of sequences about to draw their first token: their rows are cleared and their
-        prompt tokens marked, in one transfer and a few indexed writes for all of them. The last `continued` ids of
-        a prompt are output an earlier shard generated (a continuation): counted as output, not marked as prompt."""
+        """(slot, prompt, prior output) of sequences about to draw their first token: their rows are cleared, their
+        prompt tokens marked and, for a continuation, the prompt's last `prior output` tokens counted as output
+        instead (they are what it generated before it moved), with the same few transfers and writes for all."""
         if not sequences:
             return
         self._allocate()
         slots = torch.tensor([slot for slot, _, _ in sequences], device=self.device)
         self.output[slots] = 0
         self.prompt[slots] = False
-        heads = [(slot, prompt[:len(prompt) - continued]) for slot, prompt, continued in sequences]
-        rows = torch.tensor([slot for slot, head in heads for _ in head], device=self.device)
-        ids = torch.tensor([t for _, head in heads for t in head], device=self.device)
+        split = [(slot, prompt[:len(prompt) - prior], prompt[len(prompt) - prior:])
+                 for slot, prompt, prior in sequences]
+        rows = torch.tensor([slot for slot, own, _ in split for _ in own], device=self.device)
+        ids = torch.tensor([t for _, own, _ in split for t in own], device=self.device)
         self.prompt[rows, ids] = True
-        tails = [(slot, prompt[len(prompt) - continued:]) for slot, prompt, continued in sequences if continued]
-        if tails:
-            self.add(torch.tensor([slot for slot, tail in tails for _ in tail], device=self.device),
-                     torch.tensor([t for _, tail in tails for t in tail], device=self.device))
+        out_rows = torch.tensor([slot for slot, _, out in split for _ in out], device=self.device, dtype=torch.long)
+        out_ids = torch.tensor([t for _, _, out in split for t in out], device=self.device, dtype=torch.long)
+        self.output.index_put_((out_rows, out_ids), torch.ones_like(out_ids, dtype=torch.int32), accumulate=True)
 
     def add(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Counts one more occurrence of tokens[i] in the output of the sequence in slots[i] (device tensors)."""

@@ -106,7 +106,8 @@ def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat 
 class SeededDraws:
     """A sampled sequence's randomness: its seed (params.seed, or one drawn when the request set none) and one
     generator on the device, reseeded for every draw. Reseeding sets the generator's state in place (on CUDA: the
-    Philox seed and offset, host-side), so a draw allocates no generator and syncs nothing."""
+    Philox seed and offset, host-side), so a draw allocates no generator and syncs nothing. torch's CPU generator
+    keeps only a key's low 32 bits; position_seed's mixing makes those depend on every bit of seed and position."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.seed = seed

@@ -66,9 +66,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()  # sampled ids that end the sequence (stop ids, EOS unless ignored)
     matcher: Any = None  # response_format: an llguidance.LLMatcher advanced with every token (engine/grammar.py)
     prefix: PrefixHints = PrefixHints()
-    # A continuation (a failed-over sequence): the last `continued` prompt ids are output an earlier shard generated;
-    # they count as output for the grammar, the penalties, token indices and usage.
-    continued: int = 0
+    prior_output: int = 0  # a continuation: the prompt's last tokens that are this sequence's own earlier output
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None

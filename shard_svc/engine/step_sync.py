@@ -20,7 +20,7 @@ class StepSync(Protocol):
         """How many engines step together (1: this one alone)."""
 
     def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
-               continued: int = 0) -> None: ...
+               prior_output: int) -> None: ...
 
     def on_cancel(self, request_id: str) -> None: ...
 
@@ -41,7 +41,7 @@ class Alone:
     world = 1
 
     def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
-               continued: int = 0) -> None:
+               prior_output: int) -> None:
         pass
 
     def on_cancel(self, request_id: str) -> None:

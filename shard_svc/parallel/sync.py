@@ -39,7 +39,7 @@ PASS_KINDS = ("prefill", "decode")
 @dataclass(frozen=True)
 class StepMessage:
     kind: str  # "step" (then every rank steps) | "idle" (heartbeat: journal only) | "stop" (the group shuts down)
-    # ("add", request_id, prompt, SamplingParams, keep_prompt_logits, PrefixHints, continued) | ("cancel", id)
+    # ("add", request_id, prompt, SamplingParams, keep_prompt_logits, PrefixHints, prior_output) | ("cancel", id)
     journal: tuple[tuple, ...]
 
 
@@ -60,9 +60,9 @@ class StepSync:
 
     # -- leader: requests and messages ---------------------------------------------------------------------------
     def on_add(self, request_id: str, prompt: list[int], params, keep_prompt_logits: bool, prefix,
-               continued: int = 0) -> None:
+               prior_output: int) -> None:
         if self.leader:
-            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits, prefix, continued))
+            self._journal.append(("add", request_id, list(prompt), params, keep_prompt_logits, prefix, prior_output))
 
     def on_cancel(self, request_id: str) -> None:
         if self.leader:
@@ -91,9 +91,9 @@ class StepSync:
     def apply(self, engine, msg: StepMessage) -> None:
         for entry in msg.journal:
             if entry[0] == "add":
-                _, request_id, prompt, params, keep, prefix, continued = entry
+                _, request_id, prompt, params, keep, prefix, prior_output = entry
                 try:
-                    engine.add_request(request_id, prompt, params, keep, prefix=prefix, continued=continued)
+                    engine.add_request(request_id, prompt, params, keep, prefix=prefix, prior_output=prior_output)
                 except Exception as e:  # noqa: BLE001 - rank 0 accepted it, so refusing it here is a divergence
                     raise GroupDiverged(f"rank {self.group.rank} refused request {request_id!r} that rank 0 "
                                         f"accepted: {e}") from e

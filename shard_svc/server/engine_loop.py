@@ -63,7 +63,7 @@ class _Submitted:
     arrived_at: float  # time.monotonic() when the gRPC handler took it
     traced: TracedRequest | None = None
     prefix: PrefixHints = PrefixHints()
-    continued: int = 0  # trailing prompt ids that are output already generated (a continuation)
+    prior_output: int = 0
 
 
 @dataclass
@@ -100,17 +100,17 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                sink: Callable[[TokenEvent], None], trace_context: Mapping[str, str] | None = None,
-               prefix: PrefixHints = PrefixHints(), continued: int = 0) -> None:
+               prefix: PrefixHints = PrefixHints(), prior_output: int = 0) -> None:
         """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
         trace_context: the W3C trace headers of the caller's span (the Submit's), or None. prefix: its cache salt
-        and message boundaries. continued: the last ids of `prompt` are output already generated (a continuation,
-        Engine.check_request).
+        and message boundaries. prior_output: the prompt's last tokens that are the sequence's own earlier output
+        (a continuation; Engine.add_request).
 
         Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
         ShuttingDown."""
         arrived_at = time.monotonic()
         traced = TracedRequest(dict(trace_context)) if trace_context and tracing.enabled() else None
-        matcher = self.engine.check_request(request_id, prompt, params, continued)
+        matcher = self.engine.check_request(request_id, prompt, params, prior_output)
         PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))  # bad boundaries: refused now
         with self._lock:
             if self.failure is not None:
@@ -121,7 +121,7 @@ class EngineLoop:
                 raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
             self._sinks[request_id] = sink
             self._intake.append(_Submitted(request_id, list(prompt), params, matcher, arrived_at, traced, prefix,
-                                           continued))
+                                           prior_output))
             self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
                                                  queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
@@ -191,7 +191,7 @@ class EngineLoop:
         for sub in intake:
             try:
                 seq = self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher,
-                                              prefix=sub.prefix, continued=sub.continued)
+                                              prefix=sub.prefix, prior_output=sub.prior_output)
                 seq.arrived_at = sub.arrived_at
                 self._live[sub.request_id] = _Live(seq, sub.traced)
             except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now

@@ -139,7 +139,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 params = SamplingParams.from_proto(sub.sampling, sub.max_tokens)
                 prefix = PrefixHints(sub.cache_salt, tuple(sub.message_boundaries))
                 self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context, prefix,
-                                 sub.continued_tokens)
+                                 sub.prior_output_tokens)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)

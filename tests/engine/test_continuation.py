@@ -1,7 +1,8 @@
-"""A continuation (`continued` trailing prompt ids that are output an earlier shard generated: how the router fails a
-stream over) goes on exactly as the uninterrupted sequence would have, greedy: a response_format matcher is
-advanced over the continued tokens, the penalties count them as output, and token indices and usage count them as
-generated, not as prompt. Without `continued` the same resubmission diverges (the test can fail)."""
+"""A continuation (`prior_output` trailing prompt ids that are output an earlier shard generated: how the router
+fails a stream over) goes on exactly as the uninterrupted sequence would have, greedy: a response_format matcher is
+advanced over them, the penalties count them as output (repetition too), and token indices and usage count them as
+generated, not as prompt. Without `prior_output` the same resubmission diverges (the test can fail). The seeded half
+is tests/engine/test_seeded_continuation.py."""
 
 from __future__ import annotations
 
@@ -40,18 +41,18 @@ def grammars(tokenizer_dir) -> Grammars:
     return Grammars.for_checkpoint(tokenizer_dir, VOCAB, (EOS,))
 
 
-def events_of(engine, rid: str, prompt: list[int], params: SamplingParams, continued: int = 0):
-    seq = engine.add_request(rid, prompt, params, continued=continued)
+def events_of(engine, rid: str, prompt: list[int], params: SamplingParams, prior_output: int = 0):
+    seq = engine.add_request(rid, prompt, params, prior_output=prior_output)
     events = []
     while engine.has_work():
         events += [e for e in engine.step().events if e.request_id == rid]
     return seq, events
 
 
-def continue_at(engine, prompt, params, original, k: int, continued: int | None = None):
+def continue_at(engine, prompt, params, original, k: int, prior_output: int | None = None):
     """Resubmits prompt + the first k outputs with the budget left, as the router does."""
     return events_of(engine, f"cont-{k}", prompt + original[:k], replace(params, max_tokens=params.max_tokens - k),
-                     k if continued is None else continued)
+                     k if prior_output is None else prior_output)
 
 
 def test_a_json_schema_continuation_equals_the_uninterrupted_run(grammars, tokenizer_dir):
@@ -71,16 +72,17 @@ def test_a_json_schema_continuation_equals_the_uninterrupted_run(grammars, token
                                                                                     len(whole.output))
 
 
-def test_a_token_the_format_refuses_as_continued_output_is_refused_naming_it(grammars, tokenizer_dir):
+def test_a_refused_prior_output_names_the_field(grammars, tokenizer_dir):
+    """The refusals themselves are in test_seeded_continuation.py; here: the field they blame, for the router."""
     tok = load_tokenizer(tokenizer_dir)
     fmt = ResponseFormat("json_schema", json.dumps(SCHEMA), "person")
     engine = make_engine(CONFIG, grammars=grammars)
-    prompt = tok.encode("Reply in JSON:")
-    not_json = tok.encode("hello")
-    with pytest.raises(InvalidRequest, match=r"'r-bad'.*continued token 0 of \d+") as e:
-        engine.add_request("r-bad", prompt + not_json, SamplingParams(temperature=0.0, response_format=fmt),
-                           continued=len(not_json))
-    assert e.value.param == "continued_tokens"
+    prompt, prose = tok.encode("Reply in JSON:"), tok.encode("hello")
+    for ids, prior, params in ((prompt + prose, len(prose), SamplingParams(temperature=0.0, response_format=fmt)),
+                               ([4, 5, 6], 3, SamplingParams(temperature=0.0, max_tokens=4))):
+        with pytest.raises(InvalidRequest, match="prior") as e:
+            engine.add_request("r-bad", ids, params, prior_output=prior)
+        assert e.value.param == "prior_output_tokens"
 
 
 @pytest.mark.parametrize("params", [
@@ -96,12 +98,5 @@ def test_a_penalised_continuation_equals_the_uninterrupted_run(params):
         seq, _ = continue_at(engine, prompt, params, whole.output, k)
         assert whole.output[:k] + seq.output == whole.output, f"continued {k} tokens in"
     if params.repetition_penalty == 1.0:  # presence / frequency count output only: as prompt, the tail differs
-        seq, _ = continue_at(engine, prompt, params, whole.output, 12, continued=0)
+        seq, _ = continue_at(engine, prompt, params, whole.output, 12, prior_output=0)
         assert whole.output[:12] + seq.output != whole.output, "the test cannot tell output from prompt"
-
-
-def test_continued_must_leave_an_original_prompt_token():
-    engine = make_engine(CONFIG)
-    with pytest.raises(InvalidRequest, match=r"'r-all'.*continued_tokens 3 must be fewer than the 3") as e:
-        engine.add_request("r-all", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=4), continued=3)
-    assert e.value.param == "continued_tokens"

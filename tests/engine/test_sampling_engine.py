@@ -4,6 +4,7 @@ batch independence, and structured output with the tiny tokenizer's vocabulary o
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -171,6 +172,29 @@ def test_json_object_and_regex_formats(grammars, tokenizer_dir):
         assert seq.finish_reason == "stop"
         text = tok.decode(seq.output)
         assert text.split(", ")[0] in ("yes", "no") and 2 <= len(text.split(", ")[1]) <= 4, text
+
+
+def test_a_continuation_resumes_the_format_where_its_prior_output_left_it(grammars, tokenizer_dir):
+    """A continuation of a constrained sequence (prompt + its first k tokens, prior_output = k, same seed) has its
+    format advanced over those tokens and draws exactly the rest of the original; prior tokens the format refuses
+    are refused at submit."""
+    tok = load_tokenizer(tokenizer_dir)
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[0]), "test")
+    prompt = tok.encode("Reply in JSON:")
+    params = SamplingParams(max_tokens=150, temperature=1.0, seed=3, response_format=fmt, presence_penalty=0.5)
+    original = make_engine(CONFIG, grammars=grammars).generate(prompt, params)
+    assert original.finish_reason == "stop"
+    k = 6
+    engine = make_engine(CONFIG, grammars=grammars)
+    resumed = engine.add_request("resumed", prompt + original.output[:k], replace(params, max_tokens=150 - k),
+                                 prior_output=k)
+    while engine.has_work():
+        engine.step()
+    assert resumed.output == original.output[k:] and resumed.finish_reason == "stop"
+    jsonschema.validate(json.loads(tok.decode(original.output[:k] + resumed.output)), SCHEMAS[0])
+    prose = tok.encode("hi")
+    with pytest.raises(InvalidRequest, match=rf"response_format refuses prior output token {prose[0]} \(index 0 of "):
+        engine.check_request("not-json", prompt + prose, params, prior_output=len(prose))
 
 
 @pytest.mark.parametrize("fmt,message", [

@@ -75,3 +75,37 @@ def test_a_seed_outside_uint64_is_refused_naming_it():
     for seed in (-1, 1 << 64):
         with pytest.raises(InvalidRequest, match=rf"seed must be in \[0, 2\^64\).*got {seed}"):
             engine.add_request(f"bad{seed}", PROMPT, replace(SAMPLED, seed=seed))
+
+
+PENALISED = replace(SAMPLED, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=True)
+
+
+def drawn(engine, requests: dict[str, tuple[list[int], SamplingParams, int]]) -> dict[str, list[tuple[int, float]]]:
+    """Runs (prompt, params, prior output) requests together; returns each one's (token, logprob) draws."""
+    for rid, (prompt, params, prior) in requests.items():
+        engine.add_request(rid, prompt, params, prior_output=prior)
+    out = {rid: [] for rid in requests}
+    while engine.has_work():
+        for e in engine.step().events:
+            out[e.request_id].append((e.token_id, e.logprob))
+    return out
+
+
+def test_a_continuation_counts_its_prior_output_in_the_penalties(family):
+    """Presence and frequency penalties count the output only: a continuation says how many of its prompt's last
+    tokens are its earlier output, and then samples the original's tail from the same penalised distributions."""
+    original = drawn(make_engine(family, dtype=F64), {"o": (PROMPT, PENALISED, 0)})["o"]
+    k = 7
+    prompt, resumed = PROMPT + [t for t, _ in original[:k]], replace(PENALISED, max_tokens=PENALISED.max_tokens - k)
+    got = drawn(make_engine(family, dtype=F64), {"told": (prompt, resumed, k), "untold": (prompt, resumed, 0)})
+    assert [t for t, _ in got["told"]] == [t for t, _ in original[k:]]
+    assert [lp for _, lp in got["told"]] == pytest.approx([lp for _, lp in original[k:]], abs=1e-5)
+    # Without the count the prior tokens are only the prompt's: their presence and frequency penalties are gone,
+    # and the distributions (so the reported logprobs) differ.
+    assert [lp for _, lp in got["untold"]] != pytest.approx([lp for _, lp in original[k:]], abs=1e-5)
+
+
+def test_prior_output_must_leave_the_original_prompt():
+    engine = make_engine(linear_config())
+    with pytest.raises(InvalidRequest, match=r"prior_output_tokens 9 must be below the prompt's 9 tokens"):
+        engine.add_request("all-prior", PROMPT, SAMPLED, prior_output=9)

@@ -117,9 +117,10 @@ def deep(levels: int) -> str:
     return '{"a":' + "[" * (levels - 1) + "]" * (levels - 1) + "}"
 
 
-def submit(request_id: str, ids=(1, 2, 3), max_tokens=2, boundaries=()) -> shard_pb2.ShardRequest:
+def submit(request_id: str, ids=(1, 2, 3), max_tokens=2, boundaries=(), prior_output=0) -> shard_pb2.ShardRequest:
     return shard_pb2.ShardRequest(submit=shard_pb2.ShardRequest.Submit(
-        request_id=request_id, prompt_token_ids=list(ids), max_tokens=max_tokens, message_boundaries=boundaries))
+        request_id=request_id, prompt_token_ids=list(ids), max_tokens=max_tokens, message_boundaries=boundaries,
+        prior_output_tokens=prior_output))
 
 
 # A serialized GenerateRequest cut in the middle of its text field, and one whose text is not UTF-8.
@@ -299,8 +300,9 @@ def test_bad_input_gets_its_status_and_the_stack_keeps_serving(stack, target, rp
     submit("cat-no-budget", max_tokens=0),
     submit("cat-boundary-past-prompt", boundaries=[1, 3]),
     submit("cat-boundaries-not-increasing", ids=range(1, 9), boundaries=[4, 2]),
+    submit("cat-all-prior-output", ids=[1, 2, 3], prior_output=3),
 ], ids=["neither-submit-nor-cancel", "empty-prompt", "id-past-vocab", "max-tokens-zero", "boundary-past-prompt",
-        "boundaries-not-increasing"])
+        "boundaries-not-increasing", "all-prior-output"])
 def test_shard_refuses_a_bad_submit_with_an_invalid_argument_event(stack, request_):
     """The shard answers on its stream (ShardEvent.Error), not with a status, and the stream stays usable: a good
     submit after the bad one finishes. The request stream stays open until then (closing it cancels what is live)."""

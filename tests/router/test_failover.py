@@ -1,6 +1,6 @@
 """Failover's bounds and its race, against the router's own code.
 
-- A continuation carries the prompt plus the tokens passed on, as continued_tokens, with the budget left, and every
+- A continuation carries the prompt plus the tokens passed on, as prior_output_tokens, with the budget left, and every
   leg has its own shard-side id; past --max-failovers, or when it no longer fits, it is refused with a message
   naming the request, the shards tried, the count and the sizes.
 - The race: a hung shard leaves rotation (its probes fail) while its stream is still open, and its last token
@@ -31,7 +31,7 @@ def test_a_continuation_resends_the_tokens_passed_on_as_continued_output():
     legs = Legs("req-1", FIRST, max_failovers=2, shards=["a:1"])
     sub = legs.continuation(LOST, [40, 41, 42], max_context=64)
     assert list(sub.prompt_token_ids) == [5, 6, 7, 40, 41, 42]
-    assert (sub.continued_tokens, sub.max_tokens, sub.sampling.seed) == (3, 7, 9)
+    assert (sub.prior_output_tokens, sub.max_tokens, sub.sampling.seed) == (3, 7, 9)
     assert not sub.sampling.HasField("prompt_logprobs"), "the first leg sent the scored prompt"
     assert list(FIRST.prompt_token_ids) == [5, 6, 7], "the first Submit is left as it was"
     legs.shards.append("b:1")
