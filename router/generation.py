@@ -234,8 +234,8 @@ class Generation:
         submit.trace_context.update(stream.carrier())
         stream.set("shard", shard.name)
         log.info("request routed", extra={"request_id": legs.request_id, "leg_id": legs.leg_id, "shard": shard.name,
-                                          "prompt_tokens": len(prompt), "prior_output_tokens": submit.prior_output_tokens,
-                                          "max_tokens": submit.max_tokens})
+                                          "prompt_tokens": len(prompt), "max_tokens": submit.max_tokens,
+                                          "prior_output_tokens": submit.prior_output_tokens})
         shard_client = next(c for c in self.shards if c.view is shard)
         return shard_client, await shard_client.submit(submit)
 
