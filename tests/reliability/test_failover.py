@@ -128,8 +128,12 @@ def test_sigkill_mid_stream_fails_over_token_for_token_and_up_restarts_the_shard
 def test_sigterm_mid_stream_drains_its_streams_to_the_end_and_up_restarts_it_cleanly(stack, reference):
     address = stack.child("shard-0").address
     in_rotation = stack.rotation_events(address, "shard in rotation")
+    moved = total(router_series(stack), "kimiserve_router_failovers_total")
     streams, pid = faulted(stack, "shard-0", signal.SIGTERM)
     assert_equal_to(streams, reference)
+    assert total(router_series(stack), "kimiserve_router_failovers_total") == moved, \
+        "a draining shard's streams run to their end on it: none should have moved"
+    assert stack.events("shard draining: out of rotation for new sequences, its running ones go on", "router")
     restarted = stack.wait_restarted("shard-0", pid)
     assert [e["pid"] for e in stack.events("child stopped cleanly; restarting")] == [pid]
     assert not [e for e in stack.events("child exited; restarting") if e["pid"] == pid], "a drain is no crash"
