@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from kimiserve import sampling_rules, tracing
-from kimiserve.seeds import draw_seed
 from kimiserve.kimi_chat import ToolCall
+from kimiserve.seeds import draw_seed
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
@@ -216,10 +216,10 @@ class Generation:
         while the only healthy shard restarts)."""
         prompt = list(submit.prompt_token_ids)
         deadline = time.monotonic() + wait_s
+        names = block_names(prompt, submit.cache_salt)
         with span.child("route") as route:
             while True:
                 try:
-                    names = block_names(prompt, submit.cache_salt)
                     shard = pick_shard([c.view for c in self.shards], self.prefixes.matched_tokens(names))
                     break
                 except NoHealthyShard as e:
