@@ -263,8 +263,7 @@ class Generation:
                         finished = True
                         out.finish_reason = finish_reason_name(ended)
                         tail = stops.feed(await detok.finish()) + stops.flush()
-                        yield Piece(text=tail, finish_reason=ended, usage=common_pb2.Usage(
-                            prompt_tokens=len(prompt), completion_tokens=out.generated, cached_prompt_tokens=cached))
+                        yield Piece(text=tail, finish_reason=ended, usage=_usage(prompt, out, cached))
                         break
                     shard, events = await self._fail_over(legs, event, generated, span, stream)
                     out.shard = shard.address
@@ -301,10 +300,8 @@ class Generation:
                         finished = True
                         out.finish_reason = "stop"
                         await shard.cancel(legs.leg_id)
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
-                                                 cached_prompt_tokens=cached)
-                        yield Piece([token], text=text, finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage,
-                                    **per_token)
+                        yield Piece([token], text=text, finish_reason=common_pb2.FINISH_REASON_STOP,
+                                    usage=_usage(prompt, out, cached), **per_token)
                         break
                     yield Piece([token], text=text, **per_token)
                 elif kind == "finished":
@@ -313,10 +310,8 @@ class Generation:
                     f = event.finished
                     out.finish_reason = finish_reason_name(f.finish_reason)
                     out.timing = f.timing if f.HasField("timing") else None
-                    usage = f.usage
-                    if legs.failovers:  # the shard counted its own leg's cache hits; the client's are the first leg's
-                        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
-                                                 cached_prompt_tokens=cached)
+                    # After a failover the shard counted its own leg's cache hits; the client's are the first leg's.
+                    usage = _usage(prompt, out, cached) if legs.failovers else f.usage
                     yield Piece(text=tail, finish_reason=f.finish_reason, usage=usage, error_message=f.error_message)
                     break
         except FailoverRefused as e:
@@ -391,6 +386,12 @@ class Generation:
         span = tracing.current()
         for key in ("tenant", "finish_reason", "prompt_tokens", "completion_tokens", "shard"):
             span.set(key, facts[key])
+
+
+def _usage(prompt: list[int], out: _Outcome, cached: int) -> common_pb2.Usage:
+    """The usage the router reports itself (a stop string ended the stream, or a failover): the original prompt,
+    every token passed on once, the first leg's prefix-cache hits."""
+    return common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated, cached_prompt_tokens=cached)
 
 
 def _with(s: common_pb2.SamplingParams, **fields) -> common_pb2.SamplingParams:
