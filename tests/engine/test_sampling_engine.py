@@ -249,3 +249,27 @@ def test_kimi_tiktoken_vocabulary_gives_the_same_masks(tokenizer_dir, grammars, 
         assert torch.equal(grammars.masks([a]), tiktoken_only.masks([b]))
         assert a.consume_token(token) and b.consume_token(token)
     assert a.is_accepting() and b.is_accepting()
+
+
+def test_a_greedy_json_schema_continuation_equals_the_uninterrupted_run_at_every_cut(grammars, tokenizer_dir):
+    """Cut after the first token, mid-way and before the last: each continuation (prior_output = k) ends the format
+    exactly as the whole run did, its token indices going on from k; a refused prior token names the field."""
+    tok = load_tokenizer(tokenizer_dir)
+    fmt = ResponseFormat("json_schema", json.dumps(SCHEMAS[1]), "test")
+    prompt = tok.encode("Reply in JSON:")
+    params = SamplingParams(temperature=0.0, max_tokens=120, response_format=fmt)
+    engine = make_engine(CONFIG, grammars=grammars, dtype=torch.float64)
+    whole = engine.generate(prompt, params)
+    assert whole.finish_reason == "stop"
+    n = len(whole.output)
+    for k in (1, n // 2, n - 1):
+        seq = engine.add_request(f"k{k}", prompt + whole.output[:k], replace(params, max_tokens=120 - k),
+                                 prior_output=k)
+        events = []
+        while engine.has_work():
+            events += engine.step().events
+        assert whole.output[:k] + seq.output == whole.output, f"continued {k} tokens in"
+        assert [e.index for e in events if e.token_id is not None] == list(range(k, n))
+    with pytest.raises(InvalidRequest) as e:
+        engine.check_request("prose", prompt + tok.encode("hi"), params, prior_output=1)
+    assert e.value.param == "prior_output_tokens"
