@@ -40,6 +40,7 @@ from tests.router.batch.lines import assert_each_once, slow_lines
 from tests.reliability.conftest import stream_many
 from tests.services.helpers import generate, scrape, shard_load, total, wait_until
 
+POLL_S = 0.5  # the router's Load / health poll interval (ShardClient's default)
 STREAMS = 32  # two shards of 16 state slots (the shard default): every stream runs at once
 MAX_TOKENS = 200  # long enough that every stream is mid-generation when the fault comes
 
@@ -134,6 +135,10 @@ def test_shard_sigstop_fails_its_streams_over_in_bounded_time_and_sigcont_brings
     finally:
         os.kill(stack.child("shard-0").pid, signal.SIGCONT)
     stack.wait_back_in_rotation(address, in_rotation)
+    # Woken, the shard still runs the sequences it held until it reads that their stream was cancelled (they moved):
+    # the burst measures its capacity once they are gone and the router has polled its Load again.
+    stack.assert_shards_idle()
+    time.sleep(2 * POLL_S)
     assert_capacity_back(stack, stack.child("shard-0"))
     stack.assert_shards_idle()
 
