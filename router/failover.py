@@ -8,6 +8,10 @@ unseeded sampled request's seed before its first leg, so the continuation draws 
 The text side (detokenizer, stop strings) never left the router, so the client's stream goes on with no gap and no
 repeated token. Each leg runs under its own shard-side id (`<request id>/failover-<n>`), so a leg can never collide
 with a previous one still being cleaned up on a shard that comes back.
+
+One task (Generation._stream) reads a sequence's events and fails it over, one leg at a time, so a sequence never
+fails over twice at once; each leg has its own event queue, and the shard client forgets a lost leg's id before it
+says the leg is lost, so nothing of an old leg can reach the sequence once it has moved.
 """
 
 from __future__ import annotations
