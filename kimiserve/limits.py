@@ -67,13 +67,18 @@ MAX_ERROR_CHARS = 2000
 class RequestTooLarge(ValueError):
     """A request field is over its limit; the message names the field, the limit and the value."""
 
+    def __init__(self, message: str, field: str):
+        """field: the request field over its limit, as the proto names it ("sampling.stop[2]", "messages")."""
+        super().__init__(message)
+        self.field = field
+
 
 class JsonTooDeep(ValueError):
     """JSON text nests deeper than MAX_JSON_DEPTH."""
 
 
 def _over(field: str, value: int, limit: int, unit: str) -> RequestTooLarge:
-    return RequestTooLarge(f"{field}: {value:,} {unit} is over the limit of {limit:,}")
+    return RequestTooLarge(f"{field}: {value:,} {unit} is over the limit of {limit:,}", field)
 
 
 def check_sampling(s: Message) -> None:

@@ -75,6 +75,15 @@ def enabled() -> bool:
     return _state.tracer is not None
 
 
+def setup_or_exit(service: str) -> None:
+    """setup() at a service's start; a bad OTEL_* setting is the user's mistake: SystemExit with one line naming the
+    service and the setting, no traceback."""
+    try:
+        setup(service)  # on only when the OTEL_* environment asks for traces
+    except TracingConfigError as e:
+        raise SystemExit(f"{service}: {e}") from e
+
+
 def setup(service: str, env: Mapping[str, str] = os.environ) -> bool:
     """Called once at a service's start. Builds the SDK's tracer provider when the environment asks for traces
     (the service name defaults to `kimiserve-<service>`; OTEL_SERVICE_NAME overrides it). Returns whether on."""

@@ -1,7 +1,16 @@
-"""Router errors, each carrying the gRPC status it is answered with, and the one table from those statuses to HTTP
-statuses (router/http)."""
+"""The router's one error table: its named errors, each carrying the gRPC status it is answered with; what a shard's
+refusal and a tokenizer call's status become; what a client is told on gRPC (`refusal`); and the HTTP status and
+OpenAI error body (`error_body`) of each gRPC status. Every entry point uses it: the gRPC servicer
+(router/service.py), the batch RPCs (router/batch/service.py), batch error lines (router/batch/jobs.py) and the HTTP
+API (router/http/errors.py)."""
+
+from __future__ import annotations
+
+import re
 
 import grpc
+
+from kimiserve.v1 import shard_pb2
 
 
 class RouterError(Exception):
@@ -47,6 +56,49 @@ class ToolChoiceNotMet(RouterError):
     code = grpc.StatusCode.INTERNAL
 
 
+# A shard's refusal of a Submit (ShardEvent.Error.code) -> the router error it is answered with.
+SHARD_ERRORS: dict[int, type[RouterError]] = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
+                                              shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS: AlreadyExists,
+                                              shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded}
+# A tokenizer call's final status -> the router error; any other status is the router's INTERNAL.
+TOKENIZER_ERRORS: dict[grpc.StatusCode, type[RouterError]] = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+                                                              grpc.StatusCode.NOT_FOUND: NotFound,
+                                                              grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
+# What grpc's core, not the tokenizer, says when the connection under a call breaks (the tokenizer process died):
+# INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
+BROKEN_CONNECTION = (grpc.StatusCode.INTERNAL, "Internal error from Core")
+# The tokenizer names the field at fault first in an INVALID_ARGUMENT message ("messages[2]: ...", "tools[0]: ...",
+# "text: ..."; tokenizer_svc/chat_types.py, tokenizer_svc/service.py): the request field it was given as.
+_TOKENIZER_FIELDS = re.compile(r"(messages|tools|text)\b")
+_TOKENIZER_PARAMS = {"messages": "messages", "tools": "tools", "text": "prompt"}
+INTERNAL_MESSAGE = "internal error; the router's log has the details"
+
+
+def from_shard(error: shard_pb2.ShardEvent.Error) -> RouterError:
+    """A shard's refusal of one sequence, with the field it blames (the message names no shard address: clients
+    are not told where the shards are)."""
+    return SHARD_ERRORS.get(error.code, RouterError)(error.message, error.param or None)
+
+
+def from_tokenizer(code: grpc.StatusCode, details: str, ended_call: str = "") -> RouterError:
+    """The router error for a tokenizer call's final status; a broken connection is the tokenizer being unavailable.
+    `ended_call`: the streaming call that ended under us, named in the message with its status."""
+    if (code, details) == BROKEN_CONNECTION:
+        code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke ({details})"
+    where = f"{ended_call} ended with {code.name}: " if ended_call else ""
+    field = _TOKENIZER_FIELDS.match(details) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+    return TOKENIZER_ERRORS.get(code, RouterError)(f"tokenizer service: {where}{details}",
+                                                   _TOKENIZER_PARAMS[field.group(1)] if field else None)
+
+
+def refusal(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """(gRPC status, message for the client) of any failure: a named error says what was wrong; a bug's text (which
+    may quote input, or be huge) goes to the log only."""
+    if isinstance(e, RouterError):
+        return e.code, str(e)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
 # The one table from the gRPC status of a named error to the HTTP status the HTTP API answers with.
 HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -66,3 +118,19 @@ HTTP_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.ABORTED: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+# OpenAI's error `type` of each HTTP status; any other is "server_error".
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
+                415: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}; `code` is the gRPC status in lower case
+    (the same code a batch error line carries)."""
+    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}
+
+
+def http_status(code_name: str) -> int:
+    """The HTTP status of a gRPC status named in lower case (a batch error line's `code`)."""
+    return HTTP_STATUS.get(grpc.StatusCode.__members__.get(code_name.upper()), 500)

@@ -20,39 +20,15 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from kimiserve.kimi_chat import ReplySplitter, ToolCall
+from kimiserve.kimi_chat import ReplySplitter
 from kimiserve.limits import MAX_N
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import prompts, tool_choice
 from router.cache_salt import check_request_salt
 from router.errors import InvalidArgument
-from router.generation import Chunk, Generation
+from router.generation import Generation, Piece
 from router.request_ids import sequence_ids
-
-
-@dataclass
-class Piece:
-    """One step of a flow's output (one token, or the end). The last piece has finish_reason and usage."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # one per token id, with SamplingParams.logprobs
-    top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # one per token id, when asked for
-    token_texts: list[str] = field(default_factory=list)  # what each token added to the text (see Chunk)
-    text: str = ""  # completion text, or chat content, since the previous piece
-    reasoning: str = ""  # chat: <think> text since the previous piece
-    tool_calls: list[ToolCall] = field(default_factory=list)  # chat, last piece only
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    usage: common_pb2.Usage | None = None
-    error_message: str = ""
-    prompt_logprobs: common_pb2.PromptLogprobs | None = None  # the scored prompt, on a choice's first piece
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
-
-    def tool_call_protos(self) -> list[common_pb2.ToolCall]:
-        return [common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in self.tool_calls]
 
 
 @dataclass
@@ -79,12 +55,6 @@ async def collect(pieces: AsyncIterator[Piece]) -> Reply:
     return reply
 
 
-def _piece(chunk: Chunk, **text) -> Piece:
-    return Piece(list(chunk.token_ids), list(chunk.logprobs), list(chunk.top_logprobs), list(chunk.token_texts),
-                 finish_reason=chunk.finish_reason, usage=chunk.usage, error_message=chunk.error_message,
-                 prompt_logprobs=chunk.prompt_logprobs, **text)
-
-
 @dataclass(frozen=True)
 class Prompt:
     """A request made ready to run (validated, rendered, tokenized): the n sequences of one request share it."""
@@ -103,7 +73,7 @@ class Prompt:
 def _no_client_tool_calls(s: common_pb2.SamplingParams) -> None:
     if s.HasField("response_format") and s.response_format.WhichOneof("kind") == "tool_calls":
         raise InvalidArgument("sampling.response_format.tool_calls is set by the router from ChatRequest.tool_choice;"
-                              " use tool_choice 'required' or a named function")
+                              " use tool_choice 'required' or a named function", "response_format")
 
 
 async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> Prompt:
@@ -136,8 +106,8 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
               sampling: common_pb2.SamplingParams, tenant: Tenant) -> AsyncIterator[Piece]:
     """One sequence from a prepared prompt, for `tenant`; `request_id` is its sequence id, claimed by `choices`."""
     if not prompt.chat:
-        async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant, cache_salt=prompt.cache_salt):
-            yield _piece(chunk, text=chunk.text)
+        async for piece in gen.run(method, request_id, prompt.ids, sampling, tenant, cache_salt=prompt.cache_salt):
+            yield piece
         return
     if prompt.constraint is not None:
         constrained = common_pb2.SamplingParams()
@@ -145,33 +115,26 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
         constrained.response_format.CopyFrom(prompt.constraint)
         sampling = constrained
     splitter = ReplySplitter()
-    async for chunk in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
+    async for piece in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
                                hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info), cache_salt=prompt.cache_salt,
                                message_ends=prompt.message_ends):
-        reasoning, content = splitter.feed(chunk.text)
-        calls: list[ToolCall] = []
-        if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-            r, c, calls = splitter.finish()
-            reasoning, content = reasoning + r, content + c
-            if chunk.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
-                tool_choice.check_reply(prompt.tool_choice, calls, request_id)
-        yield _piece(chunk, text=content, reasoning=reasoning, tool_calls=calls)
+        piece.reasoning, piece.text = splitter.feed(piece.text)
+        if piece.final:
+            r, c, piece.tool_calls = splitter.finish()
+            piece.reasoning, piece.text = piece.reasoning + r, piece.text + c
+            if piece.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
+                tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id)
+        yield piece
 
 
-async def completion(gen: Generation, method: str, request_id: str, req: router_pb2.GenerateRequest,
-                     tenant: Tenant) -> AsyncIterator[tuple[int, Piece]]:
-    """A whole Generate request of `tenant`: its n choices as (choice index, piece)."""
+async def request(gen: Generation, method: str, request_id: str,
+                  req: router_pb2.GenerateRequest | router_pb2.ChatRequest, tenant: Tenant
+                  ) -> AsyncIterator[tuple[int, Piece]]:
+    """A whole Generate or Chat request of `tenant` (the gRPC RPCs', a batch line's): its n choices as (choice
+    index, piece)."""
     count = choice_count(req.n)
-    prompt = await completion_prompt(gen, req)
-    async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count, tenant):
-        yield item
-
-
-async def chat(gen: Generation, method: str, request_id: str, req: router_pb2.ChatRequest,
-               tenant: Tenant) -> AsyncIterator[tuple[int, Piece]]:
-    """A whole Chat request of `tenant`: its n choices as (choice index, piece)."""
-    count = choice_count(req.n)
-    prompt = await chat_prompt(gen, req)
+    is_chat = isinstance(req, router_pb2.ChatRequest)
+    prompt = await (chat_prompt(gen, req) if is_chat else completion_prompt(gen, req))
     async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count, tenant):
         yield item
 

@@ -8,18 +8,14 @@ request's span (kimiserve/tracing.py); the shard's spans hang under `stream` thr
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from kimiserve import tracing
+from kimiserve import sampling_rules, tracing
+from kimiserve.kimi_chat import ToolCall
 from kimiserve.tenants import Tenant
-from kimiserve.limits import (
-    MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
-    JsonTooDeep, loads_json)
 from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
@@ -33,7 +29,6 @@ from router.stop_strings import StopStringFilter
 from router.tokenizer_client import TokenizerClient
 
 log = logging.getLogger(__name__)
-SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]*")
 
 
 @dataclass
@@ -63,74 +58,51 @@ def finish_reason_name(reason: int) -> str:
 
 
 @dataclass
-class Chunk:
+class Piece:
+    """One step of a sequence's output (one token, or the end), the router's one form of a generated piece:
+    Generation.run makes it from the shard's ShardEvent, router/flow.py fills in the chat split (reasoning, content,
+    tool calls), and each front end writes it out (router/service.py, router/http/replies.py, router/batch/execute.py).
+    The last piece has finish_reason and usage."""
+
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
-    usage: common_pb2.Usage | None = None
-    error_message: str = ""
+    logprobs: list[float] = field(default_factory=list)  # one per token id, with SamplingParams.logprobs
     top_logprobs: list[common_pb2.TopLogprobs] = field(default_factory=list)  # one per token id, when asked for
-    logprobs: list[float] = field(default_factory=list)  # one per token id, when the sampling asked for logprobs
     # What each token added to the detokenized text (before stop strings; "" for hidden ids and for a token that
     # only starts a multi-byte character): OpenAI's per-token `token` strings.
     token_texts: list[str] = field(default_factory=list)
-    # With SamplingParams.prompt_logprobs: the scored prompt, on the sequence's first token only.
-    prompt_logprobs: common_pb2.PromptLogprobs | None = None
+    text: str = ""  # completion text, or chat content, since the previous piece
+    reasoning: str = ""  # chat: <think> text since the previous piece
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat, last piece only
+    finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
+    usage: common_pb2.Usage | None = None
+    error_message: str = ""
+    prompt_logprobs: common_pb2.PromptLogprobs | None = None  # the scored prompt, on a sequence's first piece
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def tool_call_protos(self) -> list[common_pb2.ToolCall]:
+        return [common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in self.tool_calls]
+
+
+# SamplingParams fields whose value is checked only when the client set it (proto3 `optional`); the rest always.
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "prompt_logprobs")
 
 
 def validate_sampling(s: common_pb2.SamplingParams) -> None:
-    """Raises InvalidArgument naming every problem; its param is the first field at fault."""
-    problems: list[tuple[str, str]] = []  # (field, what is wrong)
-    if s.HasField("max_tokens") and s.max_tokens <= 0:
-        problems.append(("max_tokens", f"max_tokens must be >= 1, got {s.max_tokens}"))
-    if s.HasField("temperature") and not 0 <= s.temperature <= MAX_TEMPERATURE:
-        problems.append(("temperature", f"temperature must be in [0, {MAX_TEMPERATURE}], got {s.temperature}"))
-    if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        problems.append(("top_p", f"top_p must be in (0, 1], got {s.top_p}"))
-    if s.HasField("top_k") and s.top_k < 0:
-        problems.append(("top_k", f"top_k must be >= 0, got {s.top_k}"))
-    for name in ("presence_penalty", "frequency_penalty"):
-        if s.HasField(name) and not -MAX_PENALTY <= getattr(s, name) <= MAX_PENALTY:
-            problems.append((name, f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(s, name)}"))
-    if s.HasField("repetition_penalty") and not 0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
-        problems.append(("repetition_penalty", f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
-                                               f"{s.repetition_penalty}"))
-    if s.top_logprobs > MAX_TOP_LOGPROBS:
-        problems.append(("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {s.top_logprobs}"))
-    elif s.top_logprobs and not s.logprobs:
-        problems.append(("top_logprobs", f"top_logprobs={s.top_logprobs} needs logprobs"))
-    if s.HasField("prompt_logprobs") and s.prompt_logprobs > MAX_TOP_LOGPROBS:
-        problems.append(("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got "
-                                            f"{s.prompt_logprobs}"))
+    """Raises InvalidArgument naming every problem (kimiserve/sampling_rules.py, the shard's rules too); its param
+    is the first field at fault."""
+    values = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
+    values.update(top_logprobs=s.top_logprobs, logprobs=s.logprobs)
+    problems = sampling_rules.sampling_problems(values)
     if s.HasField("response_format"):
-        problems += [("response_format", p) for p in _response_format_problems(s.response_format, s.ignore_eos)]
+        f = s.response_format
+        problems += sampling_rules.response_format_problems(f.WhichOneof("kind"), s.ignore_eos, f.json_schema.name,
+                                                            f.json_schema.schema, f.regex)
     if problems:
-        raise InvalidArgument("; ".join(p for _, p in problems), problems[0][0])
-
-
-def _response_format_problems(f: common_pb2.ResponseFormat, ignore_eos: bool) -> list[str]:
-    """What the router can check without the model's vocabulary; the shard compiles the grammar and refuses what
-    its grammar engine cannot enforce."""
-    kind = f.WhichOneof("kind")
-    if kind is None:
-        return ["response_format must set json_object, json_schema or regex"]
-    problems = ["ignore_eos cannot be combined with response_format: the format decides where the output ends"
-                ] if ignore_eos else []
-    if kind == "json_schema":  # its size was checked with the request's other sizes (kimiserve/limits.py)
-        if len(f.json_schema.name) > MAX_SCHEMA_NAME_CHARS or not SCHEMA_NAME.fullmatch(f.json_schema.name):
-            problems.append(f"response_format json_schema.name must match [A-Za-z0-9_-]{{0,{MAX_SCHEMA_NAME_CHARS}}}"
-                            f", got {f.json_schema.name[:80]!r}")
-        try:
-            schema = loads_json(f.json_schema.schema)
-        except (json.JSONDecodeError, JsonTooDeep) as e:
-            problems.append(f"response_format json_schema.schema is not JSON of at most {MAX_JSON_DEPTH} levels: {e}")
-        else:
-            if not isinstance(schema, dict):
-                problems.append(f"response_format json_schema.schema must be a JSON object, got "
-                                f"{type(schema).__name__}")
-    elif kind == "regex" and not f.regex:
-        problems.append("response_format regex is empty")
-    return problems
+        raise InvalidArgument(*sampling_rules.describe(problems))
 
 
 class Generation:
@@ -161,24 +133,24 @@ class Generation:
     def _budget(self, prompt: list[int], s: common_pb2.SamplingParams) -> int:
         info = self.model_info()
         if not prompt:
-            raise InvalidArgument("empty prompt")
-        bad = [t for t in prompt if t >= info.vocab_size]
+            raise InvalidArgument("empty prompt", "prompt")
+        bad = (sampling_rules.token_id_problems("prompt", prompt, info.vocab_size)
+               + sampling_rules.token_id_problems("stop_token_ids", s.stop_token_ids, info.vocab_size))
         if bad:
-            raise InvalidArgument(f"{len(bad)} token ids >= the model's vocab size {info.vocab_size}, first: "
-                                  f"{bad[:8]}", "prompt")
+            raise InvalidArgument(*sampling_rules.describe(bad))
         context = self.max_context_tokens()
         room = context - len(prompt)
         if room < 1:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens leaves no room in the maximum context of "
-                                  f"{context} tokens this deployment can hold")
+                                  f"{context} tokens this deployment can hold", "prompt")
         wanted = s.max_tokens if s.HasField("max_tokens") else self.default_max_tokens
         return min(wanted, room)
 
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
                   tenant: Tenant, keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset(),
-                  cache_salt: str = "", message_ends: tuple[int, ...] = ()) -> AsyncIterator[Chunk]:
-        """Yields chunks of the sequence `request_id` of `tenant`, which the caller claimed in `live` (and
-        releases: see flow.choices); the last chunk has finish_reason and usage. Raises RouterError subclasses.
+                  cache_salt: str = "", message_ends: tuple[int, ...] = ()) -> AsyncIterator[Piece]:
+        """Yields the pieces of the sequence `request_id` of `tenant`, which the caller claimed in `live` (and
+        releases: see flow.choices); the last piece has finish_reason and usage. Raises RouterError subclasses.
 
         `hidden_ids` are tokens returned in token_ids but not detokenized (chat: the end-of-turn token).
         `cache_salt` (the request's own, from flow; router/cache_salt.py) is mixed with the tenant's name into the
@@ -269,16 +241,17 @@ class Generation:
                         await shard.cancel(request_id)
                         usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=out.generated,
                                                  cached_prompt_tokens=cached)
-                        yield Chunk([token], text, common_pb2.FINISH_REASON_STOP, usage, **per_token)
+                        yield Piece([token], text=text, finish_reason=common_pb2.FINISH_REASON_STOP, usage=usage,
+                                    **per_token)
                         break
-                    yield Chunk([token], text, **per_token)
+                    yield Piece([token], text=text, **per_token)
                 elif kind == "finished":
                     finished = True
                     tail = stops.feed(await detok.finish()) + stops.flush()
                     f = event.finished
                     out.finish_reason = finish_reason_name(f.finish_reason)
                     out.timing = f.timing if f.HasField("timing") else None
-                    yield Chunk([], tail, f.finish_reason, f.usage, f.error_message)
+                    yield Piece(text=tail, finish_reason=f.finish_reason, usage=f.usage, error_message=f.error_message)
                     break
         finally:
             detok.cancel()  # a no-op once the stream has ended

@@ -166,11 +166,10 @@ async def serve(cfg: RouterConfig, stop: asyncio.Event) -> None:
     interceptors.append(AioDecodeGuard())  # last: a refused key is answered before the body is looked at
     server = grpc.aio.server(interceptors=interceptors,
                              options=[*SERVER_OPTIONS, ("grpc.max_receive_message_length", MAX_REQUEST_BYTES)])
-    servicer = RouterService(generation)
     # -- batch jobs (router/batch): SQLite store, runner, and the batch RPCs on the same Router service --
     batches = BatchWiring(cfg.batch or BatchConfig(default_db_path(), owner=f"{cfg.host}:{cfg.port}"),
                           generation, metrics)
-    batches.attach(servicer)
+    servicer = RouterService(generation, batches.runner)
     http = (HttpServer(build_app(generation, Batches(batches.runner, batches.files, lambda: generation.model_info()
                                                     .model_name), api_keys, cfg.http_max_body_bytes,
                                  cfg.http_allowed_hosts),
@@ -242,10 +241,7 @@ def _forget_shard_metrics(metrics: RouterMetrics, address: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = dataclasses.replace(config_from_args(args), batch=batch_config_from_args(args))
-    try:
-        tracing.setup("router")  # on only when the OTEL_* environment asks for traces
-    except tracing.TracingConfigError as e:
-        raise SystemExit(f"router: {e}") from e
+    tracing.setup_or_exit("router")
 
     async def main() -> None:
         stop = asyncio.Event()

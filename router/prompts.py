@@ -10,6 +10,7 @@ from router.errors import InvalidArgument, NotFound
 from router.generation import Generation
 
 # Special tokens a chat reply shows: the tool-call markers (parsed into tool_calls) and the thinking markers.
+PROMPT_FIELDS = {"text": "prompt", "prompt_token_ids": "prompt"}  # a GenerateRequest's prompt, as OpenAI names it
 CHAT_VISIBLE_SPECIALS = frozenset({"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
                                    "<think>", "</think>"})
@@ -28,11 +29,13 @@ def check_model(gen: Generation, model: str) -> None:
 
 
 def check_sizes(check, req) -> None:
-    """The API's size limits (kimiserve/limits.py), before any rendering or tokenizing work."""
+    """The API's size limits (kimiserve/limits.py), before any rendering or tokenizing work; the error's param is the
+    field as an OpenAI body names it ("stop" for sampling.stop[2], "prompt" for text)."""
     try:
         check(req)
     except limits.RequestTooLarge as e:
-        raise InvalidArgument(str(e)) from e
+        field = e.field.removeprefix("sampling.").split(".")[0].split("[")[0]
+        raise InvalidArgument(str(e), PROMPT_FIELDS.get(field, field)) from e
 
 
 async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> list[int]:
@@ -45,7 +48,7 @@ async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> l
         return await gen.tokenizer.tokenize(req.text)
     if kind == "prompt_token_ids":
         return list(req.prompt_token_ids.ids)
-    raise InvalidArgument("set either text or prompt_token_ids")
+    raise InvalidArgument("set either text or prompt_token_ids", "prompt")
 
 
 async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> tuple[list[int], tuple[int, ...]]:

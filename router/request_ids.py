@@ -28,13 +28,15 @@ def batch_request_id(batch_id: str, custom_id: str, attempt: int) -> str:
 def check_client_request_id(request_id: str) -> str:
     """Returns the id, or raises InvalidArgument naming what is wrong with it."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request id of {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        raise InvalidArgument(f"request id of {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}",
+                              "request_id")
     bad = next((i for i, c in enumerate(request_id) if not " " <= c <= "~"), None)
     if bad is not None:
         raise InvalidArgument(f"request id holds {request_id[bad]!r} at index {bad}; only printable ASCII "
-                              f"(0x20-0x7e) is allowed")
+                              f"(0x20-0x7e) is allowed", "request_id")
     if _BATCH_FORM.match(request_id):
-        raise InvalidArgument("request ids of the form 'batch_<32 hex digits>:...' are reserved for batch requests")
+        raise InvalidArgument("request ids of the form 'batch_<32 hex digits>:...' are reserved for batch requests",
+                              "request_id")
     return request_id
 
 

@@ -6,14 +6,15 @@ import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator
-
-import grpc
+from contextlib import aclosing
 
 from kimiserve import tracing
 from kimiserve.tenants import grpc_tenant
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router import flow
-from router.errors import RouterError
+from router.batch.runner import BatchRunner
+from router.batch.service import BatchRpcs
+from router.errors import RouterError, refusal
 from router.generation import Generation
 from router.request_ids import check_client_request_id
 
@@ -58,17 +59,18 @@ def traced(method):
     return wrapper
 
 
-class RouterService(router_pb2_grpc.RouterServicer):
-    def __init__(self, generation: Generation):
-        self.gen = generation
+class RouterService(BatchRpcs, router_pb2_grpc.RouterServicer):
+    """Generate, Chat and ListModels here; the batch RPCs from BatchRpcs (router/batch/service.py)."""
+
+    def __init__(self, generation: Generation, batches: BatchRunner):
+        self.gen, self.runner = generation, batches
 
     async def _fail(self, context, method: str, request_id: str, e: Exception):
+        code, message = refusal(e)
         if isinstance(e, RouterError):
-            code, message = e.code, str(e)
             log.info("request refused", extra={"request_id": request_id, "method": method,
                                                "status": code.name, "error": message})
         else:  # a bug: the traceback goes to the log, never to the client
-            code, message = grpc.StatusCode.INTERNAL, "internal error; the router's log has the details"
             log.exception("request failed", extra={"request_id": request_id, "method": method})
         self._count(method, code.name)
         tracing.current().fail(f"{code.name}: {message}")
@@ -98,58 +100,47 @@ class RouterService(router_pb2_grpc.RouterServicer):
         tracing.current().set("request_id", request_id)
         return request_id
 
-    @traced
-    async def Generate(self, request, context):
-        request_id = await self._start(context, "Generate", request)
+    async def _answer(self, method: str, request, context
+                      ) -> AsyncIterator[tuple[str, int, flow.Piece, common_pb2.Usage | None]]:
+        """A Generate or Chat request as (request id, choice index, piece, total usage), every outcome counted once:
+        OK, an error status by the router's error table, or ended by the client."""
+        request_id = await self._start(context, method, request)
         if request_id is None:
             return
         ended = False  # answered: OK, or an error status
         try:
-            async for i, p, total in _with_total(flow.completion(self.gen, "Generate", request_id, request,
-                                                                 grpc_tenant(context)),
-                                                 flow.choice_count(request.n)):
-                yield router_pb2.GenerateResponse(request_id=request_id, token_ids=p.token_ids, text=p.text,
-                                                  finish_reason=p.finish_reason, usage=p.usage,
-                                                  error_message=p.error_message, token_logprobs=p.logprobs,
-                                                  top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
-                                                  prompt_logprobs=p.prompt_logprobs)
+            async for i, p, total in _with_total(flow.request(self.gen, method, request_id, request,
+                                                              grpc_tenant(context)), flow.choice_count(request.n)):
+                yield request_id, i, p, total
             ended = True
-            self._count("Generate", "OK")
+            self._count(method, "OK")
         except Exception as e:  # noqa: BLE001 - every failure is mapped to a status in one place
             ended = True
-            await self._fail(context, "Generate", request_id, e)
+            await self._fail(context, method, request_id, e)
         finally:
             if not ended:
-                self._abandoned(context, "Generate", request_id)
+                self._abandoned(context, method, request_id)
+
+    @traced
+    async def Generate(self, request, context):
+        # aclosing: a client that goes away closes this generator; _answer's cleanup (cancel on the shard, the
+        # count) must run then, not when the abandoned inner generator is collected.
+        async with aclosing(self._answer("Generate", request, context)) as replies:
+            async for request_id, i, p, total in replies:
+                yield router_pb2.GenerateResponse(**_common_fields(request_id, i, p, total))
 
     @traced
     async def Chat(self, request, context):
-        request_id = await self._start(context, "Chat", request)
-        if request_id is None:
-            return
-        ended = False  # answered: OK, or an error status
-        try:
-            async for i, p, total in _with_total(flow.chat(self.gen, "Chat", request_id, request, grpc_tenant(context)),
-                                                 flow.choice_count(request.n)):
-                yield router_pb2.ChatResponse(
-                    request_id=request_id, token_ids=p.token_ids, text=p.text, reasoning_text=p.reasoning,
-                    finish_reason=p.finish_reason, usage=p.usage, error_message=p.error_message,
-                    token_logprobs=p.logprobs, top_logprobs=p.top_logprobs, choice_index=i, total_usage=total,
-                    tool_calls=p.tool_call_protos(), prompt_logprobs=p.prompt_logprobs)
-            ended = True
-            self._count("Chat", "OK")
-        except Exception as e:  # noqa: BLE001
-            ended = True
-            await self._fail(context, "Chat", request_id, e)
-        finally:
-            if not ended:
-                self._abandoned(context, "Chat", request_id)
+        async with aclosing(self._answer("Chat", request, context)) as replies:
+            async for request_id, i, p, total in replies:
+                yield router_pb2.ChatResponse(**_common_fields(request_id, i, p, total), reasoning_text=p.reasoning,
+                                              tool_calls=p.tool_call_protos())
 
     async def ListModels(self, request, context):
         try:
             info, context_tokens = self.gen.model_info(), self.gen.max_context_tokens()
         except RouterError as e:
-            await context.abort(e.code, str(e))
+            await context.abort(*refusal(e))
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelCard(
             name=info.model_name, model_type=info.model_type, max_context_tokens=context_tokens,
             vocab_size=info.vocab_size)])
@@ -168,3 +159,10 @@ async def _with_total(choices: AsyncIterator[tuple[int, flow.Piece]], n: int
             if finished == n:
                 total = flow.total_usage(usages, n)
         yield i, p, total
+
+
+def _common_fields(request_id: str, i: int, p: flow.Piece, total: common_pb2.Usage | None) -> dict:
+    """The fields GenerateResponse and ChatResponse share, from choice i's piece."""
+    return dict(request_id=request_id, token_ids=p.token_ids, text=p.text, finish_reason=p.finish_reason,
+                usage=p.usage, error_message=p.error_message, token_logprobs=p.logprobs, top_logprobs=p.top_logprobs,
+                choice_index=i, total_usage=total, prompt_logprobs=p.prompt_logprobs)

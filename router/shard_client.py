@@ -15,15 +15,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from router.balancer import ShardView
-from router.errors import AlreadyExists, InvalidArgument, Overloaded, RouterError, ShardUnavailable
+from router.errors import ShardUnavailable, from_shard
 
 log = logging.getLogger(__name__)
 # A busy shard can answer a probe late; only several misses in a row (or a broken stream) take it out of rotation.
 PROBE_TIMEOUT_S = 5.0
 PROBES_TO_FAIL = 3
-ERROR_CODES = {shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT: InvalidArgument,
-               shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS: AlreadyExists,
-               shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED: Overloaded}
 
 
 class ShardClient:
@@ -53,11 +50,10 @@ class ShardClient:
 
     # -- sequences ---------------------------------------------------------------------------------------------
     async def submit(self, submit: shard_pb2.ShardRequest.Submit) -> asyncio.Queue:
-        """Sends a sequence; its ShardEvents (or a RouterError) arrive on the returned queue."""
+        """Sends a sequence; its ShardEvents (or a RouterError) arrive on the returned queue. Its id is unique among
+        this router's live ids: Generation.run runs only ids claimed in router/request_ids.py LiveIds."""
         if not self.view.healthy or self._outbox is None:
             raise ShardUnavailable(f"shard {self.address} is not in rotation")
-        if submit.request_id in self._inflight:  # its events would go to the live request's queue
-            raise AlreadyExists(f"request id {submit.request_id!r} is already live on shard {self.address}")
         events: asyncio.Queue = asyncio.Queue()
         self._inflight[submit.request_id] = events
         self.view.in_flight += 1
@@ -107,8 +103,7 @@ class ShardClient:
                                                                      "kind": event.WhichOneof("kind")})
             return
         if event.WhichOneof("kind") == "error":
-            cls = ERROR_CODES.get(event.error.code, RouterError)
-            events.put_nowait(cls(event.error.message))
+            events.put_nowait(from_shard(event.error))
             self.forget(event.request_id)
             return
         events.put_nowait(event)

@@ -13,27 +13,13 @@ import grpc
 from kimiserve import tracing
 from kimiserve.limits import MAX_TOKEN_BYTES_IDS, clip
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from router.errors import InvalidArgument, NotFound, RouterError, ShardUnavailable
+from router.errors import RouterError, from_tokenizer
 
-_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.NOT_FOUND: NotFound,
-           grpc.StatusCode.UNAVAILABLE: ShardUnavailable}
 ENDED_STATUS_WAIT_S = 5.0  # a call whose write failed has ended; its status arrives at once
-# What grpc's core, not the tokenizer, says when the connection under a call breaks (the tokenizer process died):
-# INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
-BROKEN_CONNECTION = (grpc.StatusCode.INTERNAL, "Internal error from Core")
-
-
-def _error(code: grpc.StatusCode, details: str, ended_call: str = "") -> RouterError:
-    """The router error for a tokenizer call's final status; a broken connection is the tokenizer being unavailable.
-    `ended_call`: the streaming call that ended under us, named in the message with its status."""
-    if (code, details) == BROKEN_CONNECTION:
-        code, details = grpc.StatusCode.UNAVAILABLE, f"the connection broke ({details})"
-    where = f"{ended_call} ended with {code.name}: " if ended_call else ""
-    return _STATUS.get(code, RouterError)(f"tokenizer service: {where}{details}")
 
 
 def _translate(e: grpc.aio.AioRpcError) -> RouterError:
-    return _error(e.code(), clip(e.details() or ""))
+    return from_tokenizer(e.code(), clip(e.details() or ""))
 
 
 class TokenizerClient:
@@ -142,7 +128,7 @@ class StreamingDetokenizer:
             details = await self._call.details()
         except asyncio.TimeoutError:
             code, details = grpc.StatusCode.UNAVAILABLE, "the call ended without a status"
-        return _error(code, details, "DetokenizeStream")
+        return from_tokenizer(code, details, "DetokenizeStream")
 
     def cancel(self) -> None:
         self._call.cancel()

@@ -67,7 +67,7 @@ def constraint(offered: list[common_pb2.Tool], choice: router_pb2.ToolChoice,
         return None
     if sampling.HasField("response_format"):
         raise InvalidArgument(f"tool_choice {_describe(choice)} and sampling.response_format both constrain the "
-                              "reply; set one of them")
+                              "reply; set one of them", "tool_choice")
     functions = [ToolCalls.Function(name=tool_name(t), parameters=_parameters(t)) for t in offered]
     max_calls = 1 if choice.mode == ToolChoice.MODE_FUNCTION else MAX_TOOL_CALLS
     return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=functions, max_calls=max_calls))

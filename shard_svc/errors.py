@@ -82,6 +82,11 @@ class ContextTooLong(KimiServeError):
 class InvalidRequest(KimiServeError):
     """A request's parameters are invalid (empty prompt, bad sampling values, token id out of range...)."""
 
+    def __init__(self, message: str, param: str = ""):
+        """param: the request field at fault, where one is (the router answers HTTP clients with it)."""
+        super().__init__(message)
+        self.param = param
+
 
 class DuplicateRequest(InvalidRequest):
     """A request id that is already live on this engine."""

@@ -55,42 +55,34 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
         for j, call in enumerate(msg.tool_calls):
             if not call.name:
                 raise RenderError(f"messages[{i}].tool_calls[{j}]: function name is empty")
-            where = f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)})"
-            try:
-                args = loads_json(call.arguments)
-            except json.JSONDecodeError as exc:
-                raise RenderError(f"{where}: arguments are not JSON: {exc}") from exc
-            except JsonTooDeep as exc:
-                raise RenderError(f"{where}: arguments: {exc}") from exc
-            if not isinstance(args, dict):
-                raise RenderError(f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)}): arguments must be "
-                                  "a JSON object")
+            json_object(call.arguments, f"messages[{i}].tool_calls[{j}] ({clip(call.name, quote=False)})",
+                        "arguments", "arguments are not JSON")
+
+
+def json_object(text: str, where: str, field: str, not_json: str) -> dict[str, Any]:
+    """`text` as a JSON object of bounded nesting, else RenderError "{where}: ..." naming `field` (the part of the
+    message or tool it is; "" for the whole) and `not_json` (what malformed JSON is called there)."""
+    named = f"{field} " if field else ""
+    try:
+        value = loads_json(text)
+    except json.JSONDecodeError as exc:
+        raise RenderError(f"{where}: {not_json}: {exc}") from exc
+    except JsonTooDeep as exc:
+        raise RenderError(f"{where}: {field}{': ' if field else ''}{exc}") from exc
+    if not isinstance(value, dict):
+        raise RenderError(f"{where}: {named}must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def parse_tool_json(index: int, text: str) -> dict[str, Any]:
     """One tools[] entry given as JSON text; RenderError naming the tool index when it is not a JSON object."""
-    try:
-        tool = loads_json(text)
-    except json.JSONDecodeError as exc:
-        raise RenderError(f"tools[{index}]: malformed JSON: {exc}") from exc
-    except JsonTooDeep as exc:
-        raise RenderError(f"tools[{index}]: {exc}") from exc
-    if not isinstance(tool, dict):
-        raise RenderError(f"tools[{index}]: must be a JSON object, got {type(tool).__name__}")
-    return tool
+    return json_object(text, f"tools[{index}]", "", "malformed JSON")
 
 
 def function_tool(index: int, name: str, description: str, parameters_json: str) -> dict[str, Any]:
     """A structured function declaration in the OpenAI tools[] shape; parameters_json must be a JSON object."""
     if not name:
         raise RenderError(f"tools[{index}]: function name is empty")
-    try:
-        parameters = loads_json(parameters_json) if parameters_json else {}
-    except json.JSONDecodeError as exc:
-        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json is malformed JSON: {exc}"
-                          ) from exc
-    except JsonTooDeep as exc:
-        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json: {exc}") from exc
-    if not isinstance(parameters, dict):
-        raise RenderError(f"tools[{index}] ({clip(name, quote=False)}): parameters_json must be a JSON object")
+    parameters = (json_object(parameters_json, f"tools[{index}] ({clip(name, quote=False)})", "parameters_json",
+                              "parameters_json is malformed JSON") if parameters_json else {})
     return {"type": "function", "function": {"name": name, "description": description, "parameters": parameters}}

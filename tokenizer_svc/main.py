@@ -53,10 +53,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT. Named startup errors propagate: the CLI reports the user's in one line."""
     cfg = config_from_args(args)
-    try:
-        tracing.setup("tokenizer")  # on only when the OTEL_* environment asks for traces
-    except tracing.TracingConfigError as e:
-        raise SystemExit(f"tokenizer: {e}") from e
+    tracing.setup_or_exit("tokenizer")
     # Imported here, after logging is configured, so anything logged while grpc / tokenizers load is structured too.
     from tokenizer_svc.server import serve
 

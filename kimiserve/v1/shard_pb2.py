@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kimiserve.v1 import common_pb2 as kimiserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kimiserve/v1/shard.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\"\xe9\x03\n\x0cShardRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.kimiserve.v1.ShardRequest.SubmitH\x00\x12\x33\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32!.kimiserve.v1.ShardRequest.CancelH\x00\x1a\xc8\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12J\n\rtrace_context\x18\x10 \x03(\x0b\x32\x33.kimiserve.v1.ShardRequest.Submit.TraceContextEntry\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12message_boundaries\x18\x06 \x03(\r\x12\x1b\n\x13prior_output_tokens\x18\x07 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\tB\x06\n\x04kind\"\x85\x07\n\nShardEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x05token\x18\x02 \x01(\x0b\x32\x1e.kimiserve.v1.ShardEvent.TokenH\x00\x12\x35\n\x08\x66inished\x18\x03 \x01(\x0b\x32!.kimiserve.v1.ShardEvent.FinishedH\x00\x12/\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1e.kimiserve.v1.ShardEvent.ErrorH\x00\x1a\xcf\x01\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0f \x01(\r\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.kimiserve.v1.TopLogprob\x12\x35\n\x0fprompt_logprobs\x18\x10 \x01(\x0b\x32\x1c.kimiserve.v1.PromptLogprobsB\n\n\x08_logprob\x1a\xfd\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x1c\n\x0fprefill_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12(\n\x1btime_to_first_token_seconds\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_passes\x18\x06 \x01(\rB\x12\n\x10_prefill_secondsB\x1e\n\x1c_time_to_first_token_secondsB\x11\n\x0f_decode_seconds\x1a\xa9\x01\n\x08\x46inished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12/\n\x06timing\x18\x10 \x01(\x0b\x32\x1f.kimiserve.v1.ShardEvent.Timing\x1a\x44\n\x05\x45rror\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.kimiserve.v1.ShardErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\tB\x06\n\x04kind\"\x12\n\x10ShardInfoRequest\"\x83\x01\n\rShardCapacity\x12\x13\n\x0bstate_slots\x18\x01 \x01(\r\x12\x11\n\tkv_blocks\x18\x02 \x01(\r\x12\x15\n\rkv_block_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x05 \x01(\r\"\xb7\x01\n\x11ShardInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12-\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x1b.kimiserve.v1.ShardCapacity\x12\x10\n\x08shard_id\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\x12\n\x10ShardLoadRequest\"\x87\x01\n\x11ShardLoadResponse\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x04\x12\x14\n\x0crunning_seqs\x18\x02 \x01(\r\x12\x13\n\x0bqueued_seqs\x18\x03 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\"\x14\n\x12ShardHealthRequest\"+\n\x13ShardHealthResponse\x12\x14\n\x0c\x64\x65vice_op_ms\x18\x01 \x01(\x01*\xc6\x01\n\x0eShardErrorCode\x12 \n\x1cSHARD_ERROR_CODE_UNSPECIFIED\x10\x00\x12%\n!SHARD_ERROR_CODE_INVALID_ARGUMENT\x10\x01\x12#\n\x1fSHARD_ERROR_CODE_ALREADY_EXISTS\x10\x02\x12\'\n#SHARD_ERROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1d\n\x19SHARD_ERROR_CODE_INTERNAL\x10\x04\x32\xac\x02\n\x05Shard\x12\x42\n\x06Stream\x12\x1a.kimiserve.v1.ShardRequest\x1a\x18.kimiserve.v1.ShardEvent(\x01\x30\x01\x12G\n\x04Info\x12\x1e.kimiserve.v1.ShardInfoRequest\x1a\x1f.kimiserve.v1.ShardInfoResponse\x12G\n\x04Load\x12\x1e.kimiserve.v1.ShardLoadRequest\x1a\x1f.kimiserve.v1.ShardLoadResponse\x12M\n\x06Health\x12 .kimiserve.v1.ShardHealthRequest\x1a!.kimiserve.v1.ShardHealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kimiserve/v1/shard.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\"\xe9\x03\n\x0cShardRequest\x12\x33\n\x06submit\x18\x01 \x01(\x0b\x32!.kimiserve.v1.ShardRequest.SubmitH\x00\x12\x33\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32!.kimiserve.v1.ShardRequest.CancelH\x00\x1a\xc8\x02\n\x06Submit\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.kimiserve.v1.SamplingParams\x12\x12\n\nmax_tokens\x18\x04 \x01(\r\x12J\n\rtrace_context\x18\x10 \x03(\x0b\x32\x33.kimiserve.v1.ShardRequest.Submit.TraceContextEntry\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x1a\n\x12message_boundaries\x18\x06 \x03(\r\x12\x1b\n\x13prior_output_tokens\x18\x07 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\tB\x06\n\x04kind\"\x94\x07\n\nShardEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x05token\x18\x02 \x01(\x0b\x32\x1e.kimiserve.v1.ShardEvent.TokenH\x00\x12\x35\n\x08\x66inished\x18\x03 \x01(\x0b\x32!.kimiserve.v1.ShardEvent.FinishedH\x00\x12/\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1e.kimiserve.v1.ShardEvent.ErrorH\x00\x1a\xcf\x01\n\x05Token\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05index\x18\x02 \x01(\r\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x0f \x01(\r\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.kimiserve.v1.TopLogprob\x12\x35\n\x0fprompt_logprobs\x18\x10 \x01(\x0b\x32\x1c.kimiserve.v1.PromptLogprobsB\n\n\x08_logprob\x1a\xfd\x01\n\x06Timing\x12\x15\n\rqueue_seconds\x18\x01 \x01(\x01\x12\x1c\n\x0fprefill_seconds\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12(\n\x1btime_to_first_token_seconds\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x63ode_seconds\x18\x04 \x01(\x01H\x02\x88\x01\x01\x12\x18\n\x10\x64uration_seconds\x18\x05 \x01(\x01\x12\x16\n\x0eprefill_passes\x18\x06 \x01(\rB\x12\n\x10_prefill_secondsB\x1e\n\x1c_time_to_first_token_secondsB\x11\n\x0f_decode_seconds\x1a\xa9\x01\n\x08\x46inished\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.kimiserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.kimiserve.v1.Usage\x12\x15\n\rerror_message\x18\x03 \x01(\t\x12/\n\x06timing\x18\x10 \x01(\x0b\x32\x1f.kimiserve.v1.ShardEvent.Timing\x1aS\n\x05\x45rror\x12*\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x1c.kimiserve.v1.ShardErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05param\x18\x03 \x01(\tB\x06\n\x04kind\"\x12\n\x10ShardInfoRequest\"\x83\x01\n\rShardCapacity\x12\x13\n\x0bstate_slots\x18\x01 \x01(\r\x12\x11\n\tkv_blocks\x18\x02 \x01(\r\x12\x15\n\rkv_block_size\x18\x03 \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x04 \x01(\r\x12\x17\n\x0fmax_step_tokens\x18\x05 \x01(\r\"\xb7\x01\n\x11ShardInfoResponse\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12-\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x1b.kimiserve.v1.ShardCapacity\x12\x10\n\x08shard_id\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\x12\n\x10ShardLoadRequest\"\x87\x01\n\x11ShardLoadResponse\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x04\x12\x14\n\x0crunning_seqs\x18\x02 \x01(\r\x12\x13\n\x0bqueued_seqs\x18\x03 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x04 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\r\"\x14\n\x12ShardHealthRequest\"+\n\x13ShardHealthResponse\x12\x14\n\x0c\x64\x65vice_op_ms\x18\x01 \x01(\x01*\xc6\x01\n\x0eShardErrorCode\x12 \n\x1cSHARD_ERROR_CODE_UNSPECIFIED\x10\x00\x12%\n!SHARD_ERROR_CODE_INVALID_ARGUMENT\x10\x01\x12#\n\x1fSHARD_ERROR_CODE_ALREADY_EXISTS\x10\x02\x12\'\n#SHARD_ERROR_CODE_RESOURCE_EXHAUSTED\x10\x03\x12\x1d\n\x19SHARD_ERROR_CODE_INTERNAL\x10\x04\x32\xac\x02\n\x05Shard\x12\x42\n\x06Stream\x12\x1a.kimiserve.v1.ShardRequest\x1a\x18.kimiserve.v1.ShardEvent(\x01\x30\x01\x12G\n\x04Info\x12\x1e.kimiserve.v1.ShardInfoRequest\x1a\x1f.kimiserve.v1.ShardInfoResponse\x12G\n\x04Load\x12\x1e.kimiserve.v1.ShardLoadRequest\x1a\x1f.kimiserve.v1.ShardLoadResponse\x12M\n\x06Health\x12 .kimiserve.v1.ShardHealthRequest\x1a!.kimiserve.v1.ShardHealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SHARDREQUEST_SUBMIT_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SHARDREQUEST_SUBMIT_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_SHARDERRORCODE']._serialized_start=2031
-  _globals['_SHARDERRORCODE']._serialized_end=2229
+  _globals['_SHARDERRORCODE']._serialized_start=2046
+  _globals['_SHARDERRORCODE']._serialized_end=2244
   _globals['_SHARDREQUEST']._serialized_start=70
   _globals['_SHARDREQUEST']._serialized_end=559
   _globals['_SHARDREQUEST_SUBMIT']._serialized_start=193
@@ -45,7 +45,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDREQUEST_CANCEL']._serialized_start=523
   _globals['_SHARDREQUEST_CANCEL']._serialized_end=551
   _globals['_SHARDEVENT']._serialized_start=562
-  _globals['_SHARDEVENT']._serialized_end=1463
+  _globals['_SHARDEVENT']._serialized_end=1478
   _globals['_SHARDEVENT_TOKEN']._serialized_start=750
   _globals['_SHARDEVENT_TOKEN']._serialized_end=957
   _globals['_SHARDEVENT_TIMING']._serialized_start=960
@@ -53,21 +53,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDEVENT_FINISHED']._serialized_start=1216
   _globals['_SHARDEVENT_FINISHED']._serialized_end=1385
   _globals['_SHARDEVENT_ERROR']._serialized_start=1387
-  _globals['_SHARDEVENT_ERROR']._serialized_end=1455
-  _globals['_SHARDINFOREQUEST']._serialized_start=1465
-  _globals['_SHARDINFOREQUEST']._serialized_end=1483
-  _globals['_SHARDCAPACITY']._serialized_start=1486
-  _globals['_SHARDCAPACITY']._serialized_end=1617
-  _globals['_SHARDINFORESPONSE']._serialized_start=1620
-  _globals['_SHARDINFORESPONSE']._serialized_end=1803
-  _globals['_SHARDLOADREQUEST']._serialized_start=1805
-  _globals['_SHARDLOADREQUEST']._serialized_end=1823
-  _globals['_SHARDLOADRESPONSE']._serialized_start=1826
-  _globals['_SHARDLOADRESPONSE']._serialized_end=1961
-  _globals['_SHARDHEALTHREQUEST']._serialized_start=1963
-  _globals['_SHARDHEALTHREQUEST']._serialized_end=1983
-  _globals['_SHARDHEALTHRESPONSE']._serialized_start=1985
-  _globals['_SHARDHEALTHRESPONSE']._serialized_end=2028
-  _globals['_SHARD']._serialized_start=2232
-  _globals['_SHARD']._serialized_end=2532
+  _globals['_SHARDEVENT_ERROR']._serialized_end=1470
+  _globals['_SHARDINFOREQUEST']._serialized_start=1480
+  _globals['_SHARDINFOREQUEST']._serialized_end=1498
+  _globals['_SHARDCAPACITY']._serialized_start=1501
+  _globals['_SHARDCAPACITY']._serialized_end=1632
+  _globals['_SHARDINFORESPONSE']._serialized_start=1635
+  _globals['_SHARDINFORESPONSE']._serialized_end=1818
+  _globals['_SHARDLOADREQUEST']._serialized_start=1820
+  _globals['_SHARDLOADREQUEST']._serialized_end=1838
+  _globals['_SHARDLOADRESPONSE']._serialized_start=1841
+  _globals['_SHARDLOADRESPONSE']._serialized_end=1976
+  _globals['_SHARDHEALTHREQUEST']._serialized_start=1978
+  _globals['_SHARDHEALTHREQUEST']._serialized_end=1998
+  _globals['_SHARDHEALTHRESPONSE']._serialized_start=2000
+  _globals['_SHARDHEALTHRESPONSE']._serialized_end=2043
+  _globals['_SHARD']._serialized_start=2247
+  _globals['_SHARD']._serialized_end=2547
 # @@protoc_insertion_point(module_scope)

@@ -104,12 +104,14 @@ class ShardEvent(_message.Message):
         timing: ShardEvent.Timing
         def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., error_message: _Optional[str] = ..., timing: _Optional[_Union[ShardEvent.Timing, _Mapping]] = ...) -> None: ...
     class Error(_message.Message):
-        __slots__ = ("code", "message")
+        __slots__ = ("code", "message", "param")
         CODE_FIELD_NUMBER: _ClassVar[int]
         MESSAGE_FIELD_NUMBER: _ClassVar[int]
+        PARAM_FIELD_NUMBER: _ClassVar[int]
         code: ShardErrorCode
         message: str
-        def __init__(self, code: _Optional[_Union[ShardErrorCode, str]] = ..., message: _Optional[str] = ...) -> None: ...
+        param: str
+        def __init__(self, code: _Optional[_Union[ShardErrorCode, str]] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]

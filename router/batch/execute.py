@@ -11,6 +11,7 @@ from router.errors import InvalidArgument, RouterError
 from router.generation import Generation
 
 FINISHED_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
+KINDS = {GENERATE: ("BatchGenerate", router_pb2.GenerateRequest), CHAT: ("BatchChat", router_pb2.ChatRequest)}
 
 
 class RequestFailed(Exception):
@@ -27,16 +28,13 @@ class BatchExecutor:
 
     async def run(self, kind: str, payload: bytes, request_id: str, tenant: Tenant) -> router_pb2.BatchResponse:
         """Runs as `tenant` (the batch's). Raises RouterError (as Generate / Chat would answer) or RequestFailed."""
-        if kind == GENERATE:
-            req = router_pb2.GenerateRequest.FromString(payload)
-            choices = flow.completion(self.gen, "BatchGenerate", request_id, req, tenant)
-        elif kind == CHAT:
-            req = router_pb2.ChatRequest.FromString(payload)
-            choices = flow.chat(self.gen, "BatchChat", request_id, req, tenant)
-        else:
+        if kind not in KINDS:
             raise RouterError(f"request {request_id!r} has unknown kind {kind!r}")
+        method, message = KINDS[kind]
+        req = message.FromString(payload)
+        choices = flow.request(self.gen, method, request_id, req, tenant)
         if req.n > 1:  # refused when the batch is validated (router/batch/parse.py); a result holds one choice
-            raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice")
+            raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice", "n")
         return _finish(await flow.collect(piece async for _, piece in choices), request_id)
 
 

@@ -21,7 +21,7 @@ from kimiserve.text import clip
 from router.batch import states
 from router.batch.errors import BatchStoreError, FileInUse
 from router.errors import NotFound
-from router.batch.store import migrate, write_error
+from router.batch.store import migrate, where_clause, write_error
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -96,22 +96,15 @@ class FileStore:
         """Up to `limit` files in upload order (newest first when `descending`), after the file `after` (a cursor: the
         last id of the previous page), with `purpose` if given, of `tenant` (None: every tenant's); and whether more
         follow. Raises FileNotFound for an `after` that is no file of `tenant`'s."""
-        where, args = [], []
+        cursor = None
         if after is not None:
             row = self._db.execute("SELECT rowid, tenant FROM files WHERE id = ?", (after,)).fetchone()
             if row is None or (tenant is not None and row[1] != tenant):
                 raise FileNotFound(f"no file {clip(after)} (the `after` cursor names the last file of a page)")
-            where.append("rowid < ?" if descending else "rowid > ?")
-            args.append(row[0])
-        if tenant is not None:
-            where.append("tenant = ?")
-            args.append(tenant)
-        if purpose is not None:
-            where.append("purpose = ?")
-            args.append(purpose)
-        sql = (f"SELECT {_FILE_COLUMNS} FROM files"
-               + (" WHERE " + " AND ".join(where) if where else "")
-               + f" ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?")
+            cursor = row[0]
+        where, args = where_clause(("rowid < ?" if descending else "rowid > ?", cursor), ("tenant = ?", tenant),
+                                   ("purpose = ?", purpose))
+        sql = f"SELECT {_FILE_COLUMNS} FROM files{where} ORDER BY rowid {'DESC' if descending else 'ASC'} LIMIT ?"
         rows = self._db.execute(sql, (*args, limit + 1)).fetchall()
         return [StoredFile(*r) for r in rows[:limit]], len(rows) > limit
 

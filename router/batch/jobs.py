@@ -42,9 +42,10 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def error_result(custom_id: str, code: str, message: str, request_id: str = "") -> router_pb2.BatchResult:
+def error_result(custom_id: str, code: str, message: str, request_id: str = "", param: str | None = None
+                 ) -> router_pb2.BatchResult:
     return router_pb2.BatchResult(custom_id=custom_id, request_id=request_id,
-                                  error=router_pb2.BatchRequestError(code=code, message=message))
+                                  error=router_pb2.BatchRequestError(code=code, message=message, param=param or ""))
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class BatchJob:
             return
 
         def invalid_payload(r: ParsedRequest, seq: int) -> bytes:
-            res = error_result(r.custom_id, *r.error)
+            res = error_result(r.custom_id, *r.error, param=r.param)
             res.seq = seq
             return res.SerializeToString()
 
@@ -224,19 +225,17 @@ class BatchJob:
             try:
                 response = await self.ctx.executor.run(req.kind, req.payload, request_id, tenant)
                 result = router_pb2.BatchResult(custom_id=req.custom_id, request_id=request_id, response=response)
-            except RETRYABLE as e:
-                if attempt_here < cfg.max_attempts:
+            except RouterError as e:
+                if isinstance(e, RETRYABLE) and attempt_here < cfg.max_attempts:
                     delay = cfg.retry_backoff_s * 2 ** (attempt_here - 1)
                     log.warning("batch request will be retried", extra={
                         "batch_id": self.id, "custom_id": req.custom_id, "request_id": request_id,
                         "error": str(e), "retry_in_s": delay})
                     await asyncio.sleep(delay)
                     continue
-                result = error_result(req.custom_id, e.code.name.lower(), str(e), request_id)
+                result = error_result(req.custom_id, e.code.name.lower(), str(e), request_id, e.param)
             except RequestFailed as e:
                 result = error_result(req.custom_id, e.code, str(e), request_id)
-            except RouterError as e:
-                result = error_result(req.custom_id, e.code.name.lower(), str(e), request_id)
             except Exception as e:  # noqa: BLE001 - a bug fails this request, not its neighbours
                 log.exception("batch request failed internally", extra={
                     "batch_id": self.id, "custom_id": req.custom_id, "request_id": request_id})

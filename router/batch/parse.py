@@ -42,6 +42,7 @@ class ParsedRequest:
     kind: str  # GENERATE | CHAT | INVALID
     payload: bytes = b""  # serialized GenerateRequest / ChatRequest
     error: tuple[str, str] | None = None  # (code, message) for INVALID
+    param: str | None = None  # with error: the request field at fault, where one is
 
 
 @dataclass
@@ -80,7 +81,8 @@ def parse_jsonl(text: str) -> ParsedInput:
             req = ParsedRequest(len(out.requests), custom_id, line_no, kind, payload.SerializeToString())
         except BodyError as e:
             req = ParsedRequest(len(out.requests), custom_id, line_no, INVALID,
-                                error=("invalid_request", f"custom_id {clip(custom_id)} (line {line_no}): {e}"))
+                                error=("invalid_request", f"custom_id {clip(custom_id)} (line {line_no}): {e}"),
+                                param=e.param)
         out.requests.append(req)
     _check_size(out)
     return out
@@ -138,7 +140,7 @@ def parse_inline(items: "list[router_pb2.BatchRequestItem]") -> ParsedInput:
         if inner.n > 1:  # a result holds one choice: refused here, at validation, never run as n = 1
             out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line, INVALID, error=(
                 "invalid_request", f"custom_id {clip(item.custom_id)} (request {i}): n={inner.n}, but a batch request "
-                "runs one choice; send n requests with their own custom_ids (and seeds) instead")))
+                "runs one choice; send n requests with their own custom_ids (and seeds) instead"), param="n"))
             continue
         inner.ClearField("request_id")  # the router names batch requests itself
         out.requests.append(ParsedRequest(len(out.requests), item.custom_id, line,

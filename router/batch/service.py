@@ -1,11 +1,12 @@
-"""The batch RPCs of the Router service (thin: decode, call the runner, encode; errors mapped in one place).
+"""The batch RPCs of the Router service (thin: decode, call the runner, encode; errors by the router's one table).
 
-They are attached to the RouterService instance that router/main.py registers, so one Router service serves both
-the interactive and the batch RPCs. Each RPC acts as the caller's tenant (kimiserve/tenants.py grpc_tenant): another
+Each RPC acts as the caller's tenant (kimiserve/tenants.py grpc_tenant): another
 tenant's batch is NOT_FOUND."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 
 import grpc
@@ -16,10 +17,9 @@ from kimiserve.v1 import router_pb2
 from router.batch import states
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
-from router.errors import RouterError
+from router.errors import refusal
 
 log = logging.getLogger(__name__)
-RPCS = ("CreateBatch", "GetBatch", "ListBatches", "CancelBatch", "GetBatchResults")
 
 
 def batch_to_pb(row: BatchRow) -> router_pb2.Batch:
@@ -35,55 +35,67 @@ def batch_to_pb(row: BatchRow) -> router_pb2.Batch:
     return pb
 
 
-class BatchService:
-    def __init__(self, runner: BatchRunner):
-        self.runner = runner
+def _answered(rpc: str):
+    """A batch RPC whose every failure is answered by the router's error table (router/errors.py refusal): named
+    errors with their status and text, a bug as INTERNAL with its traceback in the log only."""
 
-    def attach(self, servicer) -> None:
-        """Serve the batch RPCs from `servicer` (the RouterService registered with the gRPC server)."""
-        for name in RPCS:
-            setattr(servicer, name, getattr(self, name))
+    def decorate(method):
+        async def fail(self, request, context, e: Exception) -> None:
+            code, message = refusal(e)
+            facts = {"rpc": rpc, "batch_id": clip(getattr(request, "batch_id", ""), 256),
+                     "tenant": grpc_tenant(context).name}
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("batch rpc failed", extra=facts)
+            else:
+                log.info("batch rpc refused", extra={**facts, "status": code.name, "error": message})
+            await context.abort(code, message)
 
-    async def _fail(self, context, rpc: str, batch_id: str, e: Exception) -> None:
-        code = e.code if isinstance(e, RouterError) else grpc.StatusCode.INTERNAL
-        facts = {"rpc": rpc, "batch_id": clip(batch_id, 256), "tenant": grpc_tenant(context).name}
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("batch rpc failed", extra=facts)
-        else:
-            log.info("batch rpc refused", extra={**facts, "status": code.name, "error": str(e)})
-        # A bug's text (which may quote input, or be huge) goes to the log only; named errors say what was wrong.
-        await context.abort(code, str(e) if isinstance(e, RouterError) else
-                            "internal error; the router's log has the details")
+        if inspect.isasyncgenfunction(method):
+            @functools.wraps(method)
+            async def streaming(self, request, context):
+                try:
+                    async for reply in method(self, request, context):
+                        yield reply
+                except Exception as e:  # noqa: BLE001 - mapped to a status in one place
+                    await fail(self, request, context, e)
+            return streaming
 
+        @functools.wraps(method)
+        async def unary(self, request, context):
+            try:
+                return await method(self, request, context)
+            except Exception as e:  # noqa: BLE001 - mapped to a status in one place
+                await fail(self, request, context, e)
+        return unary
+
+    return decorate
+
+
+class BatchRpcs:
+    """The batch half of the Router service: router/service.py RouterService inherits these methods, so one Router
+    service serves both the interactive and the batch RPCs."""
+
+    runner: BatchRunner
+
+    @_answered("CreateBatch")
     async def CreateBatch(self, request, context):
-        try:
-            return batch_to_pb(self.runner.create(request, grpc_tenant(context)))
-        except Exception as e:  # noqa: BLE001 - mapped to a status in one place
-            await self._fail(context, "CreateBatch", "", e)
+        return batch_to_pb(self.runner.create(request, grpc_tenant(context)))
 
+    @_answered("GetBatch")
     async def GetBatch(self, request, context):
-        try:
-            return batch_to_pb(self.runner.get(request.batch_id, grpc_tenant(context)))
-        except Exception as e:  # noqa: BLE001
-            await self._fail(context, "GetBatch", request.batch_id, e)
+        return batch_to_pb(self.runner.get(request.batch_id, grpc_tenant(context)))
 
+    @_answered("ListBatches")
     async def ListBatches(self, request, context):
-        try:
-            rows, token = self.runner.page(request.page_size, request.page_token, grpc_tenant(context))
-            return router_pb2.ListBatchesResponse(batches=[batch_to_pb(r) for r in rows], next_page_token=token)
-        except Exception as e:  # noqa: BLE001
-            await self._fail(context, "ListBatches", "", e)
+        rows, token = self.runner.page(request.page_size, request.page_token, grpc_tenant(context))
+        return router_pb2.ListBatchesResponse(batches=[batch_to_pb(r) for r in rows], next_page_token=token)
 
+    @_answered("CancelBatch")
     async def CancelBatch(self, request, context):
-        try:
-            return batch_to_pb(self.runner.cancel(request.batch_id, grpc_tenant(context)))
-        except Exception as e:  # noqa: BLE001
-            await self._fail(context, "CancelBatch", request.batch_id, e)
+        return batch_to_pb(self.runner.cancel(request.batch_id, grpc_tenant(context)))
 
+    @_answered("GetBatchResults")
     async def GetBatchResults(self, request, context):
-        try:
-            async for blob in self.runner.results(request.batch_id, request.after_seq, request.follow,
-                                                  grpc_tenant(context)):
-                yield router_pb2.BatchResult.FromString(blob)
-        except Exception as e:  # noqa: BLE001
-            await self._fail(context, "GetBatchResults", request.batch_id, e)
+        async for blob in self.runner.results(request.batch_id, request.after_seq, request.follow,
+                                              grpc_tenant(context)):
+            yield router_pb2.BatchResult.FromString(blob)

@@ -12,7 +12,6 @@ from router.batch.execute import BatchExecutor
 from router.batch.files import FileStore
 from router.batch.metrics import BatchMetrics
 from router.batch.runner import BatchRunner
-from router.batch.service import BatchService
 from router.batch.store import BatchStore
 from router.generation import Generation
 from router.metrics import RouterMetrics
@@ -53,10 +52,6 @@ class BatchWiring:
         generation.admission.batch_capacity = lambda: shard_capacity(generation.shards)
         self.runner = BatchRunner(self.store, BatchExecutor(generation), BatchMetrics(metrics.registry), cfg,
                                   generation.admission)
-        self.service = BatchService(self.runner)
-
-    def attach(self, servicer) -> None:
-        self.service.attach(servicer)
 
     def start(self) -> None:
         self.runner.start()

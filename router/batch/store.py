@@ -181,15 +181,9 @@ class BatchStore:
     def page(self, limit: int, before_seq: int | None, tenant: str | None) -> list[BatchRow]:
         """Newest first; `before_seq` continues after the previous page's last batch. Only `tenant`'s batches, or
         every tenant's for None."""
-        where, args = ["1"], []
-        if before_seq is not None:
-            where.append("seq < ?")
-            args.append(before_seq)
-        if tenant is not None:
-            where.append("tenant = ?")
-            args.append(tenant)
-        rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches WHERE {' AND '.join(where)} "
-                                "ORDER BY seq DESC LIMIT ?", (*args, limit)).fetchall()
+        where, args = where_clause(("seq < ?", before_seq), ("tenant = ?", tenant))
+        rows = self._db.execute(f"SELECT {_BATCH_COLUMNS} FROM batches{where} ORDER BY seq DESC LIMIT ?",
+                                (*args, limit)).fetchall()
         return [_batch_row(r) for r in rows]
 
     def raw_input(self, batch_id: str) -> tuple[str, bytes]:
@@ -349,6 +343,13 @@ def migrate(db: sqlite3.Connection, path: Path, table: str, column: str, declara
         if column not in have:
             db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {declaration}")
             log.info("batch store migrated", extra={"db": str(path), "table": table, "added_column": column})
+
+
+def where_clause(*conditions: tuple[str, object]) -> tuple[str, list]:
+    """(" WHERE c1 AND c2 ...", their arguments) of the (condition, argument) pairs whose argument is not None: the
+    optional filters of a page query ("" when none applies)."""
+    used = [(c, a) for c, a in conditions if a is not None]
+    return (" WHERE " + " AND ".join(c for c, _ in used) if used else ""), [a for _, a in used]
 
 
 def write_error(path: Path, e: sqlite3.OperationalError) -> BatchStoreError:

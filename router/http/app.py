@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from typing import Literal
@@ -20,7 +21,8 @@ from kimiserve.text import encodable_json
 from router.generation import Generation
 from router.http import chat, completions, schemas
 from router.http.batches import Batches
-from router.http.errors import HttpError, describe, error_body
+from router.errors import error_body
+from router.http.errors import HttpError, describe
 from router.http.gate import Gate
 from router.http.origin import LOCAL_HOSTS
 from router.http.streaming import ClientGone
@@ -45,11 +47,13 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
         return JSONResponse(error_body(400, f"{param}: {first['msg']}", "invalid_argument", param), 400)
 
     async def answer(request: Request, method: str, work) -> Response:
-        """Runs `work()`; pydantic results become JSON, every failure OpenAI's error shape, and the outcome is counted
-        in the router's request metrics under `method`."""
+        """Runs `work()` (awaited when it returns an awaitable); pydantic results become JSON, every failure OpenAI's
+        error shape, and the outcome is counted in the router's request metrics under `method`."""
         rid = request_id(request)
         try:
-            result = await work()
+            result = work()
+            if inspect.isawaitable(result):
+                result = await result
         except ClientGone:
             log.info("client disconnected; its sequences were cancelled", extra={"request_id": rid})
             gen.metrics.requests.labels(method, "CANCELLED").inc()
@@ -71,19 +75,19 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
             raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
         return body
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        async def work():
-            return await chat.handle(gen, await json_body(request), request_id(request), http_tenant(request),
-                                     request.receive)
-        return await answer(request, chat.METHOD, work)
+    def generation_route(path: str, endpoint) -> None:
+        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py: METHOD and handle)."""
 
-    @app.post("/v1/completions")
-    async def text_completions(request: Request) -> Response:
-        async def work():
-            return await completions.handle(gen, await json_body(request), request_id(request), http_tenant(request),
-                                            request.receive)
-        return await answer(request, completions.METHOD, work)
+        async def route(request: Request) -> Response:
+            async def work():
+                return await endpoint.handle(gen, await json_body(request), request_id(request),
+                                             http_tenant(request), request.receive)
+            return await answer(request, endpoint.METHOD, work)
+
+        app.add_api_route(path, route, methods=["POST"], name=endpoint.METHOD)
+
+    generation_route("/v1/chat/completions", chat)
+    generation_route("/v1/completions", completions)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -126,34 +130,37 @@ async def _model(gen: Generation, model_id: str) -> schemas.ModelCard:
 
 def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
     """Every route acts as the request's tenant (http_tenant): another tenant's file or batch is a 404."""
-    async def done(value):
-        return value
+
+    def by_id(verb: str, path: str, method: str, action) -> None:
+        """`verb path`, whose one path parameter (a file or batch id) is handed to `action` with the tenant."""
+
+        async def route(request: Request) -> Response:
+            (key,) = request.path_params.values()
+            return await answer(request, method, lambda: action(key, http_tenant(request)))
+
+        app.add_api_route(path, route, methods=[verb], name=action.__name__)
+
+    by_id("GET", "/v1/files/{file_id}", "HttpFiles", batches.file)
+    by_id("DELETE", "/v1/files/{file_id}", "HttpFiles", batches.delete)
+    by_id("GET", "/v1/batches/{batch_id}", "HttpBatches", batches.batch)
+    by_id("POST", "/v1/batches/{batch_id}/cancel", "HttpBatches", batches.cancel)
 
     @app.post("/v1/files")
     async def upload(request: Request, file: UploadFile = File(...), purpose: str = Form(...)) -> Response:
         content = await file.read()
-        return await answer(request, "HttpFiles", lambda: done(batches.upload(purpose, file.filename or "", content,
-                                                                              http_tenant(request))))
+        return await answer(request, "HttpFiles", lambda: batches.upload(purpose, file.filename or "", content,
+                                                                       http_tenant(request)))
 
     @app.get("/v1/files")
     async def files(request: Request, limit: int = Query(10000, ge=1, le=10000), after: str | None = None,
                     order: Literal["asc", "desc"] = "desc", purpose: str | None = None) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.files_page(limit, after, order, purpose,
-                                                                                  http_tenant(request))))
-
-    @app.get("/v1/files/{file_id}")
-    async def file(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.file(file_id, http_tenant(request))))
-
-    @app.delete("/v1/files/{file_id}")
-    async def delete(request: Request, file_id: str) -> Response:
-        return await answer(request, "HttpFiles", lambda: done(batches.delete(file_id, http_tenant(request))))
+        return await answer(request, "HttpFiles", lambda: batches.files_page(limit, after, order, purpose,
+                                                                           http_tenant(request)))
 
     @app.get("/v1/files/{file_id}/content")
     async def content(request: Request, file_id: str) -> Response:
-        async def work():
-            return Response(batches.content(file_id, http_tenant(request)), media_type="application/jsonl")
-        return await answer(request, "HttpFiles", work)
+        return await answer(request, "HttpFiles", lambda: Response(batches.content(file_id, http_tenant(request)),
+                                                                   media_type="application/jsonl"))
 
     @app.post("/v1/batches")
     async def create(request: Request) -> Response:
@@ -161,14 +168,6 @@ def _batch_routes(app: FastAPI, answer, json_body, batches: Batches) -> None:
             return batches.create(await json_body(request), http_tenant(request))
         return await answer(request, "HttpBatches", work)
 
-    @app.get("/v1/batches/{batch_id}")
-    async def get(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.batch(batch_id, http_tenant(request))))
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel(request: Request, batch_id: str) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.cancel(batch_id, http_tenant(request))))
-
     @app.get("/v1/batches")
     async def page(request: Request, limit: int = Query(20, ge=1, le=100), after: str | None = None) -> Response:
-        return await answer(request, "HttpBatches", lambda: done(batches.page(limit, after, http_tenant(request))))
+        return await answer(request, "HttpBatches", lambda: batches.page(limit, after, http_tenant(request)))

@@ -11,8 +11,6 @@ import time
 import uuid
 from typing import Callable
 
-import grpc
-
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.tenants import Tenant
 from kimiserve.text import clip
@@ -23,7 +21,7 @@ from router.batch.files import BatchInput, FileNotFound, FileStore, StoredFile
 from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
-from router.errors import HTTP_STATUS, InvalidArgument, PermissionDenied
+from router.errors import InvalidArgument, PermissionDenied, error_body, http_status
 from router.flow import Reply
 from router.http import replies, schemas
 from router.openai_body import BodyError
@@ -51,7 +49,7 @@ class Batches:
         try:
             content.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise InvalidArgument(f"file {clip(filename)} is not UTF-8 text (byte {e.start})") from None
+            raise InvalidArgument(f"file {clip(filename)} is not UTF-8 text (byte {e.start})", "file") from None
         f = StoredFile(f"file-{uuid.uuid4().hex}", purpose, filename, len(content), int(time.time() * 1000),
                        tenant.name)
         self.files.add(f, content)
@@ -87,15 +85,14 @@ class Batches:
         purposes is refused rather than answered with an empty list."""
         if purpose in GENERATED_PURPOSES:
             raise InvalidArgument(f"purpose={purpose!r}: a batch's output and error files are not listed; read "
-                                  "output_file_id / error_file_id of GET /v1/batches/{batch_id}")
+                                  "output_file_id / error_file_id of GET /v1/batches/{batch_id}", "purpose")
         try:
             stored, more = self.files.page(limit, after, order == "desc", purpose,
                                            None if tenant.admin else tenant.name)
         except FileNotFound as e:
             raise BodyError(f"after: {e}", "after") from None
         data = [_file_object(f) for f in stored]
-        return schemas.FileList(data=data, first_id=data[0].id if data else None,
-                                last_id=data[-1].id if data else None, has_more=more)
+        return schemas.FileList.of(data, more)
 
     def delete(self, file_id: str, tenant: Tenant) -> schemas.FileDeleted:
         """Deletes an uploaded file (refused while a batch created from it has not ended: FileInUse). A batch's
@@ -104,7 +101,7 @@ class Batches:
             batch_id = self._generated(file_id)[0]
             self.runner.get(batch_id, tenant)  # BatchNotFound when it has no such batch
             raise InvalidArgument(f"file {file_id!r} is rendered from the results of batch {batch_id!r} and lasts "
-                                  "as long as the batch; it cannot be deleted on its own")
+                                  "as long as the batch; it cannot be deleted on its own", "file_id")
         self._changeable(file_id, tenant)
         self.files.delete(file_id)
         return schemas.FileDeleted(id=file_id)
@@ -158,8 +155,7 @@ class Batches:
             raise BodyError(f"after: {e} (the `after` cursor names the last batch of a page)", "after") from None
         rows, next_token = self.runner.page(limit, token, tenant)
         data = [self._object(r) for r in rows]
-        return schemas.BatchList(data=data, first_id=data[0].id if data else None,
-                                 last_id=data[-1].id if data else None, has_more=bool(next_token))
+        return schemas.BatchList.of(data, bool(next_token))
 
     def _object(self, row: BatchRow) -> schemas.BatchObject:
         source = self.files.input_of(row.id) or BatchInput("", "", f"{row.completion_window_s // 3600}h")
@@ -192,9 +188,8 @@ class Batches:
                 line["error"] = {"code": result.error.code, "message": result.error.message}
             else:
                 status = _http_status(result.error.code)
-                line["response"] = {"status_code": status, "request_id": result.request_id, "body": {"error": {
-                    "message": result.error.message, "type": "invalid_request_error" if status < 500 else
-                    "server_error", "param": None, "code": result.error.code}}}
+                line["response"] = {"status_code": status, "request_id": result.request_id, "body": error_body(
+                    status, result.error.message, result.error.code, result.error.param or None)}
             lines.append(json.dumps(line, ensure_ascii=False))
         return "".join(line + "\n" for line in lines).encode("utf-8")
 
@@ -224,10 +219,7 @@ def _results(runner: BatchRunner, batch_id: str):
 
 
 def _http_status(code: str) -> int:
-    if code == "invalid_request":
-        return 400
-    status = grpc.StatusCode.__members__.get(code.upper())
-    return HTTP_STATUS.get(status, 500)
+    return 400 if code == "invalid_request" else http_status(code)
 
 
 def _file_object(f: StoredFile) -> schemas.FileObject:

@@ -1,25 +1,18 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, from the router's named errors.
-
-The HTTP status comes from the one gRPC -> HTTP table (router/errors.py HTTP_STATUS); `code` is the gRPC status in
-lower case, the same code a batch error result carries.
-"""
+"""Any failure of an HTTP request as (HTTP status, OpenAI error body), by the router's one error table
+(router/errors.py: HTTP_STATUS, error_body), plus the errors the HTTP layer finds itself."""
 
 from __future__ import annotations
 
 import logging
 
-import grpc
 from fastapi.responses import JSONResponse
 
 from kimiserve import tracing
 
-from router.errors import HTTP_STATUS, RouterError
+from router.errors import HTTP_STATUS, RouterError, error_body
 from router.openai_body import BodyError
 
 log = logging.getLogger(__name__)
-TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-         404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error", 415: "invalid_request_error",
-         429: "rate_limit_error"}
 
 
 class HttpError(Exception):
@@ -28,10 +21,6 @@ class HttpError(Exception):
     def __init__(self, status: int, message: str, code: str, param: str | None = None):
         super().__init__(message)
         self.status, self.code, self.param = status, code, param
-
-
-def error_body(status: int, message: str, code: str, param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
 
 
 def describe(e: Exception, request_id: str) -> tuple[int, dict]:
@@ -47,8 +36,7 @@ def describe(e: Exception, request_id: str) -> tuple[int, dict]:
     else:
         log.exception("http request failed", extra={"request_id": request_id})
         tracing.current().fail(f"500 {type(e).__name__}")
-        return 500, error_body(500, f"internal error (request_id={request_id})",
-                               grpc.StatusCode.INTERNAL.name.lower())
+        return 500, error_body(500, f"internal error (request_id={request_id})", "internal")
     log.info("http request refused", extra={"request_id": request_id, "status": status,
                                             "error": body["error"]["message"]})
     tracing.current().fail(f"{status} {body['error']['code']}: {body['error']['message']}")

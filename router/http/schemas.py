@@ -3,9 +3,11 @@ null). Requests are parsed by router/openai_body.py, the translation batch lines
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, Field
+
+Item = TypeVar("Item")
 
 
 class PromptTokensDetails(BaseModel):
@@ -62,11 +64,17 @@ class ChatChoice(BaseModel):
     finish_reason: str
 
 
-class ChatCompletion(BaseModel):
+class CompletionHead(BaseModel):
+    """What every completion object and chunk opens with; each kind fixes its `object`."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
+
+
+class ChatCompletion(CompletionHead):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -85,11 +93,8 @@ class ChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(CompletionHead):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
 
@@ -110,11 +115,8 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(CompletionHead):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
@@ -129,9 +131,14 @@ class ModelCard(BaseModel):
     vocab_size: int
 
 
-class ModelList(BaseModel):
+class ListOf(BaseModel, Generic[Item]):
+    """OpenAI's list object."""
+
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[Item]
+
+
+ModelList = ListOf[ModelCard]
 
 
 class FileObject(BaseModel):
@@ -145,12 +152,20 @@ class FileObject(BaseModel):
     expires_at: int | None = None  # files are kept until deleted
 
 
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileObject]
+class Page(ListOf[Item], Generic[Item]):
+    """One page of a list endpoint (files, batches), continued with `after` = last_id."""
+
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool
+
+    @classmethod
+    def of(cls, data: list[Item], has_more: bool) -> Page[Item]:
+        return cls(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                   has_more=has_more)
+
+
+FileList = Page[FileObject]
 
 
 class FileDeleted(BaseModel):
@@ -172,9 +187,7 @@ class BatchErrorItem(BaseModel):
     param: str | None = None
 
 
-class BatchErrors(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchErrorItem]
+BatchErrors = ListOf[BatchErrorItem]
 
 
 class BatchObject(BaseModel):
@@ -200,9 +213,4 @@ class BatchObject(BaseModel):
     metadata: dict[str, str] | None = None
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool
+BatchList = Page[BatchObject]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kimiserve import sampling_rules
 from shard_svc.config import ModelConfig
 from shard_svc.engine.prefill_share import PrefillShare, context_tokens_per_token
 from shard_svc.engine.prefix_cache import PrefixCache
@@ -161,22 +162,23 @@ class Engine:
         for i, token in enumerate(prior):
             if not matcher.consume_token(token):
                 raise InvalidRequest(f"request {request_id!r}: response_format refuses prior output token {token} "
-                                     f"(index {i} of {prior_output}): {matcher.get_error()}")
+                                     f"(index {i} of {prior_output}): {matcher.get_error()}", "response_format")
         if prior and matcher.is_stopped():
             raise InvalidRequest(f"request {request_id!r}: response_format is already complete after the "
-                                 f"{prior_output} prior output tokens: nothing is left to continue")
+                                 f"{prior_output} prior output tokens: nothing is left to continue", "response_format")
         return matcher
 
     def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int) -> None:
         if not prompt:
-            raise InvalidRequest(f"request {request_id!r}: empty prompt")
+            raise InvalidRequest(f"request {request_id!r}: empty prompt", "prompt")
         if not 0 <= prior_output < len(prompt):
             raise InvalidRequest(f"request {request_id!r}: prior_output_tokens {prior_output} must be below the "
-                                 f"prompt's {len(prompt)} tokens (the original prompt is not empty)")
-        bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
+                                 f"prompt's {len(prompt)} tokens (the original prompt is not empty)",
+                                 "prior_output_tokens")
+        bad = sampling_rules.token_id_problems("prompt", prompt, self.cfg.vocab_size)
         if bad:
-            raise InvalidRequest(f"request {request_id!r}: {len(bad)} token ids outside [0, {self.cfg.vocab_size}), "
-                                 f"first: {bad[:8]}")
+            message, param = sampling_rules.describe(bad)
+            raise InvalidRequest(f"request {request_id!r}: {message}", param)
         params.validate(self.cfg.vocab_size)
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:

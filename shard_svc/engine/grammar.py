@@ -22,7 +22,7 @@ import torch
 
 from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 from kimiserve.limits import (
-    MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_SCHEMA_NAME_CHARS, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
+    MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
     JsonTooDeep, loads_json)
 from kimiserve.tokenizer_files.loading import TIKTOKEN_MODEL, TOKENIZER_JSON, load_tokenizer
 from shard_svc.errors import InvalidRequest
@@ -34,6 +34,11 @@ RESPONSE_FORMAT_KINDS = ("json_object", "json_schema", "regex", "tool_calls")
 # says otherwise: with free whitespace a model can spend its whole max_tokens on spaces and newlines between two
 # keys (a random or weak model does), and one canonical form keeps replies short and comparable.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _refused(message: str) -> InvalidRequest:
+    """Every refusal here blames the request's response_format (the router answers HTTP clients with that param)."""
+    return InvalidRequest(message, "response_format")
 
 
 @dataclass(frozen=True)
@@ -48,35 +53,30 @@ class ResponseFormat:
     max_calls: int = 0  # tool_calls: most calls in the section (1..MAX_TOOL_CALLS)
 
     def validate(self) -> None:
-        """The checks that need no tokenizer; Grammars.compile checks the grammar itself."""
+        """The checks that need no tokenizer beyond kimiserve/sampling_rules.py's (the schema's name, that a schema
+        is a JSON object and a regex not empty: SamplingParams.validate runs those); Grammars.compile checks the
+        grammar itself."""
         if self.kind not in RESPONSE_FORMAT_KINDS:
-            raise InvalidRequest(f"response_format kind must be one of {RESPONSE_FORMAT_KINDS}, got {self.kind!r}")
+            raise _refused(f"response_format kind must be one of {RESPONSE_FORMAT_KINDS}, got {self.kind!r}")
         if self.kind == "tool_calls":
             _validate_tool_calls(self.functions, self.max_calls)
         if (size := len(self.text.encode("utf-8"))) > MAX_RESPONSE_FORMAT_BYTES:
-            raise InvalidRequest(f"response_format {self.kind}: {size:,} bytes is over the limit of "
-                                 f"{MAX_RESPONSE_FORMAT_BYTES:,}")
-        if len(self.name) > MAX_SCHEMA_NAME_CHARS:
-            raise InvalidRequest(f"response_format json_schema name is {len(self.name)} characters; at most "
-                                 f"{MAX_SCHEMA_NAME_CHARS}")
-        if self.kind == "json_schema":
-            _object_schema(self.text, "json_schema.schema")
-        if self.kind == "regex" and not self.text:
-            raise InvalidRequest("response_format regex is empty")
+            raise _refused(f"response_format {self.kind}: {size:,} bytes is over the limit of "
+                           f"{MAX_RESPONSE_FORMAT_BYTES:,}")
 
 
 def _validate_tool_calls(functions: tuple[tuple[str, str], ...], max_calls: int) -> None:
     if not 1 <= len(functions) <= MAX_TOOLS:
-        raise InvalidRequest(f"response_format tool_calls: {len(functions)} functions; 1 to {MAX_TOOLS} allowed")
+        raise _refused(f"response_format tool_calls: {len(functions)} functions; 1 to {MAX_TOOLS} allowed")
     if (size := sum(len(n.encode("utf-8")) + len(p.encode("utf-8")) for n, p in functions)) > MAX_TOOLS_BYTES:
-        raise InvalidRequest(f"response_format tool_calls: {size:,} bytes of names and parameters is over the limit "
-                             f"of {MAX_TOOLS_BYTES:,}")
+        raise _refused(f"response_format tool_calls: {size:,} bytes of names and parameters is over the limit "
+                       f"of {MAX_TOOLS_BYTES:,}")
     if not 1 <= max_calls <= MAX_TOOL_CALLS:
-        raise InvalidRequest(f"response_format tool_calls: max_calls must be in [1, {MAX_TOOL_CALLS}], got "
-                             f"{max_calls}")
+        raise _refused(f"response_format tool_calls: max_calls must be in [1, {MAX_TOOL_CALLS}], got "
+                       f"{max_calls}")
     names = [n for n, _ in functions]
     if "" in names or len(set(names)) != len(names):
-        raise InvalidRequest(f"response_format tool_calls: function names must be non-empty and unique, got {names}")
+        raise _refused(f"response_format tool_calls: function names must be non-empty and unique, got {names}")
     for name, parameters in functions:
         if parameters:
             _object_schema(parameters, f"tool_calls: function {name!r} parameters")
@@ -87,9 +87,9 @@ def _object_schema(text: str, field: str) -> dict:
     try:
         schema = loads_json(text)
     except (json.JSONDecodeError, JsonTooDeep) as e:
-        raise InvalidRequest(f"response_format {field}: not JSON of at most {MAX_JSON_DEPTH} levels: {e}") from e
+        raise _refused(f"response_format {field}: not JSON of at most {MAX_JSON_DEPTH} levels: {e}") from e
     if not isinstance(schema, dict):
-        raise InvalidRequest(f"response_format {field}: must be a JSON object schema, got {type(schema).__name__}")
+        raise _refused(f"response_format {field}: must be a JSON object schema, got {type(schema).__name__}")
     return schema
 
 
@@ -168,8 +168,8 @@ class Grammars:
     def compile(self, fmt: ResponseFormat, request_id: str) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence. Raises InvalidRequest naming what the grammar engine refused."""
         if self.refusal is not None:
-            raise InvalidRequest(f"request {request_id!r}: response_format cannot be enforced by this shard: "
-                                 f"{self.refusal}")
+            raise _refused(f"request {request_id!r}: response_format cannot be enforced by this shard: "
+                           f"{self.refusal}")
         fmt.validate()
         if fmt.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(fmt.text)
@@ -180,11 +180,11 @@ class Grammars:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         if is_error or messages:  # a warning is a keyword it would not enforce: refused, never ignored
-            raise InvalidRequest(f"request {request_id!r}: response_format {fmt.kind} cannot be enforced: "
-                                 + "; ".join(messages))
+            raise _refused(f"request {request_id!r}: response_format {fmt.kind} cannot be enforced: "
+                           + "; ".join(messages))
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidRequest(f"request {request_id!r}: response_format {fmt.kind}: {matcher.get_error()}")
+            raise _refused(f"request {request_id!r}: response_format {fmt.kind}: {matcher.get_error()}")
         return matcher
 
     def masks(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:

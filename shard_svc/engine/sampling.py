@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kimiserve.limits import MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MAX_TOP_LOGPROBS
-from kimiserve.seeds import SEED_BITS, draw_seed, position_seed
+from kimiserve import sampling_rules
+from kimiserve.seeds import draw_seed, position_seed
 from shard_svc.engine.grammar import ResponseFormat, apply_allowed
 from shard_svc.engine.penalties import Penalties, TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
@@ -75,39 +75,17 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     def validate(self, vocab_size: int) -> None:
-        problems = []
-        if self.max_tokens < 1:
-            problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not 0 <= self.temperature <= MAX_TEMPERATURE:
-            problems.append(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0, got {self.top_k}")
-        if self.seed is not None and not 0 <= self.seed < 1 << SEED_BITS:
-            problems.append(f"seed must be in [0, 2^{SEED_BITS}) (the wire's uint64), got {self.seed}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
-                problems.append(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {getattr(self, name)}")
-        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            problems.append(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
-                            f"{self.repetition_penalty}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            problems.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        elif self.top_logprobs and not self.logprobs:
-            problems.append(f"top_logprobs={self.top_logprobs} needs logprobs")
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
-            problems.append(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
-        if self.response_format is not None and self.ignore_eos:
-            problems.append("ignore_eos cannot be combined with response_format: the format decides where the "
-                            "output ends")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            problems.append(f"stop_token_ids {bad} outside the vocabulary [0, {vocab_size})")
-        if problems:
-            raise InvalidRequest("; ".join(problems))
-        if self.response_format is not None:
-            self.response_format.validate()
+        """The router's rules (kimiserve/sampling_rules.py), applied again for callers other than our router;
+        InvalidRequest names every problem and, as `param`, the first field at fault."""
+        values = {f: getattr(self, f) for f in (*OPTIONAL_WIRE_FIELDS, "max_tokens", "top_logprobs", "logprobs",
+                                               "prompt_logprobs")}
+        problems = sampling_rules.sampling_problems(values)
+        f = self.response_format
+        if f is not None:
+            problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
+        problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
+        if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
+            raise InvalidRequest(*sampling_rules.describe(problems))
 
 
 def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat | None:

@@ -239,10 +239,7 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    try:
-        tracing.setup("shard")  # on only when the OTEL_* environment asks for traces
-    except tracing.TracingConfigError as e:
-        raise SystemExit(f"shard: {e}") from e
+    tracing.setup_or_exit("shard")
     server, loop, health_servicer = build_server(cfg)
     loop.start()
     loop.ready.wait()  # its warm-up done (or failed: then the fatal hook below stops the shard)

@@ -145,7 +145,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         except (KimiServeError, ShuttingDown, ValueError) as e:
             log.info("submit refused", extra={"request_id": sub.request_id, "error": str(e)})
             out.put(shard_pb2.ShardEvent(request_id=sub.request_id, error=shard_pb2.ShardEvent.Error(
-                code=error_code(e), message=str(e))))
+                code=error_code(e), message=str(e), param=getattr(e, "param", ""))))
 
     def Info(self, request, context):
         return self.info

@@ -62,7 +62,9 @@ def test_files_and_batches_round_trip(http_stack):
     errors = [json.loads(line) for line in client.files.content(done.error_file_id).text.splitlines()]
     assert [e["custom_id"] for e in errors] == ["bad-1"]
     assert errors[0]["response"]["status_code"] == 400
-    assert "top_p" in errors[0]["response"]["body"]["error"]["message"]
+    error = errors[0]["response"]["body"]["error"]
+    assert "top_p" in error["message"] and error["param"] == "top_p"  # the same OpenAI body the HTTP API answers
+    assert error["type"] == "invalid_request_error" and error["code"] == "invalid_argument"
     assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
 
     with pytest.raises(openai.BadRequestError):  # a completed batch cannot be cancelled

@@ -45,10 +45,10 @@ def test_api_key_is_required_except_for_health(http_stack):
     ({"messages": HELLO, "presence_penalty": 2.5}, "invalid_argument", "presence_penalty", "presence_penalty"),
     ({"messages": HELLO, "response_format": {"type": "xml"}}, "invalid_argument", "response_format", "json_schema"),
     ({"messages": HELLO, "response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "array", "uniqueItems": True}}}}, "invalid_argument", None, "uniqueItems"),
+        "type": "array", "uniqueItems": True}}}}, "invalid_argument", "response_format", "uniqueItems"),
     ({"messages": HELLO, "n": 99}, "invalid_argument", "n", "n must be an integer in [1, 16]"),
     ({"messages": []}, "invalid_argument", "messages", "messages must be a non-empty list"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_argument", None, "wizard"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "invalid_argument", "messages", "wizard"),
 ])
 def test_bad_parameters_are_400(http_stack, body, code, param, fragment):
     error = assert_error(post(http_stack, "/v1/chat/completions", body), 400, code, param)
