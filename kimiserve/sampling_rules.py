@@ -18,6 +18,7 @@ from typing import NamedTuple
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
     JsonTooDeep, loads_json)
+from kimiserve.seeds import SEED_BITS
 
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]*")
 
@@ -49,6 +50,8 @@ def sampling_problems(values: Mapping[str, object]) -> list[Problem]:
         problems.append(Problem("top_logprobs", f"top_logprobs={top} needs logprobs"))
     if values.get("prompt_logprobs") is not None:
         check("prompt_logprobs", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
+    if values.get("seed") is not None:  # None: unset (the shard draws one); the wire's uint64 always passes
+        check("seed", lambda v: 0 <= v < 1 << SEED_BITS, f"in [0, 2^{SEED_BITS}) (a uint64)")
     return problems
 
 

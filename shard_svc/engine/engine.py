@@ -162,11 +162,10 @@ class Engine:
         for i, token in enumerate(prior):
             if not matcher.consume_token(token):
                 raise InvalidRequest(f"request {request_id!r}: response_format refuses prior output token {token} "
-                                     f"(index {i} of {prior_output}): {matcher.get_error()}", "prior_output_tokens")
+                                     f"(index {i} of {prior_output}): {matcher.get_error()}", "response_format")
         if prior and matcher.is_stopped():
             raise InvalidRequest(f"request {request_id!r}: response_format is already complete after the "
-                                 f"{prior_output} prior output tokens: nothing is left to continue",
-                                 "prior_output_tokens")
+                                 f"{prior_output} prior output tokens: nothing is left to continue", "response_format")
         return matcher
 
     def _check_sizes(self, request_id: str, prompt: list[int], params: SamplingParams, prior_output: int) -> None:

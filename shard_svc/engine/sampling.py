@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kimiserve import sampling_rules
-from kimiserve.seeds import SEED_BITS, draw_seed, position_seed
+from kimiserve.seeds import draw_seed, position_seed
 from shard_svc.engine.grammar import ResponseFormat, apply_allowed
 from shard_svc.engine.penalties import Penalties, TokenCounts, apply_penalties
 from shard_svc.errors import InvalidRequest
@@ -78,15 +78,12 @@ class SamplingParams:
         """The router's rules (kimiserve/sampling_rules.py), applied again for callers other than our router;
         InvalidRequest names every problem and, as `param`, the first field at fault."""
         values = {f: getattr(self, f) for f in (*OPTIONAL_WIRE_FIELDS, "max_tokens", "top_logprobs", "logprobs",
-                                               "prompt_logprobs") if f != "seed"}
+                                               "prompt_logprobs")}
         problems = sampling_rules.sampling_problems(values)
         f = self.response_format
         if f is not None:
             problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
         problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
-        if self.seed is not None and not 0 <= self.seed < 1 << SEED_BITS:
-            problems.append(sampling_rules.Problem("seed", f"seed must be in [0, 2^{SEED_BITS}) (the wire's uint64), "
-                                                           f"got {self.seed}"))
         if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
             raise InvalidRequest(*sampling_rules.describe(problems))
 

@@ -272,4 +272,4 @@ def test_a_greedy_json_schema_continuation_equals_the_uninterrupted_run_at_every
         assert [e.index for e in events if e.token_id is not None] == list(range(k, n))
     with pytest.raises(InvalidRequest) as e:
         engine.check_request("prose", prompt + tok.encode("hi"), params, prior_output=1)
-    assert e.value.param == "prior_output_tokens"
+    assert e.value.param == "response_format"

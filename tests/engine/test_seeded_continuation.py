@@ -73,8 +73,9 @@ def test_an_unseeded_sequence_keeps_the_seed_it_was_given(family):
 def test_a_seed_outside_uint64_is_refused_naming_it():
     engine = make_engine(linear_config())
     for seed in (-1, 1 << 64):
-        with pytest.raises(InvalidRequest, match=rf"seed must be in \[0, 2\^64\).*got {seed}"):
+        with pytest.raises(InvalidRequest, match=rf"seed must be in \[0, 2\^64\).*got {seed}") as e:
             engine.add_request(f"bad{seed}", PROMPT, replace(SAMPLED, seed=seed))
+        assert e.value.param == "seed"
 
 
 PENALISED = replace(SAMPLED, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.3, logprobs=True)

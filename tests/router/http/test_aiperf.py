@@ -22,6 +22,9 @@ def test_aiperf_streams_a_chat_benchmark_without_errors(http_stack, tmp_path):
     out = tmp_path / "aiperf"
     # HF_HUB_OFFLINE makes aiperf look a local tokenizer path up in the hub cache; a path needs no hub either way.
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    # Its dataset files and their cache go under the test's directory, not the system temp and ~/.cache.
+    env |= {"AIPERF_DATASET_MMAP_BASE_PATH": str(tmp_path / "mmap"), "AIPERF_DATASET_MMAP_CACHE_DIR":
+            str(tmp_path / "mmap-cache"), "HF_HOME": str(tmp_path / "hf")}
     run = subprocess.run(
         [aiperf, "profile", "--model", http_stack.model, "--url", http_stack.base, "--endpoint-type", "chat",
          "--streaming", "--api-key", API_KEY, "--tokenizer", str(http_stack.model_dir),
