@@ -34,7 +34,9 @@ def finish_reason(p: Piece, request_id: str) -> str:
         raise SequenceFailed(f"request {request_id!r}: generation failed: {p.error_message}")
     if p.finish_reason == common_pb2.FINISH_REASON_CANCELLED:
         raise SequenceCancelled(f"request {request_id!r}: the sequence was cancelled by the server")
-    return "tool_calls" if p.tool_calls else FINISH[p.finish_reason]
+    # Calls parsed from a reply that max_tokens cut (a later call half-written) do not make it a tool-call finish.
+    ended_itself = p.finish_reason == common_pb2.FINISH_REASON_STOP
+    return "tool_calls" if p.tool_calls and ended_itself else FINISH[p.finish_reason]
 
 
 def usage(replies: list[Piece], per_prompt: int) -> schemas.Usage:

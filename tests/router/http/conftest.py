@@ -16,7 +16,8 @@ from launcher.up import start_stack, stop_stack
 API_KEY = "test-key-0123456789"
 MAX_BODY = 1 << 20
 HEAD_TIMEOUT_S = 2.0  # the router's --http-header-timeout (test_edge.py waits for it)
-SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", "512")
+MAX_MODEL_LEN = 512
+SHARD_ARGS = ("--num-state-slots", "8", "--num-kv-blocks", "256", "--max-model-len", str(MAX_MODEL_LEN))
 
 
 class HttpStack:

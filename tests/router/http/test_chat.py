@@ -9,6 +9,7 @@ import jsonschema
 import pytest
 
 from kimiserve.v1 import common_pb2, router_pb2
+from tests.router.http.conftest import MAX_MODEL_LEN
 
 HELLO = [{"role": "user", "content": "Hello"}]
 
@@ -137,14 +138,28 @@ def check_tool_calls(calls, names: set[str]) -> None:
 
 def test_tool_choice_required_is_enforced_while_decoding(http_stack):
     # The tiny random model would never write a tool call by itself: every call here is the grammar's doing. Seeds
-    # 3 and 4 draw replies that close their calls within the context left (seed 7's first choice, sampled by
-    # position, writes calls until max_tokens cuts one: what a cut reply reports is not this test's question).
+    # 3 and 4 draw replies that close their calls within the context left (seed 7's first choice writes calls until
+    # a length limit cuts one: test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length).
     reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=BOUNDED_TOOLS, max_tokens=300,
                                                       tool_choice="required", n=2, temperature=1.0, seed=3)
     assert [c.index for c in reply.choices] == [0, 1]
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         check_tool_calls(choice.message.tool_calls, {"get_weather", "ping"})
+
+
+def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
+    """Seed 7 (sampled by position) writes calls until a length limit cuts one; seed 3 closes its calls in time. Only
+    a reply that ended by itself is a tool_calls finish."""
+    seen = set()
+    for seed in (3, 7):
+        reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=BOUNDED_TOOLS,
+                                                          max_tokens=300, tool_choice="required", temperature=1.0,
+                                                          seed=seed)
+        cut = reply.usage.completion_tokens == 300 or reply.usage.total_tokens == MAX_MODEL_LEN  # either limit
+        assert reply.choices[0].finish_reason == ("length" if cut else "tool_calls"), (seed, reply.usage)
+        seen.add(cut)
+    assert seen == {True, False}, "the seeds no longer give one cut and one closed reply: pick others"
 
 
 def test_a_named_tool_choice_streams_exactly_one_call_to_it(http_stack):
