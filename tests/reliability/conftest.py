@@ -39,7 +39,8 @@ class ChildInfo:
 
 class UpStack:
     """`kimiserve up --shards N` in a process of its own, with XDG_CACHE_HOME (hence the router's batch database)
-    in `home`; its JSON log goes to `home/up.log`."""
+    in `home`; its JSON log goes to `home/up.log`. Its ports are free ones (the HTTP API's too: two stacks of
+    parallel test workers must not both ask for the default 8000)."""
 
     def __init__(self, model: Path, home: Path, shards: int = 2, extra_args: tuple[str, ...] = ()):
         self.home, self.log_path = home, home / "up.log"
@@ -50,7 +51,8 @@ class UpStack:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "launcher.cli", "up", "--model", str(model), "--shards", str(shards),
-                 "--port", str(self.port), "--startup-timeout", "120", *extra_args],
+                 "--port", str(self.port), "--http-port", str(free_port()), "--startup-timeout", "120",
+                 *extra_args],
                 cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.router)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
