@@ -95,7 +95,8 @@ def test_up_passes_shard_capacity_through_and_keeps_its_state_apart(tiny_linear,
 
     port, state = free_port(), tmp_path / "state"
     proc = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--model", str(tiny_linear), "--port",
-                             str(port), "--num-kv-blocks", "8", "--kv-block-size", "16", "--state-dir", str(state)],
+                             str(port), "--http-port", str(free_port()), "--num-kv-blocks", "8", "--kv-block-size",
+                             "16", "--state-dir", str(state)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert "kimiserve is up" in proc.stdout.readline()
