@@ -117,6 +117,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT_S,
                    help="on stop, the router's in-flight requests may finish this long (passed to the router)")
+    p.add_argument("--max-failovers", type=int, default=None, metavar="N",
+                   help="times one stream may move to another shard when its shard dies or leaves (passed to the "
+                        "router; unset: the router's default)")
     p.add_argument("--max-restarts", type=_at_least_one, default=RestartPolicy.max_failures,
                    help="a child failing this many times in a row, each soon after its start, stops the stack "
                         "(exit 1)")
@@ -348,6 +351,8 @@ def run(args: argparse.Namespace) -> int:
                                shard_args=shard_flags(args),
                                router_args=("--batch-db", str(state / "batches.sqlite3"),
                                             *(("--http-port", str(args.http_port)) if args.http_port else ()),
+                                            *(("--max-failovers", str(args.max_failovers))
+                                              if args.max_failovers is not None else ()),
                                             *public_flags(args)),
                                tp=args.tp, ep=args.ep, drain_timeout_s=args.drain_timeout, stop=stop,
                                internal_token_file=token, router_health_port=args.tls_cert is not None)
