@@ -6,7 +6,8 @@ model, real processes and real gRPC on localhost).
   complete, each equal token for token to its reference (no gap, no token twice, usage counting each token once);
   `up` restarts the dead shard and the router puts it back in rotation;
 - SIGTERM of one shard mid-stream (a rolling restart's drain): it leaves rotation for new requests while its streams
-  go on to their end on it; 16/16 complete and equal; it exits cleanly and `up` restarts it at once, not as a crash.
+  go on to their end on it; 16/16 complete and equal; it exits cleanly and `up` restarts it at once, not as a crash;
+- a rolling restart of both shards, one after the other, under a steady load of streams: none fails.
 """
 
 from __future__ import annotations
@@ -133,10 +134,63 @@ def test_sigterm_mid_stream_drains_its_streams_to_the_end_and_up_restarts_it_cle
         "a draining shard's streams run to their end on it: none should have moved"
     assert stack.events("shard draining: out of rotation for new sequences, its running ones go on", "router")
     restarted = stack.wait_restarted(victim.name, victim.pid)
-    assert [e["pid"] for e in stack.events("child stopped cleanly; restarting")] == [victim.pid]
+    assert len([e for e in stack.events("child stopped cleanly; restarting") if e["pid"] == victim.pid]) == 1
     assert not [e for e in stack.events("child exited; restarting") if e["pid"] == victim.pid], "a drain is no crash"
     stack.wait_back_in_rotation(restarted.address, in_rotation)
     assert total(router_series(stack), "kimiserve_router_failover_failed_streams_total") == 0
     stack.assert_shards_idle()
     # Both shards serve again: a second round is undisturbed and equal.
     assert_equal_to(Streams(stack.stub).join(), reference)
+
+
+class SteadyLoad:
+    """`clients` threads, each sending greedy streams of `tokens` one after another until stopped; every stream's
+    outcome is kept (its token count, or its error)."""
+
+    def __init__(self, stub, clients: int = 6, tokens: int = 60):
+        self.stub, self.tokens, self.stop = stub, tokens, threading.Event()
+        self.done: list[int] = []
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._client, args=(c,), daemon=True) for c in range(clients)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, c: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            req = request(c % GREEDY)
+            req.sampling.max_tokens = self.tokens
+            req.request_id = f"steady-{c}-{n}"
+            n += 1
+            try:
+                self.done.append(sum(len(chunk.token_ids) for chunk in self.stub.Generate(req, timeout=120)))
+            except grpc.RpcError as e:
+                self.errors.append(f"{req.request_id}: {e.code().name}: {e.details()}")
+
+    def finish(self) -> "SteadyLoad":
+        self.stop.set()
+        for t in self.threads:
+            t.join(150)
+        assert not any(t.is_alive() for t in self.threads), "a steady stream neither finished nor failed"
+        return self
+
+
+def test_a_rolling_restart_of_both_shards_under_steady_load_fails_no_stream(stack):
+    """What a Kubernetes rolling update does to the shards, one after the other: each gets SIGTERM, drains, exits
+    and comes back while clients keep streaming; no stream fails and every one is whole."""
+    load = SteadyLoad(stack.stub)
+    wait_until(lambda: len(load.done) >= 6, 60, "the steady load under way")
+    for name in ("shard-0", "shard-1"):
+        shard = stack.child(name)
+        in_rotation = stack.rotation_events(shard.address, "shard in rotation")
+        before = len(load.done)
+        os.kill(shard.pid, signal.SIGTERM)
+        restarted = stack.wait_restarted(name, shard.pid)
+        stack.wait_back_in_rotation(restarted.address, in_rotation)
+        wait_until(lambda: len(load.done) >= before + 6, 60, f"streams finishing after {name}'s restart")
+    load.finish()
+    assert not load.errors, load.errors
+    assert load.done and all(n == load.tokens for n in load.done), load.done
+    assert [e["child"] for e in stack.events("child stopped cleanly; restarting")][-2:] == ["shard-0", "shard-1"]
+    assert total(router_series(stack), "kimiserve_router_failover_failed_streams_total") == 0
+    stack.assert_shards_idle()
