@@ -171,7 +171,7 @@ def client_timeout(c: Clients, rng: random.Random) -> str:
 # Requests the HTTP API must refuse with 400: out-of-range sampling, no messages, an unknown role, a bad n.
 BAD_BODIES = (
     {"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1},
-    {"messages": [{"role": "user", "content": "hi"}], "temperature": 5},
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": -1},
     {"messages": []},
     {"messages": [{"role": "wizard", "content": "hi"}]},
     {"messages": [{"role": "user", "content": "hi"}], "n": 0},

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -42,7 +43,7 @@ def load_served(cfg: TokenizerServerConfig) -> ServedTokenizer:
 
 
 def warm(served: ServedTokenizer) -> None:
-    """One chat rendered, encoded and detokenized incrementally before SERVING, on the worker threads the RPCs use,
+    """One chat rendered, encoded and detokenized incrementally before SERVING, on the work threads the RPCs use,
     so the first request pays for none of it (issue 25: first-request TTFT). A template that cannot render a plain
     user turn is logged, not fatal: each request's own rendering reports its error."""
     try:
@@ -58,17 +59,23 @@ def warm(served: ServedTokenizer) -> None:
     detok.flush()
 
 
+def work_pool(cfg: TokenizerServerConfig) -> ThreadPoolExecutor:
+    """The threads the RPCs run their CPU work on: cfg.work_threads of them at most, whatever the load."""
+    return ThreadPoolExecutor(cfg.work_threads, thread_name_prefix="tokenizer-work")
+
+
 async def start_server(
-    cfg: TokenizerServerConfig, served: ServedTokenizer
+    cfg: TokenizerServerConfig, served: ServedTokenizer, work: Executor
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
-    await asyncio.to_thread(warm, served)  # also starts the worker thread pool the RPCs run their work on
+    """A started server with every service registered and health SERVING, its CPU work on `work` (work_pool);
+    returns (server, health, bound port)."""
+    await asyncio.get_running_loop().run_in_executor(work, warm, served)
     # Callers without the internal token are refused first; a corrupt request body: INVALID_ARGUMENT. No
     # SO_REUSEPORT: a taken port fails here.
     token_check = ([internal_auth.AioTokenInterceptor(internal_auth.read_token(cfg.internal_token_file))]
                    if cfg.internal_token_file else [])
     server = grpc.aio.server(interceptors=[*token_check, AioDecodeGuard()], options=SERVER_OPTIONS)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served, work), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -81,7 +88,12 @@ async def start_server(
 
 async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> None:
     """Serve until SIGTERM / SIGINT, then stop gracefully: NOT_SERVING, in-flight RPCs get cfg.grace_s."""
-    server, health_servicer, port = await start_server(cfg, served)
+    with work_pool(cfg) as work:
+        await _serve_on(cfg, served, work)
+
+
+async def _serve_on(cfg: TokenizerServerConfig, served: ServedTokenizer, work: Executor) -> None:
+    server, health_servicer, port = await start_server(cfg, served, work)
     health_server = (security.health_only_server_aio(health_servicer, cfg.host, cfg.health_port)
                      if cfg.health_port is not None else None)
     if health_server is not None:
@@ -102,7 +114,8 @@ async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> No
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
                "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size,
                "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
-               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port},
+               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port,
+               "work_threads": cfg.work_threads},
     )
     await stop_requested.wait()
     await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish
