@@ -98,9 +98,9 @@ class Tally:
         return {f"{k} {o}": n for (k, o), n in sorted(self.outcomes.items()) if o not in MIX[k][2]}
 
 
-def _one(clients: Clients, seed: int, tally: Tally) -> None:
+def _one(clients: Clients, seed: int, kinds: tuple[str, ...], tally: Tally) -> None:
     rng = random.Random(seed)
-    kind = pick(rng)
+    kind = pick(rng, kinds)
     try:
         outcome = MIX[kind][0](clients, rng)
     except Exception as e:  # noqa: BLE001 - a client-side failure is counted as unexpected, not allowed to end the soak
@@ -109,7 +109,8 @@ def _one(clients: Clients, seed: int, tally: Tally) -> None:
     tally.record(kind, outcome)
 
 
-def drive(clients: Clients, rate: float, seconds: float, seed: int, max_in_flight: int, tally: Tally) -> int:
+def drive(clients: Clients, rate: float, seconds: float, seed: int, max_in_flight: int, kinds: tuple[str, ...],
+          tally: Tally) -> int:
     """Poisson arrivals at `rate` for `seconds`, each request on a worker thread; returns how many were sent. With
     `max_in_flight` requests open the next arrival waits (the stack is slower than the rate), and says so."""
     rng = random.Random(seed)
@@ -118,7 +119,7 @@ def drive(clients: Clients, rate: float, seconds: float, seed: int, max_in_fligh
 
     def run(request_seed: int) -> None:
         try:
-            _one(clients, request_seed, tally)
+            _one(clients, request_seed, kinds, tally)
         finally:
             slots.release()
 
@@ -200,7 +201,7 @@ def _run(stack: Stack, clients: Clients, args: argparse.Namespace, work: Path) -
     samples.take()
     samples.start()
     log.info("load running", extra={"minutes": args.minutes, "rate": args.rate, "work_dir": str(work)})
-    sent = drive(clients, args.rate, seconds, args.seed, args.max_in_flight, tally)
+    sent = drive(clients, args.rate, seconds, args.seed, args.max_in_flight, args.kinds, tally)
     load_end_s = time.monotonic() - started  # every request has ended: drive's pool waited for them
     time.sleep(args.idle_s)
     samples.stop()
@@ -209,7 +210,7 @@ def _run(stack: Stack, clients: Clients, args: argparse.Namespace, work: Path) -
     shards: list[Service] = [s for s in stack.services if s.name.startswith("shard")]
     held_at_idle = {s.name: held(s) for s in shards}
     report = {
-        "model": clients.model, "shards": args.shards, "minutes": round(seconds / 60, 2), "rate": args.rate,
+        "model": clients.model, "shards": args.shards, "kinds": list(args.kinds), "minutes": round(seconds / 60, 2), "rate": args.rate,
         "sent": sent, "warmup_s": warmup_s, "idle_s": args.idle_s,
         "outcomes": {f"{k} {o}": n for (k, o), n in sorted(tally.outcomes.items())},
         "unexpected": tally.unexpected(),
@@ -224,6 +225,15 @@ def _run(stack: Stack, clients: Clients, args: argparse.Namespace, work: Path) -
     return 1 if missed or report["unexpected"] or leaked or report["restarted"] else 0
 
 
+def _kinds(text: str) -> tuple[str, ...]:
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in MIX]
+    if unknown or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown request kinds {unknown} (known: {', '.join(MIX)})" if unknown
+                                         else "no request kind given")
+    return kinds
+
+
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle-s", type=float, default=float(env("SOAK_IDLE_S", 30)), help="idle seconds after the load")
     p.add_argument("--max-in-flight", type=int, default=int(env("SOAK_MAX_IN_FLIGHT", 64)))
     p.add_argument("--seed", type=int, default=int(env("SOAK_SEED", 0)))
+    p.add_argument("--kinds", type=_kinds, default=_kinds(env("SOAK_KINDS", ",".join(MIX))),
+                   help="comma-separated request kinds to send (default: all): " + ", ".join(MIX))
     p.add_argument("--out", type=Path, default=Path(env("SOAK_OUT", "soak-report.json")))
     args = p.parse_args(argv)
     setup_logging("soak")

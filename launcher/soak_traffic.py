@@ -266,6 +266,6 @@ MIX: dict[str, tuple[Kind, int, frozenset[str]]] = {
 }
 
 
-def pick(rng: random.Random) -> str:
-    names = list(MIX)
-    return rng.choices(names, [MIX[n][1] for n in names])[0]
+def pick(rng: random.Random, kinds: tuple[str, ...] = tuple(MIX)) -> str:
+    """One kind of `kinds` (every kind unless narrowed, e.g. to find which one a service's memory follows)."""
+    return rng.choices(kinds, [MIX[n][1] for n in kinds])[0]
