@@ -44,7 +44,10 @@ Kind = Callable[[Clients, random.Random], str]
 
 
 def _made_up(rng: random.Random) -> str:
-    return "".join(rng.choice(LETTERS) for _ in range(rng.randint(2, 10)))
+    """A new word; now and then a long one, as identifiers, hashes and URLs are (a tokenizer that keeps the words it
+    has seen holds ~10 KB for each of those: issue 33)."""
+    length = rng.randint(30, 200) if rng.random() < 0.05 else rng.randint(2, 10)
+    return "".join(rng.choice(LETTERS) for _ in range(length))
 
 
 def _words(rng: random.Random, count: int) -> str:
