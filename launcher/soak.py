@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -110,9 +111,10 @@ def _one(clients: Clients, seed: int, kinds: tuple[str, ...], tally: Tally) -> N
 
 
 def drive(clients: Clients, rate: float, seconds: float, seed: int, max_in_flight: int, kinds: tuple[str, ...],
-          tally: Tally) -> int:
-    """Poisson arrivals at `rate` for `seconds`, each request on a worker thread; returns how many were sent. With
-    `max_in_flight` requests open the next arrival waits (the stack is slower than the rate), and says so."""
+          tally: Tally, stop: threading.Event) -> int:
+    """Poisson arrivals at `rate` for `seconds` (or until `stop`), each request on a worker thread; returns how many
+    were sent once all have ended. With `max_in_flight` requests open the next arrival waits (the stack is slower than
+    the rate), and says so."""
     rng = random.Random(seed)
     slots = threading.BoundedSemaphore(max_in_flight)
     sent, end, next_at, last_log = 0, time.monotonic() + seconds, time.monotonic(), time.monotonic()
@@ -124,9 +126,9 @@ def drive(clients: Clients, rate: float, seconds: float, seed: int, max_in_fligh
             slots.release()
 
     with ThreadPoolExecutor(max_in_flight, thread_name_prefix="soak-client") as pool:
-        while (now := time.monotonic()) < end:
+        while (now := time.monotonic()) < end and not stop.is_set():
             if next_at > now:
-                time.sleep(min(next_at - now, end - now))
+                stop.wait(min(next_at - now, end - now))
                 continue
             if not slots.acquire(timeout=1.0):
                 log.warning("the stack is behind the rate: every client slot is busy",
@@ -167,7 +169,8 @@ def _table(report: dict) -> str:
     for name, r in report["rss"].items():
         lines.append(f"{name:<10} {r['start_mib']:>8} {r['half_mib']:>8} {r['end_mib']:>8} {r['idle_mib']:>8} "
                      f"{r['first_half_growth_pct']:>8}% {r['second_half_growth_pct']:>8}% "
-                     f"{r['second_half_mib_per_min']:>8} {r['most_threads']:>7}  {'ok' if r['meets_bar'] else 'MISSED'}")
+                     f"{r['second_half_mib_per_min']:>8} {r['most_threads']:>7}  "
+                     f"{'ok' if r['meets_bar'] else 'MISSED'}")
     lines.append("outcomes: " + ", ".join(f"{k} {n}" for k, n in report["outcomes"].items()))
     lines.append(f"unexpected: {report['unexpected'] or 'none'}")
     lines.append(f"held by the shards at idle: {report['held_at_idle']}")
@@ -179,7 +182,8 @@ def soak(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kimiserve-soak-"))
     port, http_port = free_ports(2)
     up_args = ["--device", args.device, "--shards", str(args.shards), "--port", str(port), "--http-port",
-               str(http_port), "--state-dir", str(work / "state"), *(("--model", str(args.model)) if args.model else ())]
+               str(http_port), "--state-dir", str(work / "state"),
+               *(("--model", str(args.model)) if args.model else ())]
     log.info("starting the stack", extra={"up_args": up_args, "log": str(work / "up.log")})
     stack = Stack(up_args, work / "up.log", STARTUP_TIMEOUT_S)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -201,8 +205,12 @@ def _run(stack: Stack, clients: Clients, args: argparse.Namespace, work: Path) -
     samples.take()
     samples.start()
     log.info("load running", extra={"minutes": args.minutes, "rate": args.rate, "work_dir": str(work)})
-    sent = drive(clients, args.rate, seconds, args.seed, args.max_in_flight, args.kinds, tally)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C ends the load early; the report covers what ran
+        signal.signal(sig, lambda signum, _frame: stop.set())
+    sent = drive(clients, args.rate, seconds, args.seed, args.max_in_flight, args.kinds, tally, stop)
     load_end_s = time.monotonic() - started  # every request has ended: drive's pool waited for them
+    seconds = load_end_s
     time.sleep(args.idle_s)
     samples.stop()
     samples.take()
@@ -210,7 +218,8 @@ def _run(stack: Stack, clients: Clients, args: argparse.Namespace, work: Path) -
     shards: list[Service] = [s for s in stack.services if s.name.startswith("shard")]
     held_at_idle = {s.name: held(s) for s in shards}
     report = {
-        "model": clients.model, "shards": args.shards, "kinds": list(args.kinds), "minutes": round(seconds / 60, 2), "rate": args.rate,
+        "model": clients.model, "shards": args.shards, "kinds": list(args.kinds), "minutes": round(seconds / 60, 2),
+        "rate": args.rate,
         "sent": sent, "warmup_s": warmup_s, "idle_s": args.idle_s,
         "outcomes": {f"{k} {o}": n for (k, o), n in sorted(tally.outcomes.items())},
         "unexpected": tally.unexpected(),
