@@ -26,23 +26,24 @@ from tokenizer_svc.server import load_served, start_server, work_pool
 BURST = 48  # calls in flight at once: far more than any default pool's threads on a small machine
 
 
-def _long_text(rng: random.Random) -> str:
+def _long_text(rng: random.Random, vocabulary: list[str]) -> str:
     # Long enough that encodes overlap: a pool that grows on demand starts a thread for each busy one.
-    return " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(20_000))
+    return " ".join(rng.choices(vocabulary, k=20_000))
 
 
 async def _burst(cfg: TokenizerServerConfig) -> set[threading.Thread]:
     """Serve `cfg`, send BURST Tokenize and RenderChat calls at once, and return the threads started meanwhile."""
     before = set(threading.enumerate())
     rng = random.Random(0)
+    vocabulary = ["".join(rng.choices("abcdefghij", k=rng.randint(2, 9))) for _ in range(5_000)]
     with work_pool(cfg) as work:
         server, _, port = await start_server(cfg, load_served(cfg), work)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 stub = tokenizer_pb2_grpc.TokenizerStub(channel)
-                calls = [stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=_long_text(rng))) if i % 2 else
+                calls = [stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=_long_text(rng, vocabulary))) if i % 2 else
                          stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=[
-                             common_pb2.ChatMessage(role="user", content=_long_text(rng))]))
+                             common_pb2.ChatMessage(role="user", content=_long_text(rng, vocabulary))]))
                          for i in range(BURST)]
                 replies = await asyncio.gather(*calls)
             assert all(len(r.token_ids) > 1000 for r in replies)
