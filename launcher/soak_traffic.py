@@ -3,7 +3,7 @@ the way a client would (the official OpenAI SDK over HTTP, or the gRPC stubs) an
 
 An outcome is "OK" (a good request answered whole: every choice, a finish reason, usage), a status name for a
 refusal or an error ("400", "INVALID_ARGUMENT", "TIMEOUT", ...), or "CUT" (the client left a stream on purpose).
-ALLOWED says which outcomes each kind may end with; anything else is an unexpected error.
+MIX gives each kind its weight and the outcomes it may end with; any other outcome is an unexpected error.
 """
 
 from __future__ import annotations
