@@ -1,6 +1,6 @@
 # `make up` serves the built-in tiny model; `make test` runs the whole suite, `make test-fast` the inner loop; `make soak`
-# loads a stack with a random mix of good, invalid, cancelled and disconnected requests for SOAK_MINUTES (5) and
-# reports leaks. All build .venv.
+# loads `kimiserve up` with mixed traffic for SOAK_MINUTES (60) and reports each service's RSS over time, errors and
+# leaks at idle. All build .venv.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -33,11 +33,13 @@ FAST_TESTS := tests/router/test_*.py tests/tokenizer tests/engine tests/kernels 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(FAST_TESTS)
 
-# Not part of `make test`. Exit 1 if a slot or KV block leaked or a request ended other than its kind allows;
-# the report goes to SOAK_OUT (soak-report.json). Knobs: SOAK_MINUTES, SOAK_CONCURRENCY, SOAK_FAMILY, SOAK_SEED.
-SOAK_MINUTES ?= 5
+# Not part of `make test` (launcher/soak.py; README "Soak"): `kimiserve up` with the trained default model on the
+# CPU under mixed OpenAI-SDK and gRPC traffic at SOAK_RATE (2) requests/s; a table of each service's RSS over both
+# halves of the load and at idle, outcomes and unexpected errors, JSON in SOAK_OUT (soak-report.json). Exit 1 when a
+# service's RSS grows by 5 % or more over the second half, on an unexpected outcome, a held slot or block, or a restart.
+SOAK_MINUTES ?= 60
 soak: $(STAMP)
-	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m tests.reliability.soak
+	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m launcher.soak
 
 # Every GPU benchmark of the README's Performance section, one folder each under BENCH_OUT. Runs with the GPU
 # machine's own Python (torch with CUDA, Triton; fla-core and einops for the KDA comparison), not the CPU venv.

@@ -22,6 +22,10 @@ class TokenizerServerConfig:
     tls: ServerTls | None = None  # TLS on the gRPC port; with a client CA, mTLS (router certs only)
     health_port: int | None = None  # plaintext grpc.health.v1-only port (kubelet probes when TLS is on)
     internal_token_file: Path | None = None  # its token is required on every call but health / reflection
+    # Threads that encode, render and decode whole sequences (the only work off the event loop). A fixed number:
+    # every thread that allocates keeps a malloc arena of its own, so RSS follows the count of threads ever started
+    # (issue 33: asyncio's default pool started up to min(32, cores + 4) of them, one at a time, as load peaked).
+    work_threads: int = 2
 
     @property
     def served_name(self) -> str:

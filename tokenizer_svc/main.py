@@ -28,8 +28,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-message-chars", type=int, default=d.max_message_chars)
     p.add_argument("--max-text-chars", type=int, default=d.max_text_chars)
     p.add_argument("--grace-s", type=float, default=d.grace_s, help="on SIGTERM, in-flight RPCs may finish this long")
+    p.add_argument("--work-threads", type=_at_least_one, default=d.work_threads,
+                   help="threads that encode and render (texts are encoded in parallel, up to this many at once)")
     security.add_server_tls_args(p)
     internal_auth.add_server_args(p)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"needs at least 1 thread, got {value}")
+    return value
 
 
 def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
@@ -46,6 +55,7 @@ def config_from_args(args: argparse.Namespace) -> TokenizerServerConfig:
         grace_s=args.grace_s,
         tls=tls,
         health_port=args.health_port,
+        work_threads=args.work_threads,
         internal_token_file=internal_auth.check_server_args(args, args.host, tls, "tokenizer"),
     )
 

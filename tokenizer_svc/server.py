@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -13,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from kimiserve import internal_auth, security
 from kimiserve.decode_guard import AioDecodeGuard
 from kimiserve.ports import SERVER_OPTIONS, serve_metrics
+from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from kimiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.chat_template import load_chat_template, render_chat
 from tokenizer_svc.chat_types import ChatMessage
@@ -27,9 +29,18 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 
 
+def keep_no_words(tokenizer: LoadedTokenizer) -> None:
+    """Turns off the word cache of `tokenizers`' BPE model. It keeps every distinct pre-tokenized word it encodes
+    (up to 10,000 of them, each up to 256 characters, with one 32-byte symbol per byte: a long word costs ~10 KB), so
+    the service's memory followed what clients sent: 10,000 words of 50-250 letters hold 48 MiB (issue 33). Without
+    it nothing outlives a request; the trained model encodes Austen's text as fast either way (~1 M chars/s)."""
+    tokenizer.hf.model._resize_cache(0)
+
+
 def load_served(cfg: TokenizerServerConfig) -> ServedTokenizer:
     """Load the tokenizer and chat template of cfg.model_dir (raises a named TokenizerServiceError)."""
     model_type, tokenizer = load_for_model(cfg.model_dir, cfg.model_type)
+    keep_no_words(tokenizer)
     template = load_chat_template(cfg.model_dir, tokenizer.config)
     return ServedTokenizer(
         tokenizer=tokenizer,
@@ -42,7 +53,7 @@ def load_served(cfg: TokenizerServerConfig) -> ServedTokenizer:
 
 
 def warm(served: ServedTokenizer) -> None:
-    """One chat rendered, encoded and detokenized incrementally before SERVING, on the worker threads the RPCs use,
+    """One chat rendered, encoded and detokenized incrementally before SERVING, on the work threads the RPCs use,
     so the first request pays for none of it (issue 25: first-request TTFT). A template that cannot render a plain
     user turn is logged, not fatal: each request's own rendering reports its error."""
     try:
@@ -58,17 +69,23 @@ def warm(served: ServedTokenizer) -> None:
     detok.flush()
 
 
+def work_pool(cfg: TokenizerServerConfig) -> ThreadPoolExecutor:
+    """The threads the RPCs run their CPU work on: cfg.work_threads of them at most, whatever the load."""
+    return ThreadPoolExecutor(cfg.work_threads, thread_name_prefix="tokenizer-work")
+
+
 async def start_server(
-    cfg: TokenizerServerConfig, served: ServedTokenizer
+    cfg: TokenizerServerConfig, served: ServedTokenizer, work: Executor
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A started server with every service registered and health SERVING; returns (server, health, bound port)."""
-    await asyncio.to_thread(warm, served)  # also starts the worker thread pool the RPCs run their work on
+    """A started server with every service registered and health SERVING, its CPU work on `work` (work_pool);
+    returns (server, health, bound port)."""
+    await asyncio.get_running_loop().run_in_executor(work, warm, served)
     # Callers without the internal token are refused first; a corrupt request body: INVALID_ARGUMENT. No
     # SO_REUSEPORT: a taken port fails here.
     token_check = ([internal_auth.AioTokenInterceptor(internal_auth.read_token(cfg.internal_token_file))]
                    if cfg.internal_token_file else [])
     server = grpc.aio.server(interceptors=[*token_check, AioDecodeGuard()], options=SERVER_OPTIONS)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served), server)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(served, work), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -81,7 +98,12 @@ async def start_server(
 
 async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> None:
     """Serve until SIGTERM / SIGINT, then stop gracefully: NOT_SERVING, in-flight RPCs get cfg.grace_s."""
-    server, health_servicer, port = await start_server(cfg, served)
+    with work_pool(cfg) as work:
+        await _serve_on(cfg, served, work)
+
+
+async def _serve_on(cfg: TokenizerServerConfig, served: ServedTokenizer, work: Executor) -> None:
+    server, health_servicer, port = await start_server(cfg, served, work)
     health_server = (security.health_only_server_aio(health_servicer, cfg.host, cfg.health_port)
                      if cfg.health_port is not None else None)
     if health_server is not None:
@@ -102,7 +124,8 @@ async def serve_async(cfg: TokenizerServerConfig, served: ServedTokenizer) -> No
                "metrics_port": cfg.metrics_port, "chat_template": served.template.source,
                "tokenizer_source": served.tokenizer.source, "vocab_size": served.tokenizer.vocab_size,
                "tls": cfg.tls is not None, "mtls": bool(cfg.tls and cfg.tls.client_ca),
-               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port},
+               "internal_token": cfg.internal_token_file is not None, "health_port": cfg.health_port,
+               "work_threads": cfg.work_threads},
     )
     await stop_requested.wait()
     await health_servicer.enter_graceful_shutdown()  # probes see NOT_SERVING while in-flight RPCs finish

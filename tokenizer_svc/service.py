@@ -2,14 +2,17 @@
 
 Error mapping and metrics live in tokenizer_svc.rpc; each method here only says what the RPC does. The server is
 asyncio (an open DetokenizeStream holds no thread); CPU-heavy work (encoding, rendering, decoding a whole sequence)
-runs in worker threads so one long text does not stall every other call.
+runs on the server's fixed pool of work threads (TokenizerServerConfig.work_threads) so one long text does not stall
+every other call, and the process's memory does not grow with the number of threads load ever asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 
@@ -26,6 +29,7 @@ from tokenizer_svc.errors import InvalidRequest, ModelNotFound
 from tokenizer_svc.rpc import streaming, unary
 
 Ctx = grpc.aio.ServicerContext
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,8 +45,12 @@ class ServedTokenizer:
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
-    def __init__(self, served: ServedTokenizer) -> None:
+    def __init__(self, served: ServedTokenizer, work: Executor) -> None:
         self._s = served
+        self._work = work
+
+    async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._work, fn, *args)
 
     def _check_model(self, model: str) -> None:
         if model and model != self._s.model_name:
@@ -53,7 +61,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._check_model(request.model)
         if len(request.text) > self._s.max_text_chars:
             raise InvalidRequest(f"text: {len(request.text)} characters is over the limit of {self._s.max_text_chars}")
-        ids = await asyncio.to_thread(self._s.tokenizer.encode, request.text)
+        ids = await self._off_loop(self._s.tokenizer.encode, request.text)
         metrics.TOKENS.labels(rpc="Tokenize").inc(len(ids))
         return pb.TokenizeResponse(token_ids=ids)
 
@@ -61,7 +69,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     async def Detokenize(self, request: pb.DetokenizeRequest, context: Ctx) -> pb.DetokenizeResponse:
         self._check_model(request.model)
         metrics.TOKENS.labels(rpc="Detokenize").inc(len(request.token_ids))
-        text = await asyncio.to_thread(self._s.tokenizer.decode, request.token_ids, not request.keep_special_tokens)
+        text = await self._off_loop(self._s.tokenizer.decode, request.token_ids, not request.keep_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     @unary("TokenBytes")
@@ -82,10 +90,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             raise InvalidRequest(str(exc)) from exc
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         messages, tools = messages_from_pb(request.messages), tools_from_pb(request.tools)
-        prompt = await asyncio.to_thread(
+        prompt = await self._off_loop(
             render_chat, self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
-        ids = await asyncio.to_thread(self._s.tokenizer.encode, prompt)
-        ends = await asyncio.to_thread(self._message_ends, messages, tools, add_generation_prompt, prompt, ids)
+        ids = await self._off_loop(self._s.tokenizer.encode, prompt)
+        ends = await self._off_loop(self._message_ends, messages, tools, add_generation_prompt, prompt, ids)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
         return pb.RenderChatResponse(prompt=prompt, token_ids=ids, message_ends=ends)
 
