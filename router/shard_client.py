@@ -42,7 +42,8 @@ class ShardClient:
         self._poll_task: asyncio.Task | None = None
         self._failed_probes = 0
         self._refused_logged = False  # an UNAUTHENTICATED probe is logged once, at ERROR
-        # The shard sent a Moved event: it drains whatever a probe in flight says, until its stream ends.
+        # The shard said it drains (_leave_rotation): out of rotation whatever a probe in flight says, until its
+        # stream ends.
         self._handing_over = False
 
     def start(self) -> None:
@@ -118,16 +119,15 @@ class ShardClient:
             return
         if event.WhichOneof("kind") == "error":
             refusal = from_shard(event.error)
-            if event.error.code == shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE:  # draining or failed: another shard can
+            if event.error.code == shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE:  # another shard can take it
                 refusal = ShardLost(self.address, f"the shard refused it: {event.error.message}", "refused")
+                if event.error.param != "imported_state":  # draining or failed, whatever a probe in flight says
+                    self._leave_rotation("it refused a sequence as unavailable")
             events.put_nowait(refusal)
             self.forget(event.request_id)
             return
         if event.WhichOneof("kind") == "moved":
-            self._handing_over = True
-            if self.view.healthy:  # before the next poll sees NOT_SERVING: its sequences must not come back here
-                self.view.healthy = False
-                log.warning("shard draining: it hands its sequences over", extra={"shard": self.address})
+            self._leave_rotation("it hands its sequences over")
             events.put_nowait(ShardMoved(self.address, event.request_id, event.moved.computed_tokens,
                                          event.moved.state_bytes))
             self.forget(event.request_id)
@@ -135,6 +135,15 @@ class ShardClient:
         events.put_nowait(event)
         if event.WhichOneof("kind") == "finished":
             self.forget(event.request_id)
+
+    def _leave_rotation(self, why: str) -> None:
+        """The shard said it drains (a Moved event, an UNAVAILABLE refusal): out of rotation before the next poll
+        sees NOT_SERVING, and kept out until its stream ends, so no sequence is sent back to it meanwhile."""
+        self._handing_over = True
+        if self.view.healthy:
+            self.view.healthy = False
+            log.warning("shard draining: out of rotation until its stream ends", extra={"shard": self.address,
+                                                                                         "why": why})
 
     def _mark_down(self, reason: str, kind: str = "removed") -> None:
         """The shard's stream is gone: out of rotation, and each sequence on it told so (ShardLost), once. Its id

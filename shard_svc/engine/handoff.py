@@ -49,7 +49,10 @@ class StatesFull(HandoffError):
 
 
 class StateUnavailable(KimiServeError):
-    """A Submit asked for an imported state that is not held (dropped, or never imported)."""
+    """A Submit asked for an imported state that is not held (dropped, or never imported). The shard itself serves
+    on: the refusal names the field, so the router does not take it for a draining shard."""
+
+    param = "imported_state"
 
 
 @dataclass
