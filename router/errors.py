@@ -37,11 +37,23 @@ class ShardUnavailable(RouterError):
 class ShardLost(ShardUnavailable):
     """A sequence's shard went away under it (its stream ended or broke, its probes failed, or it refused the
     sequence as draining): router/generation.py fails the sequence over to another shard, within its bound. `kind`
-    is the metric's reason label: stream_ended, stream_broke, probes_failed, refused or removed (by discovery)."""
+    is the metric's reason label: stream_ended, stream_broke, probes_failed, refused, removed (by discovery) or
+    drained (ShardMoved)."""
 
     def __init__(self, shard: str, reason: str, kind: str):
         super().__init__(f"shard {shard} lost the sequence: {reason}")
         self.shard, self.reason, self.kind = shard, reason, kind
+
+
+class ShardMoved(ShardLost):
+    """A draining shard handed the sequence over (its Moved event): with `computed_tokens` > 0 its state waits there
+    under `leg_id` for ExportState, to be relayed to the next shard (router/failover.py); else the next leg
+    recomputes. A planned move, not a loss: it does not count against --max-failovers."""
+
+    def __init__(self, shard: str, leg_id: str, computed_tokens: int, state_bytes: int):
+        super().__init__(shard, f"the shard is draining and handed the sequence over ({computed_tokens} tokens of "
+                                f"state, {state_bytes} bytes)", "drained")
+        self.leg_id, self.computed_tokens, self.state_bytes = leg_id, computed_tokens, state_bytes
 
 
 class NotFound(RouterError):

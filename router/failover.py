@@ -9,6 +9,12 @@ The text side (detokenizer, stop strings) never left the router, so the client's
 repeated token. Each leg runs under its own shard-side id (`<request id>/failover-<n>`), so a leg can never collide
 with a previous one still being cleaned up on a shard that comes back.
 
+A draining shard hands its sequences over instead (ShardMoved, shard_svc/engine/handoff.py): the continuation is
+the same, and the moved state is relayed from the draining shard to the next one (`relay_state`) and restored
+there, so the continuation prefills only what the state does not hold (one token, for a decoding sequence). When
+there is no state, or the relay fails, the next shard recomputes, as after a loss. A planned move does not count
+against the bound: a rolling restart of many shards may move a stream once per shard.
+
 One task (Generation._stream) reads a sequence's events and fails it over, one leg at a time, so a sequence never
 fails over twice at once; each leg has its own event queue, and the shard client forgets a lost leg's id before it
 says the leg is lost, so nothing of an old leg can reach the sequence once it has moved.
@@ -16,10 +22,13 @@ says the leg is lost, so nothing of an old leg can reach the sequence once it ha
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from kimiserve.v1 import shard_pb2
-from router.errors import ShardLost, ShardUnavailable
+from router.errors import ShardLost, ShardMoved, ShardUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class FailoverRefused(ShardUnavailable):
@@ -39,21 +48,24 @@ class Legs:
     first: shard_pb2.ShardRequest.Submit  # the first leg's Submit: the original prompt and budget
     max_failovers: int
     shards: list[str] = field(default_factory=list)  # the shard of each leg so far, in order
+    failovers: int = 0  # legs that began because a shard was lost (a planned move is not counted)
 
     @property
-    def failovers(self) -> int:
+    def moves(self) -> int:
+        """Legs after the first, lost or moved."""
         return max(len(self.shards) - 1, 0)
 
     @property
     def leg_id(self) -> str:
         """The current leg's id on its shard."""
-        return self.request_id if self.failovers == 0 else f"{self.request_id}/failover-{self.failovers}"
+        return self.request_id if self.moves == 0 else f"{self.request_id}/failover-{self.moves}"
 
     def continuation(self, lost: ShardLost, generated: list[int], max_context: int) -> shard_pb2.ShardRequest.Submit:
-        """The Submit that continues the sequence after `generated` (every token id passed on so far), or
-        FailoverRefused naming the request, the shards tried and the sizes."""
+        """The Submit that continues the sequence after `generated` (every token id passed on so far), counted as a
+        failover unless it is a planned move; or FailoverRefused naming the request, the shards tried and the
+        sizes."""
         tried = ", ".join(self.shards)
-        if self.failovers >= self.max_failovers:
+        if not isinstance(lost, ShardMoved) and self.failovers >= self.max_failovers:
             raise FailoverRefused(f"request {self.request_id!r} failed: its shard {lost.shard} was lost "
                                   f"({lost.reason}) after {len(generated)} tokens, and it has already failed over "
                                   f"{self.failovers} times (--max-failovers {self.max_failovers}); shards tried: "
@@ -73,4 +85,19 @@ class Legs:
         sub.max_tokens = left
         sub.prior_output_tokens = len(generated)
         sub.sampling.ClearField("prompt_logprobs")  # the first leg sent the scored prompt
+        if not isinstance(lost, ShardMoved):
+            self.failovers += 1
         return sub
+
+
+async def relay_state(source, target, from_id: str, to_id: str, timeout_s: float) -> int:
+    """Moves a state the draining `source` holds under `from_id` (its Moved event's leg) to `target` under `to_id`
+    (the next leg's id); returns the tokens it holds. Raises the gRPC error of either side."""
+    async def renamed():
+        async for chunk in source.export_state(from_id, timeout_s):
+            if chunk.WhichOneof("kind") == "header":
+                chunk.header.request_id = to_id
+            yield chunk
+
+    reply = await target.import_state(renamed(), timeout_s)
+    return reply.tokens

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+import grpc
+
 from kimiserve import sampling_rules, tracing
 from kimiserve.kimi_chat import ToolCall
 from kimiserve.seeds import draw_seed
@@ -22,8 +24,8 @@ from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
 from router.cache_salt import cache_salt_for
-from router.errors import InvalidArgument, RouterError, ShardLost, ShardUnavailable
-from router.failover import FailoverRefused, Legs
+from router.errors import InvalidArgument, RouterError, ShardLost, ShardMoved, ShardUnavailable
+from router.failover import FailoverRefused, Legs, relay_state
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, block_names
 from router.request_ids import LiveIds
@@ -36,6 +38,8 @@ DEFAULT_MAX_FAILOVERS = 2
 # A failover waits this long for a shard in rotation (the only other one may be restarting), checking this often.
 FAILOVER_WAIT_S = 15.0
 FAILOVER_POLL_S = 0.2
+# A moved sequence's state relayed from the draining shard to the next one: past this, the next shard recomputes.
+RELAY_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -180,7 +184,7 @@ class Generation:
         submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
                                                max_tokens=max_tokens,
                                                cache_salt=cache_salt_for(tenant.name, cache_salt),
-                                               message_boundaries=message_ends)
+                                               message_boundaries=message_ends, movable=True)
         async for chunk in self._admitted(method, request_id, submit, keep_special_tokens, hidden_ids,
                                           _Outcome(arrival, tenant.name)):
             yield chunk
@@ -211,9 +215,10 @@ class Generation:
                 yield chunk
 
     async def _place(self, legs: Legs, submit: shard_pb2.ShardRequest.Submit, span, stream,
-                     wait_s: float = 0.0) -> tuple[ShardClient, asyncio.Queue]:
+                     wait_s: float = 0.0, moved: ShardMoved | None = None) -> tuple[ShardClient, asyncio.Queue]:
         """Chooses a shard for the next leg and sends it; waits up to `wait_s` for a shard in rotation (a failover
-        while the only healthy shard restarts)."""
+        while the only healthy shard restarts). `moved`: the leg continues a sequence a draining shard handed over,
+        whose state is relayed to the chosen shard first (`_relay`)."""
         prompt = list(submit.prompt_token_ids)
         deadline = time.monotonic() + wait_s
         names = block_names(prompt, submit.cache_salt)
@@ -237,7 +242,38 @@ class Generation:
                                           "prompt_tokens": len(prompt), "max_tokens": submit.max_tokens,
                                           "prior_output_tokens": submit.prior_output_tokens})
         shard_client = next(c for c in self.shards if c.view is shard)
+        if moved is not None:
+            await self._relay(legs, moved, shard_client, submit)
         return shard_client, await shard_client.submit(submit)
+
+    async def _relay(self, legs: Legs, moved: ShardMoved, target: ShardClient,
+                     submit: shard_pb2.ShardRequest.Submit) -> None:
+        """The moved state into `target`, and `submit` marked to start from it; when there is none, or the relay
+        fails, `submit` recomputes (counted, logged)."""
+        source = next((c for c in self.shards if c.address == moved.shard), None)
+        why = "no_state" if not moved.computed_tokens else "source_gone" if source is None else ""
+        if not why:
+            start = time.monotonic()
+            try:
+                tokens = await relay_state(source, target, moved.leg_id, legs.leg_id, RELAY_TIMEOUT_S)
+            except grpc.aio.AioRpcError as e:
+                why = "relay_failed"
+                log.warning("state relay failed; the next shard recomputes", extra={
+                    "request_id": legs.request_id, "from_shard": moved.shard, "to_shard": target.address,
+                    "error": f"{e.code().name} {e.details()}"})
+            else:
+                submit.imported_state = True
+                self.metrics.migrations.labels("moved").inc()
+                self.metrics.migration_bytes.inc(moved.state_bytes)
+                self.metrics.migration_seconds.observe(time.monotonic() - start)
+                self.metrics.failover_recomputed_tokens.inc(len(submit.prompt_token_ids) - tokens)
+                log.info("state moved", extra={"request_id": legs.request_id, "from_shard": moved.shard,
+                                               "to_shard": target.address, "state_tokens": tokens,
+                                               "state_bytes": moved.state_bytes,
+                                               "seconds": round(time.monotonic() - start, 4)})
+                return
+        self.metrics.migrations.labels(why).inc()
+        self.metrics.failover_recomputed_tokens.inc(len(submit.prompt_token_ids))
 
     async def _stream(self, method, legs: Legs, keep_special, hidden_ids, out: _Outcome, span, stream):
         """The sequence's pieces, leg after leg: a ShardLost fails it over (router/failover.py) and the stream goes
@@ -311,13 +347,13 @@ class Generation:
                     out.finish_reason = finish_reason_name(f.finish_reason)
                     out.timing = f.timing if f.HasField("timing") else None
                     # After a failover the shard counted its own leg's cache hits; the client's are the first leg's.
-                    usage = _usage(prompt, out, cached) if legs.failovers else f.usage
+                    usage = _usage(prompt, out, cached) if legs.moves else f.usage
                     yield Piece(text=tail, finish_reason=f.finish_reason, usage=usage, error_message=f.error_message)
                     break
         except FailoverRefused as e:
             self.metrics.failover_failed.labels(e.why).inc()
             log.error("stream failed despite failover", extra={"request_id": request_id, "shards": legs.shards,
-                                                                "failovers": legs.failovers, "why": e.why,
+                                                                "failovers": legs.moves, "why": e.why,
                                                                 "error": str(e)})
             raise
         finally:
@@ -344,13 +380,15 @@ class Generation:
             continuation = legs.continuation(lost, generated, self.max_context_tokens())
         except ShardUnavailable as e:
             raise e if isinstance(e, FailoverRefused) else FailoverRefused(str(e), "no_shard") from e
+        moved = lost if isinstance(lost, ShardMoved) else None
         self.metrics.failovers.labels(lost.kind).inc()
-        self.metrics.failover_recomputed_tokens.inc(len(continuation.prompt_token_ids))
+        if moved is None:
+            self.metrics.failover_recomputed_tokens.inc(len(continuation.prompt_token_ids))
         log.warning("request failing over", extra={"request_id": legs.request_id, "from_shard": lost.shard,
                                                    "reason": lost.reason, "generated": len(generated),
-                                                   "failover": legs.failovers + 1})
+                                                   "leg": legs.moves + 1})
         try:
-            return await self._place(legs, continuation, span, stream, wait_s=FAILOVER_WAIT_S)
+            return await self._place(legs, continuation, span, stream, wait_s=FAILOVER_WAIT_S, moved=moved)
         except ShardUnavailable as e:
             raise FailoverRefused(f"request {legs.request_id!r} cannot fail over from shard {lost.shard} "
                                   f"({lost.reason}): {e}; shards tried: {', '.join(legs.shards)}", "no_shard") from e

@@ -9,8 +9,11 @@ LATENCY_BUCKETS = buckets.REQUEST_SECONDS
 TPOT_BUCKETS = buckets.TOKEN_GAP_SECONDS
 # How a sequence's shard was lost (router/errors.py ShardLost.kind), and why a failover was refused
 # (router/failover.py FailoverRefused.why): the label values of the failover counters.
-LOST_REASONS = ("stream_ended", "stream_broke", "probes_failed", "refused", "removed")
+LOST_REASONS = ("stream_ended", "stream_broke", "probes_failed", "refused", "removed", "drained")
 FAILOVER_FAILURES = ("bound", "context", "no_shard")
+# What became of a sequence a draining shard handed over (router/generation.py _relay): its state moved to the next
+# shard, or the next shard recomputed because there was no state, the draining shard was gone, or the relay failed.
+MIGRATION_OUTCOMES = ("moved", "no_state", "source_gone", "relay_failed")
 
 
 class RouterMetrics:
@@ -48,20 +51,35 @@ class RouterMetrics:
         self.generation_tokens = Counter("kimiserve_router_generation_tokens",
                                          "Generated tokens of finished requests", ["method"], registry=r)
         # Failover (router/failover.py): sequences moved to another shard when theirs was lost, by how it was lost
-        # (stream_ended, stream_broke, probes_failed, refused, removed); the prompt tokens their continuations sent
-        # again (prefilled again unless the new shard's prefix cache held them); loss to the continuation's first
+        # (stream_ended, stream_broke, probes_failed, refused, removed; drained: handed over by a draining shard);
+        # the prompt tokens their continuations prefill again (unless the new shard's prefix cache held them; a moved
+        # state's tokens are not counted); loss to the continuation's first
         # event; streams that failed anyway (bound: --max-failovers spent; context: the continuation fits no shard;
         # no_shard: none in rotation).
         self.failovers = Counter("kimiserve_router_failovers", "Sequences failed over to another shard, by reason",
                                  ["reason"], registry=r)
         self.failover_recomputed_tokens = Counter("kimiserve_router_failover_recomputed_prompt_tokens",
-                                                  "Prompt tokens (original prompt + tokens generated so far) sent "
-                                                  "again by failover continuations", registry=r)
+                                                  "Prompt tokens (original prompt + tokens generated so far) that "
+                                                  "failover continuations prefill again (not those a moved state "
+                                                  "holds)", registry=r)
         self.failover_seconds = Histogram("kimiserve_router_failover_seconds",
                                           "A sequence's shard lost to the first event of its continuation",
                                           buckets=LATENCY_BUCKETS, registry=r)
         self.failover_failed = Counter("kimiserve_router_failover_failed_streams",
                                        "Streams failed although failover was tried, by why", ["why"], registry=r)
+        # Planned moves (a draining shard handing its sequences over, shard_svc/engine/handoff.py): by outcome; the
+        # bytes of the states relayed; how long a relay took (export, transfer, import).
+        self.migrations = Counter("kimiserve_router_state_migrations",
+                                  "Sequences a draining shard handed over, by outcome: moved (the state went to the "
+                                  "next shard), or the next shard recomputed (no_state, source_gone, relay_failed)",
+                                  ["outcome"], registry=r)
+        self.migration_bytes = Counter("kimiserve_router_state_migration_bytes",
+                                       "Bytes of sequence states relayed from draining shards", registry=r)
+        self.migration_seconds = Histogram("kimiserve_router_state_migration_seconds",
+                                           "Relaying one moved sequence's state: export, transfer and import",
+                                           buckets=LATENCY_BUCKETS, registry=r)
+        for outcome in MIGRATION_OUTCOMES:
+            self.migrations.labels(outcome)
         for reason in LOST_REASONS:  # every series from the start: a rate over none is no data, not zero
             self.failovers.labels(reason)
         for why in FAILOVER_FAILURES:

@@ -1,8 +1,9 @@
 """One shard as the router sees it: a long-lived Stream multiplexing sequences by request id, a poller for Load
 and health, and the shard's slice of the balancer's view.
 
-A shard whose health answers NOT_SERVING is draining (SIGTERM, a rolling restart): it leaves rotation for new
-sequences while the ones it runs go on to their end on its stream. When the stream ends or breaks, or the probes fail
+A shard whose health answers NOT_SERVING, or that sends a Moved event, is draining (SIGTERM, a rolling restart): it
+leaves rotation for new sequences and hands the ones it runs over (ShardMoved; router/failover.py moves their states
+with `export_state` and the next shard's `import_state`). When the stream ends or breaks, or the probes fail
 PROBES_TO_FAIL times in a row (a hung or unreachable shard), the shard leaves rotation and every sequence still on it
 gets ShardLost, which router/generation.py answers by failing the sequence over to another shard. The poller keeps
 probing and puts the shard back once it is SERVING again.
@@ -18,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kimiserve.v1 import shard_pb2, shard_pb2_grpc
 from router.balancer import ShardView
-from router.errors import ShardLost, ShardUnavailable, from_shard
+from router.errors import ShardLost, ShardMoved, ShardUnavailable, from_shard
 
 log = logging.getLogger(__name__)
 # A busy shard can answer a probe late; only several misses in a row (or a broken stream) take it out of rotation.
@@ -41,6 +42,9 @@ class ShardClient:
         self._poll_task: asyncio.Task | None = None
         self._failed_probes = 0
         self._refused_logged = False  # an UNAUTHENTICATED probe is logged once, at ERROR
+        # The shard said it drains (_leave_rotation): out of rotation whatever a probe in flight says, until its
+        # stream ends.
+        self._handing_over = False
 
     def start(self) -> None:
         self._poll_task = asyncio.create_task(self._poll(), name=f"poll {self.address}")
@@ -71,6 +75,14 @@ class ShardClient:
     def forget(self, request_id: str) -> None:
         if self._inflight.pop(request_id, None) is not None:
             self.view.in_flight -= 1
+
+    # -- moving sequence states (router/failover.py) ------------------------------------------------------------
+    def export_state(self, request_id: str, timeout_s: float):
+        """The chunks of a state this (draining) shard holds for a moved sequence."""
+        return self._stub.ExportState(shard_pb2.ExportStateRequest(request_id=request_id), timeout=timeout_s)
+
+    async def import_state(self, chunks, timeout_s: float) -> shard_pb2.ImportStateResponse:
+        return await self._stub.ImportState(chunks, timeout=timeout_s)
 
     # -- stream ------------------------------------------------------------------------------------------------
     async def _write(self, call, outbox: asyncio.Queue) -> None:
@@ -107,14 +119,31 @@ class ShardClient:
             return
         if event.WhichOneof("kind") == "error":
             refusal = from_shard(event.error)
-            if event.error.code == shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE:  # draining or failed: another shard can
+            if event.error.code == shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE:  # another shard can take it
                 refusal = ShardLost(self.address, f"the shard refused it: {event.error.message}", "refused")
+                if event.error.param != "imported_state":  # draining or failed, whatever a probe in flight says
+                    self._leave_rotation("it refused a sequence as unavailable")
             events.put_nowait(refusal)
+            self.forget(event.request_id)
+            return
+        if event.WhichOneof("kind") == "moved":
+            self._leave_rotation("it hands its sequences over")
+            events.put_nowait(ShardMoved(self.address, event.request_id, event.moved.computed_tokens,
+                                         event.moved.state_bytes))
             self.forget(event.request_id)
             return
         events.put_nowait(event)
         if event.WhichOneof("kind") == "finished":
             self.forget(event.request_id)
+
+    def _leave_rotation(self, why: str) -> None:
+        """The shard said it drains (a Moved event, an UNAVAILABLE refusal): out of rotation before the next poll
+        sees NOT_SERVING, and kept out until its stream ends, so no sequence is sent back to it meanwhile."""
+        self._handing_over = True
+        if self.view.healthy:
+            self.view.healthy = False
+            log.warning("shard draining: out of rotation until its stream ends", extra={"shard": self.address,
+                                                                                         "why": why})
 
     def _mark_down(self, reason: str, kind: str = "removed") -> None:
         """The shard's stream is gone: out of rotation, and each sequence on it told so (ShardLost), once. Its id
@@ -123,6 +152,7 @@ class ShardClient:
             log.warning("shard left rotation", extra={"shard": self.address, "reason": reason,
                                                       "lost_request_ids": list(self._inflight)})
         self.view.healthy = False
+        self._handing_over = False  # the next stream is to a shard that serves again
         self._outbox = None
         self._stream_task = None
         for rid, events in list(self._inflight.items()):
@@ -160,7 +190,7 @@ class ShardClient:
                               "(or a client certificate they accept)", extra={"shard": self.address,
                                                                                "reason": reason})
             self._failed_probes = 0 if ok or draining else self._failed_probes + 1
-            if ok and not self.view.healthy:
+            if ok and not self.view.healthy and not self._handing_over:
                 if self._outbox is None:  # no stream (a first start, a restart): a new one; a drain undone: the same
                     self._outbox = asyncio.Queue()
                     self._stream_task = asyncio.create_task(self._run_stream(self._outbox))

@@ -26,7 +26,7 @@ SHARD_ERROR_CODE_UNAVAILABLE: ShardErrorCode
 class ShardRequest(_message.Message):
     __slots__ = ("submit", "cancel")
     class Submit(_message.Message):
-        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "trace_context", "cache_salt", "message_boundaries", "prior_output_tokens")
+        __slots__ = ("request_id", "prompt_token_ids", "sampling", "max_tokens", "trace_context", "cache_salt", "message_boundaries", "prior_output_tokens", "movable", "imported_state")
         class TraceContextEntry(_message.Message):
             __slots__ = ("key", "value")
             KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class ShardRequest(_message.Message):
         CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
         MESSAGE_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
         PRIOR_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        MOVABLE_FIELD_NUMBER: _ClassVar[int]
+        IMPORTED_STATE_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
         sampling: _common_pb2.SamplingParams
@@ -50,7 +52,9 @@ class ShardRequest(_message.Message):
         cache_salt: str
         message_boundaries: _containers.RepeatedScalarFieldContainer[int]
         prior_output_tokens: int
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., message_boundaries: _Optional[_Iterable[int]] = ..., prior_output_tokens: _Optional[int] = ...) -> None: ...
+        movable: bool
+        imported_state: bool
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., cache_salt: _Optional[str] = ..., message_boundaries: _Optional[_Iterable[int]] = ..., prior_output_tokens: _Optional[int] = ..., movable: _Optional[bool] = ..., imported_state: _Optional[bool] = ...) -> None: ...
     class Cancel(_message.Message):
         __slots__ = ("request_id",)
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -63,7 +67,7 @@ class ShardRequest(_message.Message):
     def __init__(self, submit: _Optional[_Union[ShardRequest.Submit, _Mapping]] = ..., cancel: _Optional[_Union[ShardRequest.Cancel, _Mapping]] = ...) -> None: ...
 
 class ShardEvent(_message.Message):
-    __slots__ = ("request_id", "token", "finished", "error")
+    __slots__ = ("request_id", "token", "finished", "error", "moved")
     class Token(_message.Message):
         __slots__ = ("token_id", "index", "logprob", "cached_prompt_tokens", "top_logprobs", "prompt_logprobs")
         TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -114,15 +118,24 @@ class ShardEvent(_message.Message):
         message: str
         param: str
         def __init__(self, code: _Optional[_Union[ShardErrorCode, str]] = ..., message: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
+    class Moved(_message.Message):
+        __slots__ = ("computed_tokens", "state_bytes")
+        COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+        STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+        computed_tokens: int
+        state_bytes: int
+        def __init__(self, computed_tokens: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token: ShardEvent.Token
     finished: ShardEvent.Finished
     error: ShardEvent.Error
-    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[ShardEvent.Token, _Mapping]] = ..., finished: _Optional[_Union[ShardEvent.Finished, _Mapping]] = ..., error: _Optional[_Union[ShardEvent.Error, _Mapping]] = ...) -> None: ...
+    moved: ShardEvent.Moved
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[_Union[ShardEvent.Token, _Mapping]] = ..., finished: _Optional[_Union[ShardEvent.Finished, _Mapping]] = ..., error: _Optional[_Union[ShardEvent.Error, _Mapping]] = ..., moved: _Optional[_Union[ShardEvent.Moved, _Mapping]] = ...) -> None: ...
 
 class ShardInfoRequest(_message.Message):
     __slots__ = ()
@@ -187,3 +200,35 @@ class ShardHealthResponse(_message.Message):
     DEVICE_OP_MS_FIELD_NUMBER: _ClassVar[int]
     device_op_ms: float
     def __init__(self, device_op_ms: _Optional[float] = ...) -> None: ...
+
+class ExportStateRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class SequenceStateHeader(_message.Message):
+    __slots__ = ("request_id", "tokens", "model_type", "total_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    model_type: str
+    total_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., model_type: _Optional[str] = ..., total_bytes: _Optional[int] = ...) -> None: ...
+
+class SequenceStateChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SequenceStateHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SequenceStateHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ImportStateResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    def __init__(self, tokens: _Optional[int] = ...) -> None: ...

@@ -54,6 +54,16 @@ class ShardStub:
                 request_serializer=kimiserve_dot_v1_dot_shard__pb2.ShardHealthRequest.SerializeToString,
                 response_deserializer=kimiserve_dot_v1_dot_shard__pb2.ShardHealthResponse.FromString,
                 _registered_method=True)
+        self.ExportState = channel.unary_stream(
+                '/kimiserve.v1.Shard/ExportState',
+                request_serializer=kimiserve_dot_v1_dot_shard__pb2.ExportStateRequest.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.FromString,
+                _registered_method=True)
+        self.ImportState = channel.stream_unary(
+                '/kimiserve.v1.Shard/ImportState',
+                request_serializer=kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.SerializeToString,
+                response_deserializer=kimiserve_dot_v1_dot_shard__pb2.ImportStateResponse.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -92,6 +102,27 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportState(self, request, context):
+        """The state of a sequence this shard moved out (a Moved event with computed_tokens > 0), in chunks: a header, then
+        the data. Handed out once: NOT_FOUND when no state is held under the id (never moved, exported already, or
+        dropped 60 s after the Moved event). A draining shard keeps serving these until every state it
+        moved out was taken or dropped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportState(self, request_iterator, context):
+        """Holds a sequence state exported by another shard, under the header's request_id, for the Submit of that id with
+        imported_state set; dropped when no such Submit comes within 60 s. INVALID_ARGUMENT when it does
+        not fit this shard's model or pools (the message names both shapes) or the chunks are malformed;
+        RESOURCE_EXHAUSTED when the imported states held would exceed the shard's bound; FAILED_PRECONDITION on a
+        shard that is draining or a tensor-parallel shard group (each rank holds only its slice of the state).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -114,6 +145,16 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=kimiserve_dot_v1_dot_shard__pb2.ShardHealthRequest.FromString,
                     response_serializer=kimiserve_dot_v1_dot_shard__pb2.ShardHealthResponse.SerializeToString,
+            ),
+            'ExportState': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportState,
+                    request_deserializer=kimiserve_dot_v1_dot_shard__pb2.ExportStateRequest.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.SerializeToString,
+            ),
+            'ImportState': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportState,
+                    request_deserializer=kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.FromString,
+                    response_serializer=kimiserve_dot_v1_dot_shard__pb2.ImportStateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +265,60 @@ class Shard:
             '/kimiserve.v1.Shard/Health',
             kimiserve_dot_v1_dot_shard__pb2.ShardHealthRequest.SerializeToString,
             kimiserve_dot_v1_dot_shard__pb2.ShardHealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kimiserve.v1.Shard/ExportState',
+            kimiserve_dot_v1_dot_shard__pb2.ExportStateRequest.SerializeToString,
+            kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportState(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kimiserve.v1.Shard/ImportState',
+            kimiserve_dot_v1_dot_shard__pb2.SequenceStateChunk.SerializeToString,
+            kimiserve_dot_v1_dot_shard__pb2.ImportStateResponse.FromString,
             options,
             channel_credentials,
             insecure,

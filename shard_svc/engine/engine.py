@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -16,6 +16,7 @@ from shard_svc.engine.prefix_host import PrefixHostConfigError, PrefixHostTier
 from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.runner import ModelRunner
 from shard_svc.engine.grammar import Grammars
+from shard_svc.engine.handoff import SequenceState, check_continues
 from shard_svc.engine.penalties import TokenCounts
 from shard_svc.engine.sampling import NONFINITE_ROW, Drawn, SampleRow, SamplingParams, make_draws, sample_all
 from shard_svc.engine.scheduler import Scheduler
@@ -24,6 +25,7 @@ from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.errors import ContextTooLong, DuplicateRequest, InvalidRequest
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import Ops
+from shard_svc.state.host_copy import HostCopier
 from shard_svc.state.kv_offload import HostKVOffload
 from shard_svc.weight_streaming.metrics import StreamingMetrics
 
@@ -73,6 +75,8 @@ class TokenEvent:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
     prompt_scores: PromptScores | None = None  # on the first token, when the prompt was scored
     timing: SequenceTiming | None = None  # on a finish: where the sequence's time went (the engine loop sets it)
+    moved_tokens: int = 0  # finish "moved": tokens the state handed over holds (0: none, the receiver recomputes)
+    state_bytes: int = 0  # finish "moved": the packed state's size (the engine loop sets it)
 
 
 @dataclass
@@ -128,8 +132,9 @@ class Engine:
         share = PrefillShare(engine_cfg.prefill_token_budget, engine_cfg.prefill_policy,
                              engine_cfg.long_prefill_threshold, engine_cfg.long_prefill_floor,
                              engine_cfg.mixed_prefill_cost, context_tokens_per_token(cfg), engine_cfg.fold_decodes)
+        self.copier = HostCopier(pools.kda_pool, pools.kv_cache)  # states moving between shards (engine/handoff.py)
         self.scheduler = Scheduler(pools.kda_pool.slots, pools.kv_cache.blocks, engine_cfg.num_state_slots, share,
-                                   self.kv_offload, self.prefix_cache)
+                                   self.kv_offload, self.prefix_cache, self.copier)
         # The longest sequence this engine can hold: the model's limit, the operator's, and the KV cache (a sequence's
         # whole KV promise must fit on the device even with host offload, which moves whole sequences).
         kv_tokens = engine_cfg.num_kv_blocks * engine_cfg.kv_block_size
@@ -188,15 +193,20 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     keep_prompt_logits: bool = False, matcher=None, prefix: PrefixHints = PrefixHints(),
-                    prior_output: int = 0) -> Sequence:
+                    prior_output: int = 0, movable: bool = False,
+                    imported: SequenceState | None = None) -> Sequence:
         """Validates and queues a request; raises DuplicateRequest or what check_request raises. `matcher`: what
         check_request returned for it (compiled here when not given). `prefix`: its cache salt and message
         boundaries (InvalidRequest when the boundaries are not increasing offsets inside the prompt).
         `prior_output`: for a continuation, how many of the prompt's last tokens are the sequence's own earlier
         output: penalties count them as output and the response_format has consumed them, so the continuation
-        samples from what the uninterrupted sequence would have (its seeded draws are keyed by position already)."""
+        samples from what the uninterrupted sequence would have (its seeded draws are keyed by position already).
+        `movable`: move_out may hand it over. `imported`: a state from another shard (engine/handoff.py) whose tokens
+        begin the prompt (else InvalidRequest), restored at admission instead of prefilled."""
         if request_id in self.sequences:
             raise DuplicateRequest(f"request id {request_id!r} is already live on this engine")
+        if imported is not None:
+            check_continues(request_id, prompt, imported)
         if matcher is None:
             matcher = self.check_request(request_id, prompt, params, prior_output)
         else:
@@ -206,7 +216,8 @@ class Engine:
         points = PrefixCache.message_points(request_id, list(prefix.boundaries), len(prompt))
         seq = Sequence(request_id, list(prompt), params, make_draws(params, self.device),
                        keep_prompt_logits=keep_prompt_logits, stop_ids=stop_ids, matcher=matcher,
-                       prefix=PrefixHints(prefix.salt, points), prior_output=prior_output)
+                       prefix=PrefixHints(prefix.salt, points), prior_output=prior_output, movable=movable,
+                       imported=imported)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
         self.sync.on_add(request_id, prompt, params, keep_prompt_logits, prefix, prior_output)
@@ -219,6 +230,19 @@ class Engine:
             return None
         self.sync.on_cancel(request_id)
         return self._finish(seq, "cancelled")
+
+    def move_out(self, request_id: str) -> tuple[TokenEvent, SequenceState | None]:
+        """Stops a live sequence to hand it to another shard (engine/handoff.py): its state on the host, when it has
+        one that leaves a token to read, and its final event (finish "moved"). Its slot and blocks are freed."""
+        seq = self.sequences[request_id]
+        state = None
+        done = seq.num_computed
+        if (seq.slot is not None and 0 < done < seq.num_tokens and seq.request_id not in self.scheduler.offloaded
+                and self.sync.world == 1):
+            blocks = self.scheduler.blocks.table(request_id)[:self.scheduler.blocks.blocks_for(done)]
+            state = SequenceState(seq.tokens[:done], self.copier.save(seq.slot, blocks, done))
+        event = self._finish(seq, "moved")
+        return replace(event, moved_tokens=len(state.tokens) if state is not None else 0), state
 
     def has_work(self) -> bool:
         return bool(self.sequences)

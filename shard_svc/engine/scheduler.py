@@ -33,6 +33,7 @@ from shard_svc.engine.prefix_cache import CachedPrefix, PrefixCache
 from shard_svc.engine.prefix_host import HostPrefix
 from shard_svc.engine.sequence import Sequence, SeqStatus
 from shard_svc.state.allocators import BlockAllocator, SlotAllocator
+from shard_svc.state.host_copy import HostCopier
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,12 @@ class KVOffloader(Protocol):
 
 class Scheduler:
     def __init__(self, slots: SlotAllocator, blocks: BlockAllocator, max_running: int, share: PrefillShare,
-                 offload: KVOffloader | None = None, prefix_cache: PrefixCache | None = None):
+                 offload: KVOffloader | None = None, prefix_cache: PrefixCache | None = None,
+                 copier: HostCopier | None = None):
+        """copier: restores states imported from another shard (engine/handoff.py); None: none can be."""
         self.slots, self.blocks = slots, blocks
+        self.copier = copier
+        self.imported_tokens = 0  # running total restored from imported states, for the metric
         self.max_running, self.share = max_running, share
         self.prefill_budget = share.budget
         self.offload = offload
@@ -86,7 +91,7 @@ class Scheduler:
             if not self.slots.num_free and not (self.prefix_cache is not None and self.prefix_cache.evict_one()):
                 break  # cached prefixes give their state slots back to running sequences
             seq = self.waiting[0]
-            hit = self._lookup(seq)
+            hit = self._lookup(seq) if seq.imported is None else None  # an imported state is the sequence's own
             need = self._need(seq, hit)
             while need > self.blocks.num_free - promised and self.prefix_cache is not None and \
                     self.prefix_cache.evict_one():  # cached prefixes give way to admissions, least valuable first
@@ -99,7 +104,9 @@ class Scheduler:
             seq.slot = self.slots.allocate(seq.request_id)
             seq.status = SeqStatus.RUNNING
             seq.admitted_at = seq.admitted_at or time.monotonic()
-            if self.prefix_cache is not None:
+            if seq.imported is not None:
+                self._restore_imported(seq)
+            elif self.prefix_cache is not None:
                 self._restore_prefix(seq, hit)
             promised += need
             self.running.append(seq)
@@ -127,6 +134,18 @@ class Scheduler:
         log.info("prefix restored", extra={"request_id": seq.request_id, "cached_tokens": hit.length,
                                            "prompt_tokens": len(seq.prompt),
                                            "tier": "host" if isinstance(hit, HostPrefix) else "device"})
+
+    def _restore_imported(self, seq: Sequence) -> None:
+        """The state another shard handed over, copied into the sequence's fresh slot and blocks of its own; the host
+        copy is let go."""
+        state, seq.imported = seq.imported, None
+        if self.copier is None:
+            raise RuntimeError(f"request {seq.request_id!r} carries an imported state but the scheduler has no copier")
+        self.copier.load(state.host, seq.request_id, seq.slot, len(state.tokens))
+        seq.num_computed = seq.imported_tokens = len(state.tokens)
+        self.imported_tokens += len(state.tokens)
+        log.info("imported state restored", extra={"request_id": seq.request_id, "imported_tokens": len(state.tokens),
+                                                   "prompt_tokens": len(seq.prompt)})
 
     def _fits_with_host(self, seq: Sequence) -> bool:
         """Past the device's promise (host KV offload only): the bound that keeps room on the host for any

@@ -67,11 +67,14 @@ class Sequence:
     matcher: Any = None  # response_format: an llguidance.LLMatcher advanced with every token (engine/grammar.py)
     prefix: PrefixHints = PrefixHints()
     prior_output: int = 0  # a continuation: the prompt's last tokens that are this sequence's own earlier output
+    movable: bool = False  # a draining shard hands it over (engine/handoff.py) instead of finishing it
+    imported: Any = None  # a SequenceState from another shard (engine/handoff.py), restored at admission
+    imported_tokens: int = 0  # tokens restored from an imported state instead of prefilled
     output: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
     num_computed: int = 0  # tokens whose effect is already in the KDA state / MLA cache
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" | "moved"
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache instead of prefilled
     cached_logits: torch.Tensor | None = None  # the whole prompt was cached: its first token is drawn from this row

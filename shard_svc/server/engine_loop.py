@@ -9,6 +9,10 @@ A failure inside a pass fails only that pass's sequences (the engine catches it)
 leaves the engine in an unknown state: every live request finishes with an error naming the failure, new submits
 are refused, and the fatal hooks run (the server reports NOT_SERVING and exits non-zero).
 
+A drain (`stop(move=True)`, SIGTERM) hands every movable sequence over instead of finishing it here: between two
+steps each one's state goes to `exports` and its stream gets a Moved event (shard_svc/engine/handoff.py); states
+another shard exported wait in `imports` for their continuation's Submit.
+
 After each step the loop records: every pass (metrics, and one JSON log line per prefill pass), and every request
 that finished (per-request metrics, the timing its Finished event carries, and its spans when it is traced).
 """
@@ -25,6 +29,7 @@ from typing import Any, Callable
 
 from kimiserve import tracing
 from shard_svc.engine.engine import Engine, StepResult, TokenEvent
+from shard_svc.engine.handoff import PackedState, SequenceState, StateStore, StateUnavailable, check_continues
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.engine.prefix_cache import PrefixCache
 from shard_svc.engine.sequence import PrefixHints, Sequence, SequenceTiming
@@ -64,6 +69,8 @@ class _Submitted:
     traced: TracedRequest | None = None
     prefix: PrefixHints = PrefixHints()
     prior_output: int = 0
+    movable: bool = False
+    imported: SequenceState | None = None
 
 
 @dataclass
@@ -84,6 +91,7 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}  # engine thread only: every request taken into the engine
         self._finished: list[tuple[_Live, TokenEvent]] = []  # engine thread only: finished since the last record
         self._stopping = False
+        self._move_out = False  # a drain asked the loop to hand its movable sequences over, before its next step
         self.failure: str | None = None
         self.fatal_hooks: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -91,6 +99,10 @@ class EngineLoop:
         # per-thread library handles and the first request's paths); `ready` is set once it returned or failed.
         self.before_serving: Callable[[Engine], object] | None = None
         self.ready = threading.Event()
+        # Sequence states handed over (engine/handoff.py): moved out by a drain, until the router fetches them; and
+        # imported from other shards, until their Submit (each will take a state slot, so at most the slots).
+        self.exports: StateStore[PackedState] = StateStore("exported states")
+        self.imports: StateStore[SequenceState] = StateStore("imported states", engine.scheduler.max_running)
 
     def start(self) -> None:
         with self._lock:
@@ -100,14 +112,16 @@ class EngineLoop:
 
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
                sink: Callable[[TokenEvent], None], trace_context: Mapping[str, str] | None = None,
-               prefix: PrefixHints = PrefixHints(), prior_output: int = 0) -> None:
+               prefix: PrefixHints = PrefixHints(), prior_output: int = 0, movable: bool = False,
+               imported_state: bool = False) -> None:
         """Queues a sequence whose events go to `sink` (called on the engine thread; must not block).
         trace_context: the W3C trace headers of the caller's span (the Submit's), or None. prefix: its cache salt
         and message boundaries. prior_output: the prompt's last tokens that are the sequence's own earlier output
-        (a continuation; Engine.add_request).
+        (a continuation; Engine.add_request). movable: a drain hands it over. imported_state: it starts from the
+        state imported under its id.
 
-        Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, or
-        ShuttingDown."""
+        Raises the engine's named errors (InvalidRequest, ContextTooLong, DuplicateRequest) at once, ShuttingDown,
+        or StateUnavailable."""
         arrived_at = time.monotonic()
         traced = TracedRequest(dict(trace_context)) if trace_context and tracing.enabled() else None
         matcher = self.engine.check_request(request_id, prompt, params, prior_output)
@@ -119,12 +133,21 @@ class EngineLoop:
                 raise ShuttingDown(f"shard is draining; request {request_id!r} refused")
             if request_id in self._sinks:
                 raise DuplicateRequest(f"request id {request_id!r} is already live on this shard")
+            imported = self._imported(request_id, prompt) if imported_state else None
             self._sinks[request_id] = sink
             self._intake.append(_Submitted(request_id, list(prompt), params, matcher, arrived_at, traced, prefix,
-                                           prior_output))
+                                           prior_output, movable and self.engine.sync.world == 1, imported))
             self._snapshot = dataclasses.replace(self._snapshot, queued=self._snapshot.queued + 1,
                                                  queued_tokens=self._snapshot.queued_tokens + len(prompt))
             self._lock.notify()
+
+    def _imported(self, request_id: str, prompt: list[int]) -> SequenceState:
+        state = self.imports.take(request_id)
+        if state is None:
+            raise StateUnavailable(f"request {request_id!r} asks for an imported state, and none is held under its id "
+                                   f"(dropped {self.imports.hold_s:g} s after import, or never imported)")
+        check_continues(request_id, prompt, state)
+        return state
 
     def cancel(self, request_id: str) -> bool:
         """Asks the engine thread to stop a live sequence (it finishes with "cancelled" and frees its slot and
@@ -141,10 +164,16 @@ class EngineLoop:
         must answer while a long prefill pass runs."""
         return self._snapshot
 
-    def stop(self, timeout: float | None = None) -> None:
-        """Refuses new work, lets in-flight sequences finish (drain), then stops the thread."""
+    @property
+    def draining(self) -> bool:
+        return self._stopping
+
+    def stop(self, timeout: float | None = None, move: bool = False) -> None:
+        """Refuses new work, lets in-flight sequences finish (drain), then stops the thread. move: the movable ones
+        are handed over instead (their states wait in `exports`)."""
         with self._lock:
             self._stopping = True
+            self._move_out = move
             self._lock.notify()
         self._thread.join(timeout)
 
@@ -167,7 +196,10 @@ class EngineLoop:
                     self._wait_for_work()
                 intake, self._intake = self._intake, []
                 cancels, self._cancels = self._cancels, []
+                move_out, self._move_out = self._move_out, False
             events = self._take_in(intake, cancels)
+            if move_out:
+                events += self._hand_over()
             if not events and not self.engine.has_work() and self._stopping:
                 return
             result = self._step() if self.engine.has_work() else StepResult()
@@ -191,7 +223,8 @@ class EngineLoop:
         for sub in intake:
             try:
                 seq = self.engine.add_request(sub.request_id, sub.prompt, sub.params, matcher=sub.matcher,
-                                              prefix=sub.prefix, prior_output=sub.prior_output)
+                                              prefix=sub.prefix, prior_output=sub.prior_output,
+                                              movable=sub.movable, imported=sub.imported)
                 seq.arrived_at = sub.arrived_at
                 self._live[sub.request_id] = _Live(seq, sub.traced)
             except KimiServeError as e:  # checked at submit; only a changed engine could refuse it now
@@ -202,6 +235,22 @@ class EngineLoop:
             event = self.engine.cancel(request_id)
             if event is not None:
                 events.append(event)
+        return events
+
+    def _hand_over(self) -> list[TokenEvent]:
+        """Every movable sequence stopped with a Moved event, its state (where it has one) packed into `exports`."""
+        events = []
+        for seq in [s for s in self.engine.sequences.values() if s.movable]:
+            event, state = self.engine.move_out(seq.request_id)
+            if state is not None:
+                packed = state.pack()
+                self.exports.put(seq.request_id, packed)
+                event = dataclasses.replace(event, state_bytes=packed.nbytes)
+            self.metrics.sequence_moved(state is not None, event.state_bytes)
+            log.info("sequence handed over", extra={"request_id": seq.request_id, "state_tokens": event.moved_tokens,
+                                                    "state_bytes": event.state_bytes,
+                                                    "generated": event.completion_tokens})
+            events.append(event)
         return events
 
     def _take_snapshot(self) -> None:
@@ -250,6 +299,7 @@ class EngineLoop:
                 request_trace.emit(self.metrics.labels["shard"], live.seq, live.traced, event)
         self._finished.clear()
         self._publish_occupancy()
+        self.metrics.set_handoff(self.engine.scheduler.imported_tokens, self.exports.expired, self.imports.expired)
 
     def _publish_occupancy(self) -> None:
         load = self.load()

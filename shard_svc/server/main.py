@@ -27,6 +27,7 @@ from shard_svc.engine.capacity import (
     DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
     CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
+from shard_svc.engine.handoff import STATE_HOLD_SECONDS
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
 from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.errors import SchedulingConfigError
@@ -265,7 +266,12 @@ def run(args: argparse.Namespace) -> int:
     log.info("shard draining", extra={"shard": cfg.shard_name})
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    loop.stop(timeout=60)
+    # Movable sequences go to a peer (shard_svc/engine/handoff.py): their states wait here until the router has
+    # fetched them, within the hold time; what is not movable (another caller's, a shard group's) finishes here.
+    loop.stop(timeout=60, move=True)
+    unclaimed = loop.exports.wait_empty(STATE_HOLD_SECONDS)
+    if unclaimed:
+        log.warning("states of moved sequences never fetched; dropped", extra={"request_ids": unclaimed})
     if hasattr(loop, "close_group"):
         loop.close_group()
     server.stop(grace=5).wait()

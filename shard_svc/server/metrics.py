@@ -118,6 +118,29 @@ class ShardMetrics:
                                         "Prefix cache entries made, by snapshot point: prompt_end, message (a chat "
                                         "message boundary), interval, finish (a finished sequence's slot)",
                                         LABELS + ("kind",), registry=self.registry)
+        # Handing sequences over (shard_svc/engine/handoff.py): moved out by a drain, with or without a state; the
+        # states' bytes each way; tokens restored from imported states instead of prefilled; states dropped unclaimed.
+        self.moved = Counter("kimiserve_shard_sequences_moved",
+                             "Sequences a drain handed to another shard, by whether a state went with them (exported) "
+                             "or the receiver recomputes (none)", LABELS + ("state",), registry=self.registry)
+        self.state_bytes = Counter("kimiserve_shard_state_transfer_bytes",
+                                   "Bytes of sequence states handed over, by direction (exported, imported)",
+                                   LABELS + ("direction",), registry=self.registry)
+        self.imported_tokens = Counter("kimiserve_shard_imported_state_tokens",
+                                       "Tokens restored from states other shards handed over, instead of prefilled",
+                                       LABELS, registry=self.registry)
+        self.states_dropped = Counter("kimiserve_shard_states_dropped",
+                                      "Sequence states dropped unclaimed after the hold time, by store (exports: "
+                                      "never fetched; imports: never submitted)", LABELS + ("store",),
+                                      registry=self.registry)
+        for state in ("exported", "none"):  # every series from the start: a rate over none is no data, not zero
+            self.moved.labels(state=state, **self.labels)
+        for direction in ("exported", "imported"):
+            self.state_bytes.labels(direction=direction, **self.labels)
+        for store in ("exports", "imports"):
+            self.states_dropped.labels(store=store, **self.labels)
+        self.imported_tokens.labels(**self.labels)
+        self._handoff_seen = {"imported_tokens": 0, "exports": 0, "imports": 0}
         self._prefix_seen = dict.fromkeys(PREFIX_COUNTERS, 0)
         self._snapshots_seen = dict.fromkeys(SNAPSHOT_KINDS, 0)
 
@@ -161,6 +184,22 @@ class ShardMetrics:
         self._set(self._occupancy, {"running": running, "queued": queued, "slots_used": slots_used,
                                     "slots_total": slots_total, "blocks_used": blocks_used,
                                     "blocks_total": blocks_total})
+
+    def sequence_moved(self, with_state: bool, state_bytes: int) -> None:
+        self.moved.labels(state="exported" if with_state else "none", **self.labels).inc()
+        self.state_bytes.labels(direction="exported", **self.labels).inc(state_bytes)
+
+    def state_imported(self, state_bytes: int) -> None:
+        self.state_bytes.labels(direction="imported", **self.labels).inc(state_bytes)
+
+    def set_handoff(self, imported_tokens: int, exports_dropped: int, imports_dropped: int) -> None:
+        """Running totals (the scheduler's, the stores'); the counters advance by what is new since last."""
+        now = {"imported_tokens": imported_tokens, "exports": exports_dropped, "imports": imports_dropped}
+        new = {key: now[key] - self._handoff_seen[key] for key in now}
+        self._handoff_seen = now
+        self.imported_tokens.labels(**self.labels).inc(new["imported_tokens"])
+        for store in ("exports", "imports"):
+            self.states_dropped.labels(store=store, **self.labels).inc(new[store])
 
     def sequence_finished(self, reason: str) -> None:
         self.finished.labels(reason=reason, **self.labels).inc()

@@ -13,6 +13,7 @@ import torch
 
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
 from shard_svc.engine.engine import TokenEvent
+from shard_svc.engine.handoff import HandoffError, PackedState, StatesFull, StateUnavailable
 from shard_svc.engine.prompt_logprobs import PromptScores
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.engine.sequence import PrefixHints, SequenceTiming
@@ -31,7 +32,7 @@ def error_code(e: Exception) -> int:
         return shard_pb2.SHARD_ERROR_CODE_ALREADY_EXISTS
     if isinstance(e, InvalidRequest | ContextTooLong | ValueError):
         return shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT
-    if isinstance(e, ShuttingDown):
+    if isinstance(e, ShuttingDown | StateUnavailable):
         return shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE
     if isinstance(e, CapacityError):
         return shard_pb2.SHARD_ERROR_CODE_RESOURCE_EXHAUSTED
@@ -39,7 +40,8 @@ def error_code(e: Exception) -> int:
 
 
 def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
-    """A TokenEvent is a Token, a Finished, or a Token followed by Finished (the last token of a sequence)."""
+    """A TokenEvent is a Token, a Finished or Moved, or a Token followed by Finished (the last token of a
+    sequence)."""
     out = []
     if event.token_id is not None:
         token = shard_pb2.ShardEvent.Token(token_id=event.token_id, index=event.index,
@@ -50,7 +52,10 @@ def event_to_pb(event: TokenEvent) -> list[shard_pb2.ShardEvent]:
         if event.prompt_scores is not None:
             token.prompt_logprobs.CopyFrom(prompt_logprobs_to_pb(event.prompt_scores))
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, token=token))
-    if event.finish_reason is not None:
+    if event.finish_reason == "moved":
+        out.append(shard_pb2.ShardEvent(request_id=event.request_id, moved=shard_pb2.ShardEvent.Moved(
+            computed_tokens=event.moved_tokens, state_bytes=event.state_bytes)))
+    elif event.finish_reason is not None:
         usage = common_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
                                  cached_prompt_tokens=event.cached_tokens)
         out.append(shard_pb2.ShardEvent(request_id=event.request_id, finished=shard_pb2.ShardEvent.Finished(
@@ -139,7 +144,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 params = SamplingParams.from_proto(sub.sampling, sub.max_tokens)
                 prefix = PrefixHints(sub.cache_salt, tuple(sub.message_boundaries))
                 self.loop.submit(sub.request_id, list(sub.prompt_token_ids), params, sink, sub.trace_context, prefix,
-                                 sub.prior_output_tokens)
+                                 sub.prior_output_tokens, sub.movable, sub.imported_state)
             except BaseException:
                 with lock:
                     live.discard(sub.request_id)
@@ -148,6 +153,39 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             log.info("submit refused", extra={"request_id": sub.request_id, "error": str(e)})
             out.put(shard_pb2.ShardEvent(request_id=sub.request_id, error=shard_pb2.ShardEvent.Error(
                 code=error_code(e), message=str(e), param=getattr(e, "param", ""))))
+
+    def ExportState(self, request, context):
+        packed = self.loop.exports.take(request.request_id)
+        if packed is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no moved state is held for request {request.request_id!r} "
+                                                     f"(never moved, exported already, or dropped unclaimed)")
+        log.info("state exported", extra={"request_id": request.request_id, "state_tokens": len(packed.tokens),
+                                          "state_bytes": packed.nbytes})
+        yield shard_pb2.SequenceStateChunk(header=shard_pb2.SequenceStateHeader(
+            request_id=request.request_id, tokens=packed.tokens, model_type=self.info.model_type,
+            total_bytes=packed.nbytes))
+        for data in packed.chunks():
+            yield shard_pb2.SequenceStateChunk(data=data)
+
+    def ImportState(self, request_iterator, context):
+        if self.loop.draining or self.loop.engine.sync.world > 1:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          "this shard is draining" if self.loop.draining else
+                          "a shard group (tensor parallel) cannot import a sequence state: each rank holds a slice")
+        try:
+            header, packed = read_state(request_iterator, self.info.model_type)
+            state = packed.unpack(f"the state imported for request {header.request_id!r}")
+            self.loop.engine.copier.check(state.host, len(state.tokens),
+                                          f"the state imported for request {header.request_id!r}")
+            self.loop.imports.put(header.request_id, state)
+        except StatesFull as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except KimiServeError as e:  # malformed, another model, other pool shapes
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.loop.metrics.state_imported(packed.nbytes)
+        log.info("state imported", extra={"request_id": header.request_id, "state_tokens": len(state.tokens),
+                                          "state_bytes": packed.nbytes})
+        return shard_pb2.ImportStateResponse(tokens=len(state.tokens))
 
     def Info(self, request, context):
         return self.info
@@ -175,3 +213,29 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             self.on_device_fault(detail)
             context.abort(grpc.StatusCode.UNAVAILABLE, f"device {self.device} failed its health op: {detail}")
         return shard_pb2.ShardHealthResponse(device_op_ms=(time.perf_counter() - start) * 1e3)
+
+
+def read_state(chunks, model_type: str) -> tuple[shard_pb2.SequenceStateHeader, PackedState]:
+    """A transfer's header and data, checked against its header (HandoffError names what is wrong)."""
+    it = iter(chunks)
+    first = next(it, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise HandoffError("a sequence state transfer must begin with its header")
+    header = first.header
+    if not header.request_id or not header.tokens:
+        raise HandoffError(f"a sequence state header needs a request_id and at least one token; got request_id "
+                           f"{header.request_id!r} and {len(header.tokens)} tokens")
+    if header.model_type != model_type:
+        raise HandoffError(f"the state for request {header.request_id!r} was made by a {header.model_type!r} "
+                           f"model; this shard serves {model_type!r}")
+    data = bytearray()
+    for chunk in it:
+        if chunk.WhichOneof("kind") != "data":
+            raise HandoffError(f"the state for request {header.request_id!r} has a second header")
+        data += chunk.data
+        if len(data) > header.total_bytes:
+            break
+    if len(data) != header.total_bytes:
+        raise HandoffError(f"the state for request {header.request_id!r} announced {header.total_bytes} bytes and "
+                           f"sent {len(data)}{' or more' if len(data) > header.total_bytes else ''}")
+    return header, PackedState(list(header.tokens), bytes(data))

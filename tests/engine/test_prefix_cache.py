@@ -298,7 +298,7 @@ def test_an_entry_dropped_from_the_host_tier_is_gone_for_good():
     _run(cached, third, "third", max_tokens=1)  # `second` to the host: `first` is dropped from it
     assert cache.lookup(first) is None and cache.stats.host_evictions == 1 and cache.stats.evictions == 2
     assert cache.host_entries == 1 and cache.host_bytes == _host_bytes(cached, 40)
-    for t in (dropped.recurrent, dropped.conv, dropped.kv, dropped.logits):
+    for t in (*dropped.state.parts().values(), dropped.logits):
         t.fill_(float("nan"))  # what a read of the dropped entry would see
     got, hit = _run(cached, first, "again")
     assert hit == 0 and got == _run(plain, first, "again")[0]

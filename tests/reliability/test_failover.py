@@ -5,8 +5,9 @@ model, real processes and real gRPC on localhost).
 - SIGKILL of one shard mid-stream: the router fails its streams over to the other shard as continuations; 16/16
   complete, each equal token for token to its reference (no gap, no token twice, usage counting each token once);
   `up` restarts the dead shard and the router puts it back in rotation;
-- SIGTERM of one shard mid-stream (a rolling restart's drain): it leaves rotation for new requests while its streams
-  go on to their end on it; 16/16 complete and equal; it exits cleanly and `up` restarts it at once, not as a crash;
+- SIGTERM of one shard mid-stream (a rolling restart's drain): it hands its streams over, their states relayed by the
+  router to the other shard, which restores them and prefills only the token each sent last (its metrics say so);
+  16/16 complete and equal; it exits cleanly and `up` restarts it at once, not as a crash;
 - a rolling restart of both shards, one after the other, under a steady load of streams: none fails.
 """
 
@@ -85,17 +86,19 @@ def reference(stack) -> Streams:
     return ref
 
 
-def faulted(stack: UpStack, sig: signal.Signals) -> tuple[Streams, ChildInfo, int]:
+def faulted(stack: UpStack, sig: signal.Signals, just_before=None) -> tuple[Streams, ChildInfo, int]:
     """The 16 streams with `sig` sent, once every stream has its first token, to the shard running the most of them
     (on a loaded machine the first streams can be far along before the last one starts: a fixed victim or a later
     moment could find it with nothing left to lose). Returns the streams (ended), the victim as it was, and how many
-    times the router had put it in rotation before the signal."""
+    times the router had put it in rotation before the signal. `just_before(victim)` runs right before the signal."""
     streams = Streams(stack.stub)
     wait_until(streams.started, 60, "every stream's first token")
     running = {s.name: shard_load(s.address, stack.internal_token).running_seqs for s in stack.shards()}
     victim = stack.child(max(running, key=running.get))
     assert running[victim.name] > 0, f"the test needs streams on the shard it signals: {running}"
     in_rotation = stack.rotation_events(victim.address, "shard in rotation")
+    if just_before is not None:
+        just_before(victim)
     os.kill(victim.pid, sig)
     return streams.join(), victim, in_rotation
 
@@ -126,13 +129,34 @@ def test_sigkill_mid_stream_fails_over_token_for_token_and_up_restarts_the_shard
     stack.assert_shards_idle()
 
 
-def test_sigterm_mid_stream_drains_its_streams_to_the_end_and_up_restarts_it_cleanly(stack, reference):
-    moved = total(router_series(stack), "kimiserve_router_failovers_total")
-    streams, victim, in_rotation = faulted(stack, signal.SIGTERM)
+def test_sigterm_mid_stream_moves_its_streams_state_and_all_and_up_restarts_it_cleanly(stack, reference):
+    before: dict[str, dict[str, float]] = {}
+
+    def snapshot(victim: ChildInfo) -> None:
+        peer = next(s for s in stack.shards() if s.name != victim.name)
+        before.update(router=router_series(stack), peer=scrape(peer.metrics_url), victim=scrape(victim.metrics_url))
+        before["names"] = {"peer": peer.name}
+
+    streams, victim, in_rotation = faulted(stack, signal.SIGTERM, snapshot)
     assert_equal_to(streams, reference)
-    assert total(router_series(stack), "kimiserve_router_failovers_total") == moved, \
-        "a draining shard's streams run to their end on it: none should have moved"
-    assert stack.events("shard draining: out of rotation for new sequences, its running ones go on", "router")
+    router, peer = router_series(stack), scrape(stack.child(before["names"]["peer"]).metrics_url)
+
+    def grew(series, was, metric):
+        return total(series, metric) - total(was, metric)
+
+    moved = grew(router, before["router"], 'kimiserve_router_state_migrations_total{outcome="moved"}')
+    assert moved >= 1, "the draining shard should have handed its running streams over"
+    assert grew(router, before["router"], "kimiserve_router_state_migrations_total") == moved, \
+        "every stream it handed over had a state to move: none recomputed"
+    assert grew(router, before["router"], 'kimiserve_router_failovers_total{reason="drained"}') == moved
+    assert grew(router, before["router"], "kimiserve_router_failover_recomputed_prompt_tokens_total") == moved, \
+        "a moved stream's continuation reads only the token it sent last"
+    assert grew(peer, before["peer"], "kimiserve_shard_imported_state_tokens_total") >= moved * 5, \
+        "the peer restores each moved state: at least its 5-token prompt"
+    assert grew(peer, before["peer"], "kimiserve_shard_prefill_tokens_total") == moved, \
+        "the peer prefilled one token per moved stream and no prompt again"
+    assert [e for e in stack.events("shard draining: out of rotation until its stream ends", "router")
+            if e["why"] == "it hands its sequences over"]
     restarted = stack.wait_restarted(victim.name, victim.pid)
     assert len([e for e in stack.events("child stopped cleanly; restarting") if e["pid"] == victim.pid]) == 1
     assert not [e for e in stack.events("child exited; restarting") if e["pid"] == victim.pid], "a drain is no crash"

@@ -18,7 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kimiserve.v1 import common_pb2, shard_pb2, shard_pb2_grpc
-from router.errors import ShardLost
+from router.errors import ShardLost, ShardMoved
 from router.failover import FailoverRefused, Legs
 from router.shard_client import PROBES_TO_FAIL, ShardClient
 
@@ -39,12 +39,25 @@ def test_a_continuation_resends_the_tokens_passed_on_as_continued_output():
 
 
 def test_past_the_bound_the_stream_fails_naming_the_request_the_shards_and_the_count():
-    legs = Legs("req-1", FIRST, max_failovers=2, shards=["a:1", "b:1", "a:1"])
+    legs = Legs("req-1", FIRST, max_failovers=2, shards=["a:1", "b:1", "a:1"], failovers=2)
     with pytest.raises(FailoverRefused) as e:
         legs.continuation(LOST, [40], max_context=64)
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.why == "bound"
     assert all(s in str(e.value) for s in ("'req-1'", "already failed over 2 times", "--max-failovers 2",
                                            "a:1, b:1, a:1"))
+
+
+def test_a_planned_move_neither_counts_against_the_bound_nor_is_refused_by_it():
+    legs = Legs("req-1", FIRST, max_failovers=1, shards=["a:1"])
+    moved = ShardMoved("a:1", "req-1", computed_tokens=5, state_bytes=1000)
+    for shard in ("b:1", "a:1", "b:1"):  # a rolling restart of several shards may move a stream once per shard
+        sub = legs.continuation(moved, [40], max_context=64)
+        legs.shards.append(shard)
+    assert (legs.failovers, legs.moves, legs.leg_id) == (0, 3, "req-1/failover-3")
+    assert list(sub.prompt_token_ids) == [5, 6, 7, 40] and sub.prior_output_tokens == 1
+    legs.continuation(LOST, [40], max_context=64)  # the first loss is within the bound of 1
+    with pytest.raises(FailoverRefused, match="already failed over 1 times"):
+        legs.continuation(LOST, [40], max_context=64)
 
 
 def test_a_continuation_that_fits_no_shard_fails_naming_the_sizes():

@@ -182,6 +182,17 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
          "Seconds per second that streams stood still while failing over: their shard lost to the first event of "
          "the continuation on another shard. Divided by the failovers per second it is the mean pause; "
          "kimiserve_router_failover_seconds holds the whole distribution."),
+        ("State moved by drains", "short",
+         [(f"sum by (outcome) (rate(kimiserve_router_state_migrations_total{{{SEL}}}[{RATE}]))",
+           "handed over: {{outcome}}"),
+          (f"sum(rate(kimiserve_shard_imported_state_tokens_total{{{SEL}}}[{RATE}]))",
+           "tokens restored instead of prefilled"),
+          (f"sum(rate(kimiserve_router_state_migration_bytes_total{{{SEL}}}[{RATE}])) / 1048576",
+           "MiB relayed")],
+         "Streams per second a draining shard (SIGTERM, a rolling restart) handed over: moved (its state went to "
+         "the next shard, which prefills only the token sent last) or recomputed (no_state: still queued; "
+         "source_gone, relay_failed); the context tokens per second shards restored from moved states instead of "
+         "prefilling them; and the MiB per second of state the routers relayed (docs/failover.md)."),
     ]),
     ("Prefill", [
         ("Prefill pass duration per shard", "s",
