@@ -31,6 +31,7 @@ if "torch" in sys.modules:
 # hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder); starting
 # these first keeps the run from ending on one worker still busy with a long file while the other idles.
 LONGEST_FIRST = (
+    "tests/reliability/test_failover.py",  # 60 (2026-12-05)
     "tests/parallel/test_group_parity.py",  # 48
     "tests/deploy/test_stack.py",  # 47
     "tests/reliability/test_faults.py",  # 45
@@ -49,6 +50,7 @@ LONGEST_FIRST = (
     "tests/reliability/test_bad_inputs.py",  # 21
     "tests/parallel/test_serving.py",  # 20
     "tests/kernels/test_short_conv.py",  # 19
+    "tests/router/http/test_aiperf.py",  # 25 (2026-12-05)
 )
 
 

@@ -163,8 +163,6 @@ def test_sigterm_mid_stream_moves_its_streams_state_and_all_and_up_restarts_it_c
     stack.wait_back_in_rotation(restarted.address, in_rotation)
     assert total(router_series(stack), "kimiserve_router_failover_failed_streams_total") == 0
     stack.assert_shards_idle()
-    # Both shards serve again: a second round is undisturbed and equal.
-    assert_equal_to(Streams(stack.stub).join(), reference)
 
 
 class SteadyLoad:

@@ -30,7 +30,10 @@ def test_aiperf_streams_a_chat_benchmark_without_errors(http_stack, tmp_path):
          "--streaming", "--api-key", API_KEY, "--tokenizer", str(http_stack.model_dir),
          "--request-count", str(REQUESTS), "--concurrency", str(CONCURRENCY), "--isl", str(INPUT_TOKENS),
          "--osl", str(OUTPUT_TOKENS), "--extra-inputs", "ignore_eos:true", "--random-seed", "7",
-         "--artifact-dir", str(out), "--ui", "none"],
+         "--artifact-dir", str(out), "--ui", "none",
+         # What this test does not read, each a wait of its own at start (DCGM endpoints, a /metrics scrape loop,
+         # a pool of worker processes sized from the machine's cores).
+         "--no-gpu-telemetry", "--no-server-metrics", "--workers-max", "1", "--record-processors", "1"],
         env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     summary = json.loads((out / "profile_export_aiperf.json").read_text())

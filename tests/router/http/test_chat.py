@@ -149,15 +149,16 @@ def test_tool_choice_required_is_enforced_while_decoding(http_stack):
 
 
 def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
-    """Seed 7 (sampled by position) writes calls until a length limit cuts one; seed 3 closes its calls in time. Only
-    a reply that ended by itself is a tool_calls finish."""
+    """Seed 3 (sampled by position) closes its calls within 300 tokens; seed 7 writes call after call, and 50 tokens
+    cut its second one after the first is complete. Only a reply that ended by itself is a tool_calls finish."""
     seen = set()
-    for seed in (3, 7):
+    for seed, max_tokens in ((3, 300), (7, 50)):
         reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=BOUNDED_TOOLS,
-                                                          max_tokens=300, tool_choice="required", temperature=1.0,
-                                                          seed=seed)
-        cut = reply.usage.completion_tokens == 300 or reply.usage.total_tokens == MAX_MODEL_LEN  # either limit
+                                                          max_tokens=max_tokens, tool_choice="required",
+                                                          temperature=1.0, seed=seed)
+        cut = reply.usage.completion_tokens == max_tokens or reply.usage.total_tokens == MAX_MODEL_LEN  # either limit
         assert reply.choices[0].finish_reason == ("length" if cut else "tool_calls"), (seed, reply.usage)
+        assert reply.choices[0].message.tool_calls, "a cut reply with no whole call would not test the rule"
         seen.add(cut)
     assert seen == {True, False}, "the seeds no longer give one cut and one closed reply: pick others"
 
