@@ -156,7 +156,23 @@ def _sync_behavior(kind: str, inner: Callable) -> Callable:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             yield from inner(request, context)
         return unary_stream
-    # stream_unary and stream_stream: the servicer reads the checked stream and returns or yields as before
+    if kind == "stream_unary":
+        def stream_unary(requests, context):
+            corrupt: list[str] = []
+
+            def noted():
+                for request in requests:
+                    if isinstance(request, Undecodable):
+                        corrupt.append(request.message)
+                    yield request
+            try:
+                return inner(guard_requests(noted(), context), context)
+            except Exception:
+                if corrupt:  # the servicer refused the stream it was cut short of: the corrupt body is the cause
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, corrupt[0])
+                raise
+        return stream_unary
+    # stream_stream: the servicer reads the checked stream and yields as before
     return lambda requests, context: inner(guard_requests(requests, context), context)
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+import safetensors.torch
+import torch
 
 from kimiserve import limits
 from kimiserve.ports import free_port, free_ports
@@ -122,6 +124,17 @@ def submit(request_id: str, ids=(1, 2, 3), max_tokens=2, boundaries=(), prior_ou
         request_id=request_id, prompt_token_ids=list(ids), max_tokens=max_tokens, message_boundaries=boundaries,
         prior_output_tokens=prior_output))
 
+
+def state(*chunks, model_type="kimi_linear", tokens=(1, 2, 3), total_bytes=None) -> list:
+    """An ImportState transfer: a header (total_bytes: the data's length unless given), then the data chunks."""
+    data = [shard_pb2.SequenceStateChunk(data=c) for c in chunks]
+    header = shard_pb2.SequenceStateHeader(request_id="imported-1", tokens=list(tokens), model_type=model_type,
+                                           total_bytes=sum(map(len, chunks)) if total_bytes is None else total_bytes)
+    return [shard_pb2.SequenceStateChunk(header=header), *data]
+
+
+# A sequence state of the right tensors at the wrong shapes (one number each).
+WRONG_SHAPES = safetensors.torch.save({name: torch.zeros(1) for name in ("recurrent", "conv", "kv")})
 
 # A serialized GenerateRequest cut in the middle of its text field, and one whose text is not UTF-8.
 TRUNCATED = gen(text="hello world").SerializeToString()[:8]
@@ -258,6 +271,18 @@ CASES = [
     ("shard-info-corrupt", "shard", "Info", b"\x0a\xff", INVALID, "kimiserve.v1.ShardInfoRequest"),
     ("shard-load-corrupt", "shard", "Load", CORRUPT, INVALID, "kimiserve.v1.ShardLoadRequest"),
     ("shard-stream-corrupt", "shard", "Stream", [CORRUPT], INVALID, "kimiserve.v1.ShardRequest"),
+    # -- moving sequence states between shards (docs/failover.md) --
+    ("shard-export-never-moved", "shard", "ExportState", shard_pb2.ExportStateRequest(request_id="never-moved"),
+     NOT_FOUND, "no moved state is held for request 'never-moved'"),
+    ("shard-import-corrupt", "shard", "ImportState", [CORRUPT], INVALID, "kimiserve.v1.SequenceStateChunk"),
+    ("shard-import-no-header", "shard", "ImportState", state(b"xyz")[1:], INVALID, "must begin with its header"),
+    ("shard-import-other-model", "shard", "ImportState", state(b"xyz", model_type="kimi_k3"), INVALID,
+     "made by a 'kimi_k3' model; this shard serves 'kimi_linear'"),
+    ("shard-import-short", "shard", "ImportState", state(b"xyz", total_bytes=10), INVALID,
+     "announced 10 bytes and sent 3"),
+    ("shard-import-not-safetensors", "shard", "ImportState", state(b"\0" * 16), INVALID, "not a safetensors file"),
+    ("shard-import-wrong-shapes", "shard", "ImportState", state(WRONG_SHAPES), INVALID,
+     "its recurrent is (1,) torch.float32; this shard holds ("),
 ]
 
 
@@ -324,6 +349,33 @@ def test_shard_refuses_a_bad_submit_with_an_invalid_argument_event(stack, reques
     errors = [e.error.code for e in events if e.WhichOneof("kind") == "error"]
     assert errors == [shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT], events
     assert events[-1].request_id == "cat-after" and events[-1].finished.usage.completion_tokens == 1, events
+    stack.serves()
+
+
+def test_a_submit_for_an_imported_state_never_imported_is_unavailable_naming_the_field(stack):
+    """The router answers this by failing the sequence over with a recompute; the shard serves on."""
+    sub = submit("never-imported", ids=(1, 2, 3, 4))
+    sub.submit.imported_state = True
+    finished = threading.Event()
+
+    def requests():
+        yield sub
+        yield submit("after-it", max_tokens=1)
+        finished.wait(60)  # the stream stays open until the second one has finished
+
+    stream = shard_pb2_grpc.ShardStub(stack.channels["shard-0"]).Stream(requests(), timeout=60)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.WhichOneof("kind") == "finished":
+            finished.set()
+            break
+    stream.cancel()
+    error = events[0].error
+    assert (events[0].request_id, error.code, error.param) == (
+        "never-imported", shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE, "imported_state"), events
+    assert "none is held under its id" in error.message
+    assert events[-1].request_id == "after-it" and events[-1].finished.usage.completion_tokens == 1, events
     stack.serves()
 
 
