@@ -1,4 +1,4 @@
-"""Failover's bounds and its race, against the router's own code.
+"""Failover's bounds, its race and a drained shard's rotation, against the router's own code.
 
 - A continuation carries the prompt plus the tokens passed on, as prior_output_tokens, with the budget left, and every
   leg has its own shard-side id; past --max-failovers, or when it no longer fits, it is refused with a message
@@ -7,6 +7,8 @@
   arrives after that. The sequence has been told it lost its shard (ShardLost, once) and the late token never reaches
   it, so the continuation and the old shard can never both deliver a token. The shard is a scripted gRPC server on
   localhost: real gRPC, the router's real ShardClient.
+- A shard that sends Moved (it drains and hands its sequences over) leaves rotation at once and stays out, even while
+  a probe still answers SERVING, until its stream ends.
 """
 
 from __future__ import annotations
@@ -129,6 +131,59 @@ def test_a_late_token_of_a_lost_shard_never_reaches_the_sequence(monkeypatch):
             shard.release.set()  # the old shard's last token, crossing the failover
             await asyncio.sleep(0.5)
             assert events.empty(), f"after ShardLost the sequence got {events.get_nowait()}"
+        finally:
+            await client.close()
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+class DrainingShard(HungShard):
+    """Sends one token, then hands the sequence over (Moved) and keeps its stream open; its probes go on answering
+    SERVING, as a shard's can in the moment between its SIGTERM and the router's next poll."""
+
+    def __init__(self):
+        super().__init__()
+        self.close_stream = asyncio.Event()
+
+    async def Stream(self, request_iterator, context):
+        request = await request_iterator.__anext__()
+        rid = request.submit.request_id
+        yield shard_pb2.ShardEvent(request_id=rid, token=shard_pb2.ShardEvent.Token(token_id=100, index=0))
+        yield shard_pb2.ShardEvent(request_id=rid, moved=shard_pb2.ShardEvent.Moved(computed_tokens=1,
+                                                                                   state_bytes=4096))
+        await self.close_stream.wait()
+
+
+def test_a_moved_sequence_takes_its_shard_out_of_rotation_until_its_stream_ends():
+    async def main():
+        shard = DrainingShard()
+        server = grpc.aio.server()
+        shard_pb2_grpc.add_ShardServicer_to_server(shard, server)
+        health_pb2_grpc.add_HealthServicer_to_server(shard, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = ShardClient(f"127.0.0.1:{port}", poll_interval_s=0.05)
+        client.start()
+        try:
+            for _ in range(100):
+                if client.view.healthy:
+                    break
+                await asyncio.sleep(0.05)
+            events = await client.submit(shard_pb2.ShardRequest.Submit(request_id="req-7", prompt_token_ids=[1],
+                                                                       max_tokens=8))
+            assert (await asyncio.wait_for(events.get(), 10)).token.index == 0
+            moved = await asyncio.wait_for(events.get(), 10)
+            assert isinstance(moved, ShardMoved) and (moved.kind, moved.leg_id, moved.computed_tokens,
+                                                      moved.state_bytes) == ("drained", "req-7", 1, 4096)
+            await asyncio.sleep(0.5)  # ten polls, every one SERVING
+            assert not client.view.healthy, "a shard that hands its sequences over must stay out of rotation"
+            shard.close_stream.set()  # the drained shard's stream ends (it exits); a SERVING one is a new shard
+            for _ in range(100):
+                if client.view.healthy:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.view.healthy, "once its stream ended, a SERVING shard is back in rotation"
         finally:
             await client.close()
             await server.stop(None)
