@@ -17,6 +17,7 @@ Generation.run (the request's log line and span name it).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -29,6 +30,8 @@ from router.cache_salt import check_request_salt
 from router.errors import InvalidArgument
 from router.generation import Generation, Piece
 from router.request_ids import sequence_ids
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -166,9 +169,13 @@ async def choices(gen: Generation, method: str, request_id: str,
     index = prompt index * n + i, and choice i of a prompt samples with choice_sampling(sampling, i). The request
     id and every sequence id are claimed at once before anything runs (AlreadyExists if one is live)."""
     ids = sequence_ids(request_id, len(prompts_) * n)
-    claim = gen.live.claim(request_id, ids)
+    claim = gen.live.claim(tenant.name, request_id, ids)
+    if any(sid != shard_id for sid, shard_id in claim.shard_ids.items()):
+        log.info("request runs under an alias on the shards (another tenant's live request has its id)",
+                 extra={"request_id": request_id, "tenant": tenant.name, "shard_ids": list(claim.shard_ids.values())})
     try:
-        async for k, piece in fan_out([run(gen, method, ids[p * n + i], prompt, choice_sampling(s, i), tenant)
+        async for k, piece in fan_out([run(gen, method, claim.shard_ids[ids[p * n + i]], prompt,
+                                           choice_sampling(s, i), tenant)
                                        for p, (prompt, s) in enumerate(prompts_) for i in range(n)]):
             if piece.final:
                 gen.live.release(claim, ids[k])  # before the client sees the last chunk and may reuse the id

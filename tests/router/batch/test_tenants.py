@@ -264,3 +264,24 @@ def test_the_prefix_cache_answers_no_tenant_about_another(tenants):
     assert chat("ops").usage.prompt_tokens_details.cached_tokens == 0  # an admin key reads files, not prompts
     again = chat("alice")  # the same tenant shares its own prefixes as before
     assert again.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens > 0
+
+
+def test_a_request_id_live_for_one_tenant_is_neither_refused_nor_revealed_to_another(tenants):
+    """alice streams under the id `shared-7`; bob sends the same id meanwhile and is served (no ALREADY_EXISTS that
+    would tell him alice has it live), both get their whole replies, and each id is still refused to its own tenant
+    while live."""
+    def generate(name: str, max_tokens: int):
+        return tenants.router.stub.Generate(router_pb2.GenerateRequest(
+            request_id="shared-7", prompt_token_ids=common_pb2.TokenIds(ids=[5, 6, 7]),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)),
+            metadata=tenants.md(name), timeout=120)
+
+    alice = generate("alice", 200)
+    first = next(alice)  # alice's request is live from here until her stream ends
+    with pytest.raises(grpc.RpcError) as own:
+        list(generate("alice", 2))
+    assert own.value.code() == grpc.StatusCode.ALREADY_EXISTS and "'shared-7' is already live" in own.value.details()
+    bob = list(generate("bob", 2))
+    assert sum(len(c.token_ids) for c in bob) == 2 and bob[-1].usage.completion_tokens == 2
+    rest = list(alice)
+    assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == 200
