@@ -184,7 +184,7 @@ class Generation:
         submit = shard_pb2.ShardRequest.Submit(request_id=request_id, prompt_token_ids=prompt, sampling=s,
                                                max_tokens=max_tokens,
                                                cache_salt=cache_salt_for(tenant.name, cache_salt),
-                                               message_boundaries=message_ends, movable=True)
+                                               message_boundaries=message_ends)
         async for chunk in self._admitted(method, request_id, submit, keep_special_tokens, hidden_ids,
                                           _Outcome(arrival, tenant.name)):
             yield chunk
@@ -236,6 +236,8 @@ class Generation:
             route.set("shard", shard.name)
         legs.shards.append(shard.name)
         submit.request_id = legs.leg_id
+        # Movable only where another shard could take it now: a lone shard that drains finishes its sequences itself.
+        submit.movable = any(c.view.healthy and c.view is not shard for c in self.shards)
         submit.trace_context.update(stream.carrier())
         stream.set("shard", shard.name)
         log.info("request routed", extra={"request_id": legs.request_id, "leg_id": legs.leg_id, "shard": shard.name,

@@ -1,6 +1,7 @@
 """`kimiserve up` itself, as real processes: a signal during startup leaves no child behind, a clean stop drains in
 order and exits 0, a SIGKILLed `up` takes its children with it, and a child that cannot be kept running stops the
-stack with a non-zero exit. (One dead shard while the rest serves is in test_faults.py.)"""
+stack with a non-zero exit, and a lone shard's drain finishes its streams itself. (One dead shard while the rest
+serves is in test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from datetime import datetime
 
 import pytest
 
-from tests.reliability.conftest import alive
-from tests.services.helpers import wait_until
+from tests.reliability.conftest import alive, stream_many
+from tests.services.helpers import shard_load, wait_until
 
 
 def wait_gone(pids: set[int], timeout: float, what: str) -> None:
@@ -74,3 +75,19 @@ def test_a_child_failing_at_every_restart_stops_the_stack_with_exit_1(make_up, t
     assert [e["attempt"] for e in exits] == [1, 2] and all(e["exit_code"] != 0 for e in exits[1:])
     gave_up = stack.events("child keeps failing; giving up")
     assert [(e["child"], e["failures"]) for e in gave_up] == [("tokenizer", 3)]
+
+
+def test_a_lone_shards_sigterm_finishes_its_streams_itself_and_up_restarts_it(make_up):
+    """With no other shard to take them, the router sends sequences unmovable: a drain generates them to the end
+    instead of handing them over (docs/failover.md)."""
+    stack = make_up(shards=1).wait_up()
+    threads, outcomes, _ = stream_many(stack.stub, 4, 120)
+    shard = stack.child("shard-0")
+    wait_until(lambda: shard_load(shard.address, stack.internal_token).running_seqs == 4, 60, "4 streams running")
+    stack.signal("shard-0", signal.SIGTERM)
+    for t in threads:
+        t.join(120)
+    assert [(o.code, o.completion_tokens) for o in sorted(outcomes.values(), key=lambda o: o.index)] == \
+        [(None, 120)] * 4, outcomes
+    assert not stack.events("sequence handed over", service="shard")
+    stack.wait_restarted("shard-0", shard.pid)
