@@ -311,3 +311,23 @@ class _Capture(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.records.append(record)
+
+
+def test_a_moving_drain_hands_over_the_movable_sequences_and_finishes_the_others():
+    loop, _ = _loop()
+    moves, stays = Events(), Events()
+    loop.submit("moves", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True), moves.sink,
+                movable=True)
+    loop.submit("stays", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), stays.sink)
+    first = moves.q.get(timeout=60)
+    assert first.token_id is not None and first.finish_reason is None
+    loop.stop(60, move=True)
+    moved, stayed = moves.finish(), stays.finish()
+    assert (stayed.finish_reason, stayed.completion_tokens) == ("length", 40), "not movable: generated to its end"
+    assert moved.finish_reason == "moved" and 3 < moved.moved_tokens < 3 + 400 and moved.state_bytes > 0
+    packed = loop.exports.take("moves")
+    assert packed.nbytes == moved.state_bytes and len(packed.tokens) == moved.moved_tokens
+    assert packed.tokens[:3] == [1, 2, 3] and loop.exports.take("moves") is None, "handed out once"
+    assert _gauge(loop, "kimiserve_shard_state_slots_used") == 0
+    assert loop.metrics.registry.get_sample_value("kimiserve_shard_sequences_moved_total", {
+        "shard": "shard-test", "rank": "0", "state": "exported"}) == 1
