@@ -142,8 +142,8 @@ class ShardClient:
         self._handing_over = True
         if self.view.healthy:
             self.view.healthy = False
-            log.warning("shard draining: out of rotation until its stream ends", extra={"shard": self.address,
-                                                                                         "why": why})
+            log.warning("shard draining: out of rotation", extra={"shard": self.address,
+                                                                   "why": f"{why}; until its stream ends"})
 
     def _mark_down(self, reason: str, kind: str = "removed") -> None:
         """The shard's stream is gone: out of rotation, and each sequence on it told so (ShardLost), once. Its id
@@ -198,8 +198,9 @@ class ShardClient:
                 log.info("shard in rotation", extra={"shard": self.address})
             elif draining and self.view.healthy:
                 self.view.healthy = False
-                log.warning("shard draining: out of rotation for new sequences, its running ones go on",
-                            extra={"shard": self.address, "running_request_ids": list(self._inflight)})
+                log.warning("shard draining: out of rotation", extra={
+                    "shard": self.address, "why": "its health is NOT_SERVING; its running sequences go on there or "
+                    "are handed over", "running_request_ids": list(self._inflight)})
             elif self._failed_probes >= PROBES_TO_FAIL and self._outbox is not None:
                 if self._stream_task:
                     self._stream_task.cancel()
