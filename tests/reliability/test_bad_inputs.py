@@ -318,6 +318,27 @@ def test_bad_input_gets_its_status_and_the_stack_keeps_serving(stack, target, rp
     stack.serves()
 
 
+def then_a_good_one(stack: Stack, request_: shard_pb2.ShardRequest, good_id: str) -> list[shard_pb2.ShardEvent]:
+    """`request_` and then a good one-token submit `good_id` on one shard stream, held open until the good one has
+    finished (closing it cancels what is live); the events up to that finish."""
+    finished = threading.Event()
+
+    def requests():
+        yield request_
+        yield submit(good_id, max_tokens=1)
+        finished.wait(60)
+
+    stream = shard_pb2_grpc.ShardStub(stack.channels["shard-0"]).Stream(requests(), timeout=60)
+    events = []
+    for event in stream:
+        events.append(event)
+        if event.WhichOneof("kind") == "finished":
+            finished.set()
+            break
+    stream.cancel()
+    return events
+
+
 @pytest.mark.parametrize("request_", [
     shard_pb2.ShardRequest(),
     submit("cat-empty", ids=[]),
@@ -331,21 +352,7 @@ def test_bad_input_gets_its_status_and_the_stack_keeps_serving(stack, target, rp
 def test_shard_refuses_a_bad_submit_with_an_invalid_argument_event(stack, request_):
     """The shard answers on its stream (ShardEvent.Error), not with a status, and the stream stays usable: a good
     submit after the bad one finishes. The request stream stays open until then (closing it cancels what is live)."""
-    finished = threading.Event()
-
-    def requests():
-        yield request_
-        yield submit("cat-after", max_tokens=1)
-        finished.wait(60)
-
-    stream = shard_pb2_grpc.ShardStub(stack.channels["shard-0"]).Stream(requests(), timeout=60)
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.WhichOneof("kind") == "finished":
-            finished.set()
-            break
-    stream.cancel()
+    events = then_a_good_one(stack, request_, "cat-after")
     errors = [e.error.code for e in events if e.WhichOneof("kind") == "error"]
     assert errors == [shard_pb2.SHARD_ERROR_CODE_INVALID_ARGUMENT], events
     assert events[-1].request_id == "cat-after" and events[-1].finished.usage.completion_tokens == 1, events
@@ -356,21 +363,7 @@ def test_a_submit_for_an_imported_state_never_imported_is_unavailable_naming_the
     """The router answers this by failing the sequence over with a recompute; the shard serves on."""
     sub = submit("never-imported", ids=(1, 2, 3, 4))
     sub.submit.imported_state = True
-    finished = threading.Event()
-
-    def requests():
-        yield sub
-        yield submit("after-it", max_tokens=1)
-        finished.wait(60)  # the stream stays open until the second one has finished
-
-    stream = shard_pb2_grpc.ShardStub(stack.channels["shard-0"]).Stream(requests(), timeout=60)
-    events = []
-    for event in stream:
-        events.append(event)
-        if event.WhichOneof("kind") == "finished":
-            finished.set()
-            break
-    stream.cancel()
+    events = then_a_good_one(stack, sub, "after-it")
     error = events[0].error
     assert (events[0].request_id, error.code, error.param) == (
         "never-imported", shard_pb2.SHARD_ERROR_CODE_UNAVAILABLE, "imported_state"), events

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 import pytest
@@ -104,23 +105,37 @@ class HungShard(shard_pb2_grpc.ShardServicer, health_pb2_grpc.HealthServicer):
         return await self._answer(shard_pb2.ShardLoadResponse(free_state_slots=4))
 
 
+@contextlib.asynccontextmanager
+async def scripted(shard):
+    """A ShardClient (polling every 0.05 s) of `shard` served by real gRPC on localhost, in rotation."""
+    server = grpc.aio.server()
+    shard_pb2_grpc.add_ShardServicer_to_server(shard, server)
+    health_pb2_grpc.add_HealthServicer_to_server(shard, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = ShardClient(f"127.0.0.1:{port}", poll_interval_s=0.05)
+    client.start()
+    try:
+        await until_healthy(client)
+        yield client
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
+async def until_healthy(client: ShardClient) -> None:
+    for _ in range(100):
+        if client.view.healthy:
+            return
+        await asyncio.sleep(0.05)
+
+
 def test_a_late_token_of_a_lost_shard_never_reaches_the_sequence(monkeypatch):
     monkeypatch.setattr("router.shard_client.PROBE_TIMEOUT_S", 0.2)
 
     async def main():
         shard = HungShard()
-        server = grpc.aio.server()
-        shard_pb2_grpc.add_ShardServicer_to_server(shard, server)
-        health_pb2_grpc.add_HealthServicer_to_server(shard, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = ShardClient(f"127.0.0.1:{port}", poll_interval_s=0.05)
-        client.start()
-        try:
-            for _ in range(100):
-                if client.view.healthy:
-                    break
-                await asyncio.sleep(0.05)
+        async with scripted(shard) as client:
             events = await client.submit(shard_pb2.ShardRequest.Submit(request_id="req-9", prompt_token_ids=[1],
                                                                        max_tokens=8))
             got = [await asyncio.wait_for(events.get(), 10) for _ in range(2)]
@@ -131,9 +146,6 @@ def test_a_late_token_of_a_lost_shard_never_reaches_the_sequence(monkeypatch):
             shard.release.set()  # the old shard's last token, crossing the failover
             await asyncio.sleep(0.5)
             assert events.empty(), f"after ShardLost the sequence got {events.get_nowait()}"
-        finally:
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(main())
 
@@ -158,18 +170,7 @@ class DrainingShard(HungShard):
 def test_a_moved_sequence_takes_its_shard_out_of_rotation_until_its_stream_ends():
     async def main():
         shard = DrainingShard()
-        server = grpc.aio.server()
-        shard_pb2_grpc.add_ShardServicer_to_server(shard, server)
-        health_pb2_grpc.add_HealthServicer_to_server(shard, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        client = ShardClient(f"127.0.0.1:{port}", poll_interval_s=0.05)
-        client.start()
-        try:
-            for _ in range(100):
-                if client.view.healthy:
-                    break
-                await asyncio.sleep(0.05)
+        async with scripted(shard) as client:
             events = await client.submit(shard_pb2.ShardRequest.Submit(request_id="req-7", prompt_token_ids=[1],
                                                                        max_tokens=8))
             assert (await asyncio.wait_for(events.get(), 10)).token.index == 0
@@ -179,13 +180,7 @@ def test_a_moved_sequence_takes_its_shard_out_of_rotation_until_its_stream_ends(
             await asyncio.sleep(0.5)  # ten polls, every one SERVING
             assert not client.view.healthy, "a shard that hands its sequences over must stay out of rotation"
             shard.close_stream.set()  # the drained shard's stream ends (it exits); a SERVING one is a new shard
-            for _ in range(100):
-                if client.view.healthy:
-                    break
-                await asyncio.sleep(0.05)
+            await until_healthy(client)
             assert client.view.healthy, "once its stream ended, a SERVING shard is back in rotation"
-        finally:
-            await client.close()
-            await server.stop(None)
 
     asyncio.run(main())
