@@ -195,6 +195,8 @@ class ShardMetrics:
     def set_handoff(self, imported_tokens: int, exports_dropped: int, imports_dropped: int) -> None:
         """Running totals (the scheduler's, the stores'); the counters advance by what is new since last."""
         now = {"imported_tokens": imported_tokens, "exports": exports_dropped, "imports": imports_dropped}
+        if now == self._handoff_seen:
+            return  # every step calls this; almost every step moves nothing
         new = {key: now[key] - self._handoff_seen[key] for key in now}
         self._handoff_seen = now
         self.imported_tokens.labels(**self.labels).inc(new["imported_tokens"])
