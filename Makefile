@@ -41,27 +41,30 @@ SOAK_MINUTES ?= 60
 soak: $(STAMP)
 	SOAK_MINUTES=$(SOAK_MINUTES) $(PY) -m launcher.soak
 
-# Every GPU benchmark of the README's Performance section, one folder each under BENCH_OUT. Runs with the GPU
-# machine's own Python (torch with CUDA, Triton; fla-core and einops for the KDA comparison), not the CPU venv.
+# Every GPU benchmark of the README's Performance section, one folder each under BENCH_OUT, the served stack first
+# (what a user meets), then the kernels. Runs with the GPU machine's own Python (torch with CUDA, Triton; fla-core and
+# einops for the KDA comparison), not the CPU venv; the checkout goes in front of any PYTHONPATH already set (wheels
+# installed with --target, say) rather than replacing it.
 GPU_PY ?= python3
 BENCH_OUT ?= bench_out
+GPU_ENV = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 bench-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep --profile
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.op_parity --out $(BENCH_OUT)/parity
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.capacity --out $(BENCH_OUT)/capacity
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served --auto-capacity --long-prompt 262144
+	$(GPU_ENV) $(GPU_PY) -m bench.capacity --out $(BENCH_OUT)/capacity
+	$(GPU_ENV) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served --auto-capacity --long-prompt 262144
+	$(GPU_ENV) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep --profile
+	$(GPU_ENV) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
+	$(GPU_ENV) $(GPU_PY) -m bench.op_parity --out $(BENCH_OUT)/parity
+	$(GPU_ENV) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
+	$(GPU_ENV) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
+	$(GPU_ENV) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
+	$(GPU_ENV) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
+	$(GPU_ENV) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
 
 # Trains models/ from nothing (training/train.py; about six minutes on an H200) into TRAIN_OUT/<model>/, with the
 # report in TRAIN_OUT/summary.json. Needs only torch, tokenizers, safetensors and numpy beside the checkout.
 TRAIN_OUT ?= train_out
 train-gpu:
-	PYTHONPATH=$(CURDIR) $(GPU_PY) -m training --out $(TRAIN_OUT)
+	$(GPU_ENV) $(GPU_PY) -m training --out $(TRAIN_OUT)
 
 protos: $(STAMP)
 	$(PY) -m kimiserve.protogen
