@@ -256,17 +256,36 @@ def start_stack(model: Path, shards: int, device: str, host: str, port: int, tim
         for child in children:
             _wait_serving(child, timeout, stop)
         _check_stop(stop, "starting the router")
-        shard_addrs = ",".join(c.address for c in children if c.role == "shard")
-        router = _spawn("router", ["router", "--tokenizer", children[0].address, "--shards", shard_addrs,
-                                   "--drain-timeout", str(drain_timeout_s), *token_args, *router_args], host, port,
-                        next(ports), drain_timeout_s + ROUTER_TEARDOWN_S,
-                        health_port=next(ports) if router_health_port else None)
+        router = _spawn_router("router", children, host, port, next(ports), drain_timeout_s,
+                               (*token_args, *router_args), next(ports) if router_health_port else None)
         children.append(router)
         _wait_serving(router, timeout, stop)
     except BaseException:
         stop_stack(children)
         raise
     return children
+
+
+def _spawn_router(name: str, children: list[Child], host: str, port: int, metrics_port: int, drain_timeout_s: float,
+                  args: tuple[str, ...], health_port: int | None) -> Child:
+    shard_addrs = ",".join(c.address for c in children if c.role == "shard")
+    return _spawn(name, ["router", "--tokenizer", children[0].address, "--shards", shard_addrs, "--drain-timeout",
+                         str(drain_timeout_s), *args], host, port, metrics_port, drain_timeout_s + ROUTER_TEARDOWN_S,
+                  health_port=health_port)
+
+
+def start_router_replica(children: list[Child], name: str, host: str, port: int, timeout: float,
+                         router_args: tuple[str, ...] = ()) -> Child:
+    """Another router in front of the tokenizer and shards of a started stack (as the chart runs several replicas),
+    once SERVING; the caller stops it (stop_stack)."""
+    router = _spawn_router(name, children, host, port, free_ports(1, INTERNAL_HOST)[0], DRAIN_TIMEOUT_S,
+                           router_args, None)
+    try:
+        _wait_serving(router, timeout, threading.Event())
+    except BaseException:
+        stop_stack([router])
+        raise
+    return router
 
 
 def stop_stack(children: list[Child], grace_s: float | None = None) -> None:

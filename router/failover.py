@@ -7,7 +7,9 @@ protos/kimiserve/v1/shard.proto), with the budget left and the same sampling, se
 unseeded sampled request's seed before its first leg, so the continuation draws what the original would have).
 The text side (detokenizer, stop strings) never left the router, so the client's stream goes on with no gap and no
 repeated token. Each leg runs under its own shard-side id (`<request id>/failover-<n>`), so a leg can never collide
-with a previous one still being cleaned up on a shard that comes back.
+with a previous one still being cleaned up on a shard that comes back. Router replicas share the shards but each
+knows only its own live ids: a leg a shard refuses as already live (another replica's sequence holds the id) is sent
+again under a random alias (`Legs.renamed`), so clients of different replicas may choose the same ids.
 
 A draining shard hands its sequences over instead (ShardMoved, shard_svc/engine/handoff.py): the continuation is
 the same, and the moved state is relayed from the draining shard to the next one (`relay_state`) and restored
@@ -23,12 +25,14 @@ says the leg is lost, so nothing of an old leg can reach the sequence once it ha
 from __future__ import annotations
 
 import logging
+import secrets
 from dataclasses import dataclass, field
 
 from kimiserve.v1 import shard_pb2
-from router.errors import ShardLost, ShardMoved, ShardUnavailable
+from router.errors import AlreadyExists, ShardLost, ShardMoved, ShardUnavailable
 
 log = logging.getLogger(__name__)
+MAX_RENAMES = 2
 
 
 class FailoverRefused(ShardUnavailable):
@@ -49,6 +53,9 @@ class Legs:
     max_failovers: int
     shards: list[str] = field(default_factory=list)  # the shard of each leg so far, in order
     failovers: int = 0  # legs that began because a shard was lost (a planned move is not counted)
+    current: shard_pb2.ShardRequest.Submit | None = None  # the Submit of the leg last placed
+    alias: str = ""  # added to every leg's id after a shard refused one as already live (`renamed`)
+    renames: int = 0
 
     @property
     def moves(self) -> int:
@@ -58,7 +65,20 @@ class Legs:
     @property
     def leg_id(self) -> str:
         """The current leg's id on its shard."""
-        return self.request_id if self.moves == 0 else f"{self.request_id}/failover-{self.moves}"
+        base = self.request_id + self.alias
+        return base if self.moves == 0 else f"{base}/failover-{self.moves}"
+
+    def renamed(self, shard: str, message: str) -> None:
+        """The current leg's shard refused its id as already live there: a sequence of another router replica (each
+        knows only its own live ids) runs under it. The leg is sent again under a random alias, which no router's
+        ids take (theirs are client ids and `~k` aliases); a clash under such an alias is not chance, so after
+        MAX_RENAMES the request fails, naming the ids."""
+        if self.renames >= MAX_RENAMES:
+            raise AlreadyExists(f"request {self.request_id!r}: shard {shard} refused its id {self.leg_id!r} as "
+                                f"already live {self.renames + 1} times, under fresh random aliases too: {message}")
+        self.renames += 1
+        self.alias = f"~r{secrets.token_hex(6)}"
+        self.shards.pop()  # the refused leg never ran
 
     def continuation(self, lost: ShardLost, generated: list[int], max_context: int) -> shard_pb2.ShardRequest.Submit:
         """The Submit that continues the sequence after `generated` (every token id passed on so far), counted as a

@@ -24,7 +24,7 @@ from kimiserve.v1 import common_pb2, shard_pb2
 from router.admission import Admission
 from router.balancer import NoHealthyShard, pick_shard
 from router.cache_salt import cache_salt_for
-from router.errors import InvalidArgument, RouterError, ShardLost, ShardMoved, ShardUnavailable
+from router.errors import AlreadyExists, InvalidArgument, RouterError, ShardLost, ShardMoved, ShardUnavailable
 from router.failover import FailoverRefused, Legs, relay_state
 from router.metrics import RouterMetrics
 from router.prefix_index import PrefixIndex, block_names
@@ -235,6 +235,7 @@ class Generation:
             self.prefixes.record(shard.name, names)
             route.set("shard", shard.name)
         legs.shards.append(shard.name)
+        legs.current = submit
         submit.request_id = legs.leg_id
         # Movable only where another shard could take it now: a lone shard that drains finishes its sequences itself.
         submit.movable = any(c.view.healthy and c.view is not shard for c in self.shards)
@@ -306,6 +307,9 @@ class Generation:
                     shard, events = await self._fail_over(legs, event, generated, span, stream)
                     out.shard = shard.address
                     continue
+                if isinstance(event, AlreadyExists) and not self._leg_started(legs, generated):
+                    shard, events = await self._renamed(legs, shard, event, span, stream)
+                    continue
                 if isinstance(event, Exception):
                     raise event
                 if lost_at is not None:
@@ -363,6 +367,24 @@ class Generation:
             if not finished:
                 await shard.cancel(legs.leg_id)  # client cancelled, deadline passed, or the stream failed
             self._observe(method, request_id, len(prompt), out)
+
+    @staticmethod
+    def _leg_started(legs: Legs, generated: list[int]) -> bool:
+        """Whether the current leg has passed on a token (its Submit counts those before it as prior output)."""
+        return len(generated) > legs.current.prior_output_tokens
+
+    async def _renamed(self, legs: Legs, shard: ShardClient, refusal: AlreadyExists, span,
+                       stream) -> tuple[ShardClient, asyncio.Queue]:
+        """The current leg again, under an alias, after its shard refused its id as another router's (Legs.renamed).
+        A relayed state was imported under the refused id, so the leg recomputes."""
+        refused = legs.leg_id
+        legs.renamed(shard.address, str(refusal))
+        submit = legs.current
+        submit.imported_state = False
+        log.warning("request id live on the shard under another router; sent again under an alias",
+                    extra={"request_id": legs.request_id, "refused_id": refused, "leg_id": legs.leg_id,
+                           "shard": shard.address})
+        return await self._place(legs, submit, span, stream)
 
     def _ended_at_loss(self, legs: Legs, generated: list[int]) -> int | None:
         """The finish reason of a sequence whose last token was passed on before its shard was lost (its budget
