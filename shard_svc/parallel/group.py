@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import pickle
+import socket
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -24,6 +25,12 @@ from shard_svc.parallel.errors import GroupError
 from shard_svc.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (lo on Linux, lo0 on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in names if n.startswith("lo")), "lo")
 
 
 def digest(obj: object) -> int:
@@ -55,6 +62,9 @@ class ShardGroup:
             # NCCL collectives raise in the calling thread after the timeout instead of hanging (untested here: no
             # multi-GPU machine was lent while this was written).
             os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        # gloo listens on the address the host name resolves to (a pod's IP) unless told an interface, and it
+        # authenticates nothing; every rank of a group is on this host, so loopback is enough.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
         with self._guard("joining the group"):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
             self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)

@@ -13,6 +13,7 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -159,6 +160,15 @@ class GroupLeader:
         self.group.close()
 
 
+def _loopback_listener() -> socket.socket:
+    """The store's listening socket, on 127.0.0.1: a TCPStore given only a port listens on every interface, and it
+    authenticates nothing (anyone who reached it could write the group's keys)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    return listener
+
+
 def start_group(opts: EngineOptions) -> GroupLeader:
     """Rank 0: validates the layout against the checkpoint's config, spawns ranks 1..N-1, loads every slice."""
     ParallelLayout(opts.tp, opts.ep).check(ModelConfig.from_dir(opts.model_dir))
@@ -167,7 +177,9 @@ def start_group(opts: EngineOptions) -> GroupLeader:
         torch.set_num_threads(opts.cpu_threads)
     timeout = datetime.timedelta(seconds=opts.group_timeout_s)
     log_level = logging.getLevelName(logging.getLogger().getEffectiveLevel())  # the workers log as this process does
-    store = dist.TCPStore("127.0.0.1", 0, opts.world, is_master=True, timeout=timeout, wait_for_workers=False)
+    listener = _loopback_listener()
+    store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], opts.world, is_master=True, timeout=timeout,
+                          wait_for_workers=False, master_listen_fd=listener.detach())
     procs = {}
     for rank in range(1, opts.world):
         cmd = [sys.executable, "-m", "shard_svc.parallel.worker", "--rank", str(rank), "--world-size",

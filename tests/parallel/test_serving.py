@@ -4,6 +4,7 @@ shard exits 1, the router takes it out of rotation)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import threading
@@ -95,6 +96,42 @@ def test_metrics_come_from_every_rank_with_a_rank_label(stack):
     # Token counts are the group's, reported once by the rank that owns the sequences.
     assert series['kimiserve_shard_decode_tokens_total{rank="0",shard="shard-0"}'] > 0
     assert not any('rank="1"' in k for k in series if k.startswith("kimiserve_shard_decode_tokens"))
+
+
+def _listening(pid: int) -> list[tuple[str, int]]:
+    """(local address, port) of every TCP socket process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                out.append((_ip(address), int(port, 16)))
+    return out
+
+
+def _ip(hex_address: str) -> str:
+    raw = bytes.fromhex(hex_address)
+    ip = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))  # /proc: host-order words
+    return str(ip.ipv4_mapped or ip) if ip.version == 6 else str(ip)
+
+
+def test_the_group_listens_on_loopback_only(stack):
+    """The store and gloo authenticate nothing: every socket the group's ranks listen on is on loopback (the
+    shard's own gRPC and metrics ports are the service's, bound as --host says)."""
+    children, _ = stack
+    shard = children["shard-0"]
+    service_ports = {int(shard.address.rsplit(":", 1)[1]), int(shard.metrics_url.rsplit(":", 1)[1].split("/")[0])}
+    workers = [int(p) for p in Path(f"/proc/{shard.proc.pid}/task/{shard.proc.pid}/children").read_text().split()]
+    sockets = [(pid, address, port) for pid in (shard.proc.pid, *workers) for address, port in _listening(pid)
+               if port not in service_ports]
+    assert workers and sockets, "found no rank or no group socket to check"
+    assert all(ipaddress.ip_address(address).is_loopback for _, address, _ in sockets), sockets
 
 
 def test_killed_rank_fails_the_group_loudly(stack):
