@@ -38,7 +38,8 @@ def memory(device: torch.device) -> dict:
         return {}
     free, total = torch.cuda.mem_get_info(device)
     return {"total_gib": total / GiB, "in_use_gib": (total - free) / GiB,
-            "reserved_gib": torch.cuda.memory_reserved(device) / GiB, "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB,
+            "reserved_gib": torch.cuda.memory_reserved(device) / GiB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GiB,
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GiB}
 
 

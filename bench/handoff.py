@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [measure(cfg, device, int(n), args.repeats) for n in args.tokens.split(",")]
     result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "shape": "kimi-linear-48b", "repeats": args.repeats, "rows": rows}
-    header = f"{'tokens':>8} {'MiB':>8} {'save':>7} {'pack':>7} {'unpack':>7} {'check':>7} {'load':>7} {'GB/s':>6} exact"
+    header = (f"{'tokens':>8} {'MiB':>8} {'save':>7} {'pack':>7} {'unpack':>7} {'check':>7} {'load':>7} "
+              f"{'GB/s':>6} exact")
     lines = [header] + [f"{r['tokens']:>8} {r['state_bytes'] / 2**20:>8.1f} " + " ".join(
         f"{r['seconds'][k]:>7.3f}" for k in ("save", "pack", "unpack", "check", "load"))
         + f" {r['gb_per_s']:>6.2f} {r['exact']}" for r in rows]
