@@ -2,7 +2,9 @@
 
 Sequences with and without a cached prefix (chunked prefill), lengths off the query and key tile grid, empty
 sequences, head counts that are not powers of two, rope/latent widths below a tensor-core tile, shuffled block
-tables, and a cache whose unused blocks and positions are NaN.
+tables, and a cache whose unused blocks and positions are NaN. The bounded workspace: keys expanded a few at a time,
+segments cut inside the cached prefix, inside the new tokens (query rows that see no key of a segment) and between
+sequences, down to one key a segment, against the eager attention and against the single launch.
 """
 
 from __future__ import annotations
@@ -14,17 +16,25 @@ import torch
 from shard_svc.ops.mla import eager
 from tests.kernels.conftest import DEVICE, ON_GPU, assert_close, kernel_module
 
-# (ctx_lens, new lens, nh, nope, rope, v, kv_lora, block_size, dtype, block_m)
+WHOLE = 1 << 30  # a workspace every case's keys fit in: one launch
+# (ctx_lens, new lens, nh, nope, rope, v, kv_lora, block_size, dtype, block_m, workspace_tokens)
 CASES = {
-    "one-70-H3-no-prefix": ([0], [70], 3, 16, 8, 16, 32, 4, torch.float32, 16),
-    "varlen-prefix-H5": ([0, 33, 5], [17, 40, 1], 5, 16, 8, 24, 40, 4, torch.float32, 16),
-    "empty-seq-H2-block16": ([10, 0, 7], [0, 50, 35], 2, 16, 16, 16, 32, 16, torch.float32, 32),
-    "bf16-varlen-H4": ([20, 0], [45, 66], 4, 32, 16, 32, 64, 16, torch.bfloat16, 32),
+    "one-70-H3-no-prefix": ([0], [70], 3, 16, 8, 16, 32, 4, torch.float32, 16, WHOLE),
+    "varlen-prefix-H5": ([0, 33, 5], [17, 40, 1], 5, 16, 8, 24, 40, 4, torch.float32, 16, WHOLE),
+    "empty-seq-H2-block16": ([10, 0, 7], [0, 50, 35], 2, 16, 16, 16, 32, 16, torch.float32, 32, WHOLE),
+    "bf16-varlen-H4": ([20, 0], [45, 66], 4, 32, 16, 32, 64, 16, torch.bfloat16, 32, WHOLE),
+    # segments of 24 keys: cuts inside prefixes, inside new tokens and across sequences
+    "varlen-prefix-H5-workspace24": ([0, 33, 5], [17, 40, 1], 5, 16, 8, 24, 40, 4, torch.float32, 16, 24),
+    "long-prefix-H3-workspace40": ([150], [37], 3, 16, 8, 16, 32, 8, torch.float32, 16, 40),
+    "empty-seq-H2-workspace7": ([10, 0, 7], [0, 50, 35], 2, 16, 16, 16, 32, 16, torch.float32, 32, 7),
+    "bf16-varlen-H4-workspace64": ([20, 90], [45, 66], 4, 32, 16, 32, 64, 16, torch.bfloat16, 32, 64),
 }
 if ON_GPU:
     CASES["gpu-kimi-48b-8x512-bf16"] = ([0] * 4 + [700] * 4, [512] * 8, 32, 128, 64, 128, 512, 64, torch.bfloat16,
-                                        64)
-    CASES["gpu-kimi-48b-1x5000-bf16"] = ([3000], [5000], 8, 128, 64, 128, 512, 16, torch.bfloat16, 128)
+                                        64, WHOLE)
+    CASES["gpu-kimi-48b-1x5000-bf16"] = ([3000], [5000], 8, 128, 64, 128, 512, 16, torch.bfloat16, 128, WHOLE)
+    CASES["gpu-kimi-48b-1x4096-ctx70k-bf16-segments"] = ([70000], [4096], 32, 128, 64, 128, 512, 64,
+                                                         torch.bfloat16, 128, 32768)
 
 
 def prefill_module():
@@ -58,22 +68,45 @@ def make_prefill_batch(ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, block_siz
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
 def test_mla_prefill_matches_eager(case):
     mod = prefill_module()
-    ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, bs, dtype, block_m = CASES[case]
+    ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, bs, dtype, block_m, workspace = CASES[case]
     args = make_prefill_batch(ctx_lens, lens, nh, nope, rope, v_dim, kv_lora, bs, dtype)
     scale = (nope + rope) ** -0.5
-    out = mod.mla_prefill(*args, scale, block_m=block_m, block_n=16 if not ON_GPU else 64)
+    out = mod.mla_prefill(*args, scale, block_m=block_m, block_n=16 if not ON_GPU else 64,
+                          workspace_tokens=workspace)
     ref = eager.mla_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert_close(f"mla_prefill {case}", out, ref, 2e-2 if dtype != torch.float32 else 1e-5)
 
 
-def test_mla_prefill_layout_longest_blocks_first():
+@pytest.mark.parametrize("workspace", [1, 5, 16, 61])
+def test_segmented_passes_agree_with_one_launch(workspace):
+    """The running output and log-sum-exp folded over many segments equal the single launch over all keys."""
     mod = prefill_module()
-    blocks, kv_starts = mod._layout([5, 0], [0, 3, 40], 16)
-    rows = [tuple(blocks[i:i + 4]) for i in range(0, len(blocks), 4)]
-    assert kv_starts == [0, 8]
-    # (first query row, queries left, first position, key row of position 0)
-    assert rows == [(35, 5, 32, 8), (19, 21, 16, 8), (3, 37, 0, 8), (0, 3, 5, 0)]
+    args = make_prefill_batch([9, 0, 23], [12, 20, 3], 2, 16, 8, 16, 32, 4, torch.float32, seed=3)
+    one = mod.mla_prefill(*args, 0.3, block_m=16, block_n=16)
+    assert_close(f"workspace {workspace}", mod.mla_prefill(*args, 0.3, block_m=16, block_n=16,
+                                                           workspace_tokens=workspace), one, 1e-5)
+
+
+def test_segments_cut_the_packed_keys_and_skip_sequences_without_queries():
+    mod = prefill_module()
+    # keys per sequence: 5 + 3, none (no new token), 0 + 40; workspace 16
+    assert mod._segments([5, 7, 0], [3, 0, 40], 16) == [
+        [(0, 0, 8), (2, 0, 8)], [(2, 8, 24)], [(2, 24, 40)]]
+    assert mod._segments([5, 0], [3, 40], 1 << 20) == [[(0, 0, 8), (1, 0, 40)]]
+
+
+def test_layout_longest_blocks_first_and_blocks_before_a_piece_left_out():
+    mod = prefill_module()
+    # one segment with every key: (first query row, queries left, first position, workspace row, k_lo, k_hi)
+    blocks, starts = mod._layout([(0, 0, 8), (1, 0, 37)], [5, 0], [0, 3, 40], 16)
+    rows = [tuple(blocks[i:i + 6]) for i in range(0, len(blocks), 6)]
+    assert starts == [0, 8]
+    assert rows == [(35, 5, 32, 8, 0, 37), (19, 21, 16, 8, 0, 37), (3, 37, 0, 8, 0, 37), (0, 3, 5, 0, 0, 8)]
+    # a piece of sequence 1's keys 20 .. 30: the block of positions 0 .. 15 sees none of it
+    blocks, starts = mod._layout([(1, 20, 30)], [5, 0], [0, 3, 40], 16)
+    rows = [tuple(blocks[i:i + 6]) for i in range(0, len(blocks), 6)]
+    assert starts == [0] and rows == [(19, 21, 16, 0, 20, 30), (35, 5, 32, 0, 20, 30)]
 
 
 def test_op_seam_serves_triton_mla_prefill():

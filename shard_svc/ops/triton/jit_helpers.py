@@ -24,10 +24,12 @@ def online_softmax_step(s, m_i, l_i, acc, v):
     """One key tile of a streaming softmax(s) @ v in base 2. s [BQ, BN]: the tile's scores times scale * LOG2E,
     -inf where a key is not seen; m_i, l_i [BQ]: the running max and sum of exp2; acc [BQ, V]: the unnormalised
     output; v [BN, V]: the tile's values (the probabilities are cast to v's dtype for the dot).
+    A row that has seen no key yet and sees none in this tile keeps m = -inf, l = 0 and acc = 0 (not NaN).
     Returns the updated (m_i, l_i, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
