@@ -5,6 +5,11 @@ could hold (sampling with top-k / top-p included), then captures the decode grap
 peak above the probe's pools is the activation peak, the free memory the capture took is the graphs' share. The
 probe is then dropped and what is in use measured again, so anything it left behind counts as used, never as free.
 
+A pass late in a long prompt also holds its attention's context workspace: the MLA prefill expands the latents of
+the keys it reads to per-head keys and values, at most `ops.mla_prefill.context_workspace_tokens` of them at once
+(`attention_workspace`). The probe's prompt is long enough that its last full-budget pass reads at least that many
+keys, so the workspace is in the peak; an op that declares no bound (the eager reference) is profiled at no context.
+
 The meter is the seam: `CudaMeter` reads torch.cuda; a CPU test passes its own to run the same probe on the CPU.
 """
 
@@ -21,6 +26,7 @@ from shard_svc.engine.capacity import (
     MAX_AUTO_STATE_SLOTS, CapacityRequest, MemoryReport, UnitSizes, gpu_prefill_budget, plan_from_memory)
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.ops import Ops
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,11 @@ class CudaMeter:
         torch.cuda.empty_cache()
 
 
+def attention_workspace(ops: Ops) -> int:
+    """The most context keys the prefill attention expands at once (0: it declares no bound)."""
+    return int(getattr(ops.mla_prefill, "context_workspace_tokens", 0))
+
+
 def probe_batch(request: CapacityRequest, sizes: UnitSizes, meter: MemoryMeter, model_max_len: int) -> int:
     """The decode batch to profile: the operator's slot count, else the most a budget without activations holds.
     Flags that cannot fit even without activations are refused here, before the probe allocates anything."""
@@ -76,20 +87,27 @@ def probe_batch(request: CapacityRequest, sizes: UnitSizes, meter: MemoryMeter, 
 
 
 def measure(build: Callable[[EngineConfig], Engine], request: CapacityRequest, sizes: UnitSizes,
-            meter: MemoryMeter, model_max_len: int, capture_graphs: Callable[[Engine], object] | None) -> MemoryReport:
+            meter: MemoryMeter, model_max_len: int, capture_graphs: Callable[[Engine], object] | None,
+            context_workspace: int = 0) -> MemoryReport:
     """Runs the probe (module docstring) on engines from `build` and returns the report to size from.
-    capture_graphs: what the served engine will capture (None: decode stays eager)."""
+    capture_graphs: what the served engine will capture (None: decode stays eager). context_workspace: the served
+    ops' `attention_workspace`."""
     prefill = min(gpu_prefill_budget(request), model_max_len - 1)
     batch = probe_batch(request, sizes, meter, model_max_len)
     bs = sizes.kv_block_size
+    per_pass = max(prefill, batch)
+    # Whole passes of context before the last one, so that it is a full-budget pass reading the whole workspace,
+    # as far as the model's length allows.
+    context = min(math.ceil(context_workspace / per_pass), (model_max_len - 1 - prefill) // per_pass) * per_pass
+    prompt = prefill + context
     # Room for the prefill sequence, then for every decode sequence (3 tokens: one block each). `build` adds the
     # decode graphs' padding slot and block where graphs run.
-    probe_cfg = EngineConfig(num_state_slots=batch, num_kv_blocks=max(math.ceil((prefill + 1) / bs), batch),
-                             kv_block_size=bs, prefill_token_budget=max(prefill, batch))
+    probe_cfg = EngineConfig(num_state_slots=batch, num_kv_blocks=max(math.ceil((prompt + 1) / bs), batch),
+                             kv_block_size=bs, prefill_token_budget=per_pass)
     engine = build(probe_cfg)
     meter.reset_peak()
     base = meter.allocated()
-    engine.generate([(7 * i) % 97 + 1 for i in range(prefill)],
+    engine.generate([(7 * i) % 97 + 1 for i in range(prompt)],
                     SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), request_id="memory-probe-prefill")
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=2, seed=0, logprobs=True,
                              top_logprobs=5, ignore_eos=True)
@@ -109,7 +127,8 @@ def measure(build: Callable[[EngineConfig], Engine], request: CapacityRequest, s
     meter.release()
     total, free = meter.total_and_free()
     report = MemoryReport(meter.device, total, total - free, activation, graph)
-    log.info("memory profiled", extra={"device": meter.device, "prefill_tokens": prefill, "decode_batch": batch,
+    log.info("memory profiled", extra={"device": meter.device, "prefill_tokens": prefill,
+                                       "prefill_context_tokens": context, "decode_batch": batch,
                                        "total_bytes": total, "in_use_bytes": total - free,
                                        "activation_peak_bytes": activation, "graph_bytes": graph})
     return report

@@ -4,6 +4,7 @@ and the probe run end to end on a tiny model with a fake meter."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -14,6 +15,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.capacity import (
     CapacityDoesNotFit, CapacityRequest, MemoryReport, UnitSizes, cpu_plan, plan_from_memory, plan_host_kv)
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.memory_profile import attention_workspace
 from shard_svc.engine.sizing import sized_config
 from shard_svc.ops import select_ops
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
@@ -197,6 +199,35 @@ def test_probe_runs_on_a_tiny_model_and_sizes_the_engine(caplog):
     assert (profiled.prefill_tokens, profiled.decode_batch) == (64, 256)
     chosen = [r for r in caplog.records if r.msg == "capacity chosen"]
     assert len(chosen) == 1 and "from memory" in chosen[0].why and "host KV offload off" in chosen[0].why
+
+
+def test_probe_runs_its_last_full_pass_at_the_attention_workspace(caplog):
+    """An MLA prefill that expands at most 300 context keys at once: the probe's prompt is long enough that its last
+    pass runs the full prefill budget (64 tokens) reading more keys than that, so the workspace is in the peak."""
+    cfg, model = random_model(linear_config())
+    passes: list[tuple[int, int]] = []  # (query tokens, longest context) of each prefill attention call
+
+    def bounded_prefill(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+        passes.append((q_nope.shape[0], int(ctx_lens.max())))
+        return select_ops(torch.device("cpu"), "eager").mla_prefill(
+            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale)
+
+    bounded_prefill.context_workspace_tokens = 300
+    ops = dataclasses.replace(select_ops(torch.device("cpu"), "eager"), mla_prefill=bounded_prefill)
+    assert attention_workspace(ops) == 300 and attention_workspace(select_ops(torch.device("cpu"), "eager")) == 0
+
+    def build(config: EngineConfig) -> Engine:
+        return Engine(cfg, model, ops, torch.device("cpu"), config)
+
+    request = CapacityRequest(prefill_token_budget=64, max_model_len=2048, kv_block_size=16)
+    with caplog.at_level(logging.INFO, logger="shard_svc"):
+        sized_config(request, EngineConfig(), cfg, torch.device("cpu"), torch.float32, build, None, in_group=False,
+                     meter=FakeMeter(total=8 * GiB, in_use=7 * GiB, peak=100 * MiB),
+                     context_workspace=attention_workspace(ops))
+    profiled = next(r for r in caplog.records if r.msg == "memory profiled")
+    # passes of 256 tokens (the probe's decode batch sets its budget) until the context covers the workspace
+    assert profiled.prefill_context_tokens == 512
+    assert (64, 512) in passes and max(ctx for _, ctx in passes) == 512
 
 
 def test_shard_group_and_cpu_are_not_measured(caplog):
