@@ -57,6 +57,7 @@ bench-gpu:
 	$(GPU_ENV) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
 	$(GPU_ENV) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
 	$(GPU_ENV) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
+	$(GPU_ENV) $(GPU_PY) -m bench.mla_prefill_long --out $(BENCH_OUT)/mla_prefill_long
 	$(GPU_ENV) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
 	$(GPU_ENV) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
 

@@ -74,7 +74,8 @@ def select_ops(device: torch.device, backend: str = "auto") -> Ops:
         except Exception as e:  # noqa: BLE001 - re-raised as a named error with the cause
             raise OpBackendError(f"op backend {backend!r} failed to load on {device}: {e}") from e
         impls.update(overrides)
-        served.update({name: backend for name in overrides})
+        # an implementation that hands part of its work to a library says so (`served_by`)
+        served.update({name: getattr(impl, "served_by", backend) for name, impl in overrides.items()})
     ops = Ops(**impls, backends=tuple(sorted(served.items())))
     log.info("op backends selected", extra={"device": str(device), "ops": dict(ops.backends)})
     return ops

@@ -4,7 +4,8 @@ One file per kernel family, each next to the eager reference it is tested agains
 `linear.py` (F.linear; a shape dispatch: the skinny decode GEMM for at most 4 rows, F.linear above),
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
 in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` and `moe_route.py`
-(ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention).
+(ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention;
+on CUDA its long sequences run on cuDNN, ops/mla/cudnn.py).
 Ops not listed in `load()` stay eager. `moe_w4a16.py::moe_experts_w4a16` (packed MXFP4 experts, the contract of
 streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds packed experts calls it directly.
 
@@ -58,4 +59,19 @@ def load() -> dict[str, Callable]:
     }
     for name in GRAPH_SAFE:
         impls[name].graph_safe = True
+    if torch.cuda.is_available() and not interpreting():
+        impls["mla_prefill"] = _with_cudnn_long_context(mla_prefill)
     return impls
+
+
+def _with_cudnn_long_context(mla_prefill: Callable) -> Callable:
+    """The MLA prefill with its long sequences on cuDNN (`ops/mla/cudnn.py`; checked against the reference on first
+    use). Not under the interpreter: cuDNN needs the GPU."""
+    import functools
+
+    from shard_svc.ops.mla.cudnn import cudnn_attend
+
+    op = functools.partial(mla_prefill, long_attend=cudnn_attend)
+    op.context_workspace_tokens = mla_prefill.context_workspace_tokens
+    op.served_by = "triton; cudnn for long sequences"
+    return op

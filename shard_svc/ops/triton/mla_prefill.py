@@ -18,6 +18,11 @@ which fold their part into a running output and log-sum-exp per (query, head): t
 launches. A pass whose keys fit in one segment (every pass of a prompt shorter than the workspace) is one launch
 that writes the output directly.
 
+Long sequences go to a fused attention library instead (`shard_svc/ops/mla/long_context.py`; cuDNN on CUDA, which
+ran 1.8x this kernel at the 48B shape on the H200): a sequence whose pass attends at least `long_pairs` (query, key)
+pairs, with the same bounded workspace. The rest (short prompts, decodes folded into the pass) stay packed in this
+kernel, where per-sequence library calls would cost more than they save.
+
 One program per (query block of one sequence, head) and segment: first the key tiles that every query of the block
 sees (positions before its first query: no mask), then the tiles at the causal edge. The per-sequence lengths are
 read to the host once to lay out the segments and blocks: prefill is not captured in a CUDA graph (the op does not
@@ -31,12 +36,16 @@ import torch
 import triton
 import triton.language as tl
 
+from shard_svc.ops.mla.long_context import Attend, prefill_sequence
 from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
 from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 
 # Keys expanded at once per pass: ~560 MiB of workspace at the 48B shape, the same for every pass however long the
 # context. A multiple of the key tile, and well above the prefill budget so that ordinary prompts take one launch.
 CONTEXT_WORKSPACE_TOKENS = 32768
+# (query, key) pairs of one sequence's pass from which it goes to `long_attend`: 2,048 new tokens at no context, or
+# a 16-token chunk at 256k. Below it a library call's fixed costs (expansion, layout copies, merge) outweigh its rate.
+LONG_PAIRS = 1 << 22
 BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
 
 
@@ -190,12 +199,13 @@ def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: tor
 
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
-                block_m: int = 128, block_n: int = 64,
-                workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS) -> torch.Tensor:
+                block_m: int = 128, block_n: int = 64, workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS,
+                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype. workspace_tokens: the most
-    keys expanded at once (module docstring)."""
+    keys expanded at once; long_attend: the library attention for sequences of at least long_pairs (query, key)
+    pairs (None: every sequence in this kernel). Module docstring."""
     op = "mla_prefill"
-    t, nh, nope, rope, kv_lora, v_dim, bs, width = check_mla_layer(
+    t, nh, nope, rope, _, v_dim, bs, _ = check_mla_layer(
         op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
     n_seq = block_tables.shape[0]
     if max(nope, rope, v_dim) > 256:
@@ -213,7 +223,23 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     if -(-longest // bs) > block_tables.shape[1]:
         raise TritonKernelError(f"{op}: a sequence of {longest} tokens needs more than the "
                                 f"{block_tables.shape[1]} blocks of its table")
-    segments = _segments(ctx, lens, workspace_tokens)
+    long = {b for b, (c, n) in enumerate(zip(ctx, lens)) if n and long_attend and n * (c + n) >= long_pairs}
+    segments = _segments(ctx, [0 if b in long else n for b, n in enumerate(lens)], workspace_tokens)
+    _packed(segments, out, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx, bounds, scale, block_m, block_n)
+    for b in sorted(long):
+        s, e = bounds[b], bounds[b + 1]
+        out[s:e] = prefill_sequence(q_nope[s:e], q_pe[s:e], kv_cache, w_kv_b, block_tables[b], ctx[b], scale,
+                                    long_attend, workspace_tokens)
+    return out
+
+
+def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
+            kv_cache: torch.Tensor, w_kv_b: torch.Tensor, block_tables: torch.Tensor, ctx: list[int],
+            bounds: list[int], scale: float, block_m: int, block_n: int) -> None:
+    """This kernel over the segments' sequences, writing their rows of `out` (and, with several segments, zeros on
+    the rest)."""
+    t, nh, v_dim = out.shape
+    nope, rope = q_nope.shape[2], q_pe.shape[2]
     merge = len(segments) > 1
     # Across segments: the running output in fp32 and its base-2 log-sum-exp (-inf: no key seen yet).
     target = torch.zeros(t, nh, v_dim, dtype=torch.float32, device=out.device) if merge else out
@@ -229,8 +255,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
             V_P=pow2_at_least(v_dim, 16), BM=block_m, BN=block_n, FIELDS=BLOCK_FIELDS, MERGE=merge,
             DOT_FP32=interpreting(), num_warps=8 if block_m >= 128 else 4, num_stages=2)
     if merge:
-        out.copy_(target)
-    return out
+        out.copy_(target)  # the library's sequences' rows too: they are written after this
 
 
 mla_prefill.context_workspace_tokens = CONTEXT_WORKSPACE_TOKENS

@@ -1,0 +1,88 @@
+"""The long-sequence MLA prefill (shard_svc/ops/mla/long_context.py): the context attended unmasked a workspace at a
+time, the new tokens causally, merged by log-sum-exp; against the eager MLA attention.
+
+On the CPU the attention library is `math_attend` (the parts and their merge are what is under test); on a GPU the
+same cases run through cuDNN (`ops/mla/cudnn.py`), which is also checked alone against `math_attend`. The Triton
+prefill's dispatch sends the sequences with enough (query, key) pairs to it and keeps the rest packed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard_svc.ops.mla import eager
+from shard_svc.ops.mla.long_context import math_attend, prefill_sequence
+from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+from tests.kernels.test_mla_prefill import make_prefill_batch, prefill_module
+
+ATTENDS = {"math": math_attend}
+if ON_GPU:
+    from shard_svc.ops.mla.cudnn import cudnn_attend
+
+    ATTENDS["cudnn"] = cudnn_attend
+
+# (ctx, new, nh, nope, rope, v, kv_lora, block_size, workspace)
+SEQUENCES = {
+    "no-context": (0, 37, 3, 16, 8, 16, 32, 4, 16),
+    "context-in-3-parts": (50, 20, 2, 16, 8, 24, 40, 8, 16),
+    "context-whole": (50, 20, 2, 16, 8, 24, 40, 8, 1000),
+    "one-query-workspace-7": (33, 1, 4, 16, 16, 16, 32, 4, 7),
+}
+if ON_GPU:
+    SEQUENCES["kimi-48b-ctx-70k-chunk-2k"] = (70000, 2048, 32, 128, 64, 128, 512, 64, 32768)
+
+
+@pytest.mark.parametrize("attend", list(ATTENDS))
+@pytest.mark.parametrize("case", list(SEQUENCES))
+def test_one_sequence_matches_eager(case, attend):
+    ctx, n, nh, nope, rope, v_dim, kv_lora, bs, workspace = SEQUENCES[case]
+    dtype = torch.bfloat16 if attend == "cudnn" else torch.float32
+    if attend == "cudnn" and min(nope + rope, v_dim) < 64:
+        pytest.skip("cuDNN is checked at model head widths")
+    q_nope, q_pe, cache, w_kv_b, tables, ctx_lens, cu = make_prefill_batch([ctx], [n], nh, nope, rope, v_dim,
+                                                                            kv_lora, bs, dtype)
+    scale = (nope + rope) ** -0.5
+    out = prefill_sequence(q_nope, q_pe, cache, w_kv_b, tables[0], ctx, scale, ATTENDS[attend], workspace)
+    ref = eager.mla_attention(q_nope, q_pe, cache, w_kv_b, tables, ctx_lens, cu, scale)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert_close(f"{case} {attend}", out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_the_dispatch_sends_long_sequences_to_the_library_and_keeps_the_rest_packed():
+    """Sequences of at least long_pairs (query, key) pairs go to the library, one call per part; the others stay in
+    the Triton kernel; the whole pass matches eager."""
+    mod = prefill_module()
+    calls: list[tuple[int, int, bool]] = []  # (queries, keys, causal) of each library call
+
+    def recording(q, k, v, causal, scale):
+        calls.append((q.shape[1], k.shape[1], causal))
+        return math_attend(q, k, v, causal, scale)
+
+    # pairs: 1 x 41 (a decode row), 30 x 60, 8 x 8, 25 x 25
+    args = make_prefill_batch([40, 30, 0, 0], [1, 30, 8, 25], 3, 16, 8, 16, 32, 4, torch.float32, seed=5)
+    out = mod.mla_prefill(*args, 0.25, block_m=16, block_n=16, workspace_tokens=16, long_attend=recording,
+                          long_pairs=600)
+    assert_close("dispatch", out, eager.mla_attention(*args, 0.25), 1e-5)
+    # the 30-token chunk at context 30 (16 + 14 context keys, then itself) and the 25-token prompt (itself)
+    assert calls == [(30, 16, False), (30, 14, False), (30, 30, True), (25, 25, True)]
+
+
+def test_without_a_library_every_sequence_stays_in_the_kernel():
+    mod = prefill_module()
+    args = make_prefill_batch([40, 0], [3, 25], 2, 16, 8, 16, 32, 4, torch.float32, seed=6)
+    assert_close("no library", mod.mla_prefill(*args, 0.25, block_m=16, block_n=16, long_pairs=1),
+                 eager.mla_attention(*args, 0.25), 1e-5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN needs the GPU")
+@pytest.mark.parametrize("m, n, causal", [(8192, 8192, True), (512, 40000, False), (100, 100, True)])
+def test_cudnn_attend_matches_math_at_the_48b_head_shape(m, n, causal):
+    g = torch.Generator(device=DEVICE).manual_seed(m + n)
+    q = torch.randn(32, m, 192, device=DEVICE, generator=g).bfloat16()
+    k = torch.randn(32, n, 192, device=DEVICE, generator=g).bfloat16()
+    v = torch.randn(32, n, 128, device=DEVICE, generator=g).bfloat16()
+    o, lse = cudnn_attend(q, k, v, causal, 192 ** -0.5)
+    ref_o, ref_lse = math_attend(q, k, v, causal, 192 ** -0.5)
+    assert_close("cudnn o", o, ref_o, 2e-2)
+    assert (lse - ref_lse).abs().max().item() < 2e-2
