@@ -48,9 +48,11 @@ def expand(latent: torch.Tensor, w_kv_b: torch.Tensor, nh: int, nope: int) -> tu
     """Per-head keys [nh, N, nope + rope] (k_pe shared by the heads) and values [nh, N, v], contiguous."""
     kv_lora = w_kv_b.shape[1]
     n, rope = latent.shape[0], latent.shape[1] - kv_lora
-    kv = (latent[:, :kv_lora] @ w_kv_b.t()).view(n, nh, -1)
-    k = torch.cat([kv[..., :nope], latent[:, None, kv_lora:].expand(n, nh, rope)], -1).transpose(0, 1).contiguous()
-    return k, kv[..., nope:].transpose(0, 1).contiguous()
+    kv = (latent[:, :kv_lora] @ w_kv_b.t()).view(n, nh, -1).transpose(0, 1)  # [nh, N, nope + v]
+    k = torch.empty(nh, n, nope + rope, dtype=kv.dtype, device=kv.device)  # written in place: no second copy
+    k[..., :nope] = kv[..., :nope]
+    k[..., nope:] = latent[None, :, kv_lora:]
+    return k, kv[..., nope:].contiguous()
 
 
 def merge(o: torch.Tensor, lse: torch.Tensor, o_part: torch.Tensor, lse_part: torch.Tensor) -> None:
