@@ -15,6 +15,9 @@ One prefill pass: a chunk of M queries at context C (the queries see the C cache
 Per row: ms, TFLOP/s, its share of the matmul rate, the peak memory allocated during the call above its inputs, and
 the error against the eager op (where eager's fp32 expansion fits: C <= 65,536) and served vs triton.
 
+The library's first call at a shape it has not seen (cuDNN builds and caches an execution plan per shape, and a
+serving pass's chunk and context remainder vary) against the same call warm: `new_shape`.
+
 Then where the library starts paying (`LONG_PAIRS`): chunks of 16 .. 8,192 queries at contexts 0 and 32,768, served
 with every sequence on the library against every sequence in the kernel. And the attention of a whole 1,048,576-token
 prompt (7 MLA layers, 128 passes of 8,192), from a line fitted through each column's pass times.
@@ -130,6 +133,22 @@ def crossover_row(shape: Shape, context: int, chunk: int, prefill: Callable, tim
     return row
 
 
+def new_shape_row(shape: Shape, queries: int, keys: int, causal: bool, attend: Attend, timer: Callable,
+                  device: str, gen: torch.Generator) -> dict:
+    """Wall milliseconds of the library's first call at (queries, keys), then the warm call's time."""
+    q = torch.randn(shape.heads, queries, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
+    k = torch.randn(shape.heads, keys, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
+    v = torch.randn(shape.heads, keys, shape.v, generator=gen, device=device).bfloat16()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    attend(q, k, v, causal, 0.1)
+    sync()
+    first = (time.perf_counter() - start) * 1e3
+    return {"queries": queries, "keys": keys, "causal": causal, "first_ms": first,
+            "warm_ms": timer(lambda: attend(q, k, v, causal, 0.1))}
+
+
 def whole_prompt_s(rows: list[dict], column: str, chunk: int, prompt: int = PROMPT) -> float:
     """Attention seconds of one `prompt`-token prompt in passes of `chunk`, from the line through (C, ms)."""
     xs = [r["context"] for r in rows]
@@ -148,16 +167,20 @@ def matmul_tflops(timer: Callable, device: str, n: int = 8192) -> float:
 
 
 def run(shape: Shape, contexts: list[int], chunk: int, crossover_chunks: list[int], crossover_contexts: list[int],
-        prefill: Callable, attend: Attend, timer: Callable, device: str, eager_up_to: int = 65536) -> dict:
+        prefill: Callable, attend: Attend, timer: Callable, device: str, eager_up_to: int = 65536,
+        new_shapes: tuple[tuple[int, int, bool], ...] = ((8191, 8191, True), (5003, 21011, False),
+                                                          (777, 32768, False), (3001, 3001, True))) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shape": asdict(shape), "chunk": chunk,
               "device": torch.cuda.get_device_name() if device == "cuda" else device,
               "matmul_tflops": matmul_tflops(timer, device, 8192 if device == "cuda" else 64), "rows": [],
-              "crossover": []}
+              "crossover": [], "new_shape": []}
     for context in contexts:
         result["rows"].append(pass_row(shape, context, chunk, prefill, attend, timer, device, gen, eager_up_to))
         if device == "cuda":
             torch.cuda.empty_cache()
+    for queries, keys, causal in new_shapes:
+        result["new_shape"].append(new_shape_row(shape, queries, keys, causal, attend, timer, device, gen))
     for context in crossover_contexts:
         for m in crossover_chunks:
             result["crossover"].append(crossover_row(shape, context, m, prefill, timer, device, gen))
@@ -178,6 +201,10 @@ def table(result: dict) -> str:
         lines.append(f"{r['context']:>9,} | {r['served_ms']:8.2f} ms {r['served_tflops']:5.0f} TF/s | "
                      f"{r['triton_ms']:8.2f} ms {r['triton_tflops']:5.0f} TF/s | "
                      f"{r['cudnn_attention_tflops']:9.0f} TF/s | {r['served_peak_gib']:8.2f} GiB | {err:.1e}")
+    lines.append("library at a new shape, first call / warm:")
+    for r in result["new_shape"]:
+        lines.append(f"  {r['queries']:>6} x {r['keys']:>6} {'causal' if r['causal'] else 'unmasked':>8}  "
+                     f"{r['first_ms']:8.1f} / {r['warm_ms']:7.2f} ms")
     lines.append("library (long_pairs 0) vs kernel, one sequence:")
     for r in result["crossover"]:
         lines.append(f"  C {r['context']:>7,}  M {r['chunk']:>5}  pairs {r['pairs']:>12,}  library "

@@ -26,7 +26,8 @@ def test_bench_runs_on_cpu_and_its_columns_agree():
     prefill = functools.partial(mod.mla_prefill, block_m=16, block_n=16, workspace_tokens=24,
                                 long_attend=math_attend, long_pairs=300)
     shape = bench.Shape(heads=2, nope=16, rope=8, v=16, kv_lora=32, page=4)
-    result = bench.run(shape, [0, 40], 16, [4, 16], [0, 20], prefill, math_attend, wall_ms, "cpu")
+    result = bench.run(shape, [0, 40], 16, [4, 16], [0, 20], prefill, math_attend, wall_ms, "cpu",
+                       new_shapes=((9, 9, True), (5, 21, False)))
     assert [(r["context"], r["chunk"]) for r in result["rows"]] == [(0, 16), (40, 16)]
     for r in result["rows"]:  # 16 x 16 pairs stay in the kernel, 16 x 56 go to the library: both checked
         assert r["served_vs_eager"] < 1e-2 and r["served_vs_triton"] < 1e-2
@@ -35,7 +36,8 @@ def test_bench_runs_on_cpu_and_its_columns_agree():
     assert all(r["library_vs_kernel"] < 1e-2 for r in result["crossover"])
     assert set(result["prompt_attention_s"]) == {"served", "triton", "cudnn_attention", "matmul_ceiling"}
     text = bench.table(result)
-    assert "1,048,576-token prompt" in text and len(text.splitlines()) == 2 + 2 + 1 + 4 + 1
+    assert [(r["queries"], r["keys"], r["causal"]) for r in result["new_shape"]] == [(9, 9, True), (5, 21, False)]
+    assert "1,048,576-token prompt" in text and len(text.splitlines()) == 2 + 2 + 1 + 2 + 1 + 4 + 1
 
 
 def test_whole_prompt_estimate_is_the_sum_over_passes_of_the_fitted_line():
