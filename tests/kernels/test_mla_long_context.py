@@ -86,3 +86,13 @@ def test_cudnn_attend_matches_math_at_the_48b_head_shape(m, n, causal):
     ref_o, ref_lse = math_attend(q, k, v, causal, 192 ** -0.5)
     assert_close("cudnn o", o, ref_o, 2e-2)
     assert (lse - ref_lse).abs().max().item() < 2e-2
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the served op's library is cuDNN on the GPU")
+def test_served_op_mixes_cudnn_and_the_kernel_exactly():
+    from shard_svc.ops import select_ops
+
+    ops = select_ops(DEVICE, "triton")
+    # a 2,048-token chunk at context 40,000 (cuDNN, two context segments), a short prompt and a decode row (kernel)
+    args = make_prefill_batch([40000, 0, 100], [2048, 16, 1], 32, 128, 64, 128, 512, 64, torch.bfloat16)
+    assert_close("served", ops.mla_prefill(*args, 192 ** -0.5), eager.mla_attention(*args, 192 ** -0.5), 2e-2)
