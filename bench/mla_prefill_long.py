@@ -18,8 +18,8 @@ the error against the eager op (where eager's fp32 expansion fits: C <= 65,536) 
 The library's first call at a shape it has not seen (cuDNN builds and caches an execution plan per shape, and a
 serving pass's chunk and context remainder vary) against the same call warm: `new_shape`.
 
-Then where the library starts paying (`LONG_PAIRS`): chunks of 16 .. 8,192 queries at contexts 0 and 32,768, served
-with every sequence on the library against every sequence in the kernel. And the attention of a whole 1,048,576-token
+Then where the library starts paying (`LONG_PAIRS`, new queries x cached keys): chunks of 256 .. 8,192 queries at
+contexts 32,768 and 131,072, the library for the sequence against the kernel. And the attention of a whole 1,048,576-token
 prompt (7 MLA layers, 128 passes of 8,192), from a line fitted through each column's pass times.
 """
 
@@ -126,7 +126,7 @@ def crossover_row(shape: Shape, context: int, chunk: int, prefill: Callable, tim
     args = pass_inputs(shape, context, chunk, device, gen)
     library = functools.partial(prefill, long_pairs=0)
     kernel_only = functools.partial(prefill, long_attend=None)
-    row = {"context": context, "chunk": chunk, "pairs": chunk * (context + chunk),
+    row = {"context": context, "chunk": chunk, "pairs": chunk * context,
            "library_vs_kernel": rel(library(*args), kernel_only(*args)),
            "library_ms": timer(lambda: library(*args)), "kernel_ms": timer(lambda: kernel_only(*args))}
     row["library_speedup"] = row["kernel_ms"] / row["library_ms"]
@@ -219,8 +219,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
     p.add_argument("--contexts", default="0,65536,253952,1040384")
     p.add_argument("--chunk", type=int, default=8192)
-    p.add_argument("--crossover-chunks", default="16,64,256,1024,2048,4096,8192")
-    p.add_argument("--crossover-contexts", default="0,32768")
+    p.add_argument("--crossover-chunks", default="256,1024,2048,4096,8192")
+    p.add_argument("--crossover-contexts", default="32768,131072")
     args = p.parse_args()
     from shard_svc.ops import select_ops
     from shard_svc.ops.mla.cudnn import cudnn_attend

@@ -19,9 +19,10 @@ launches. A pass whose keys fit in one segment (every pass of a prompt shorter t
 that writes the output directly.
 
 Long sequences go to a fused attention library instead (`shard_svc/ops/mla/long_context.py`; cuDNN on CUDA, which
-ran 1.8x this kernel at the 48B shape on the H200): a sequence whose pass attends at least `long_pairs` (query, key)
-pairs, with the same bounded workspace. The rest (short prompts, decodes folded into the pass) stay packed in this
-kernel, where per-sequence library calls would cost more than they save.
+ran 1.8x this kernel at the 48B shape on the H200): a sequence whose new queries times cached keys reach
+`long_pairs`, with the same bounded workspace. The rest (prompts without a long context, decodes folded into the
+pass) stay packed in this kernel: per-sequence library calls would cost more than they save there, and cuDNN builds
+an execution plan for every new shape, which only a pass over a long context repays.
 
 One program per (query block of one sequence, head) and segment: first the key tiles that every query of the block
 sees (positions before its first query: no mask), then the tiles at the causal edge. The per-sequence lengths are
@@ -43,9 +44,10 @@ from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 # Keys expanded at once per pass: ~560 MiB of workspace at the 48B shape, the same for every pass however long the
 # context. A multiple of the key tile, and well above the prefill budget so that ordinary prompts take one launch.
 CONTEXT_WORKSPACE_TOKENS = 32768
-# (query, key) pairs of one sequence's pass from which it goes to `long_attend`: 2,048 new tokens at no context, or
-# a 16-token chunk at 256k. Below it a library call's fixed costs (expansion, layout copies, merge) outweigh its rate.
-LONG_PAIRS = 1 << 22
+# New queries x cached keys of one sequence's pass from which it goes to `long_attend`: an 8,192-token chunk at 128k
+# of context, or 4,096 at 256k. Such a pass's attention takes ~60 ms a layer in this kernel, so the library's rate
+# (1.8x) pays for its fixed costs (expansion, layout copies, merge, a plan per new shape) several times over.
+LONG_PAIRS = 1 << 30
 BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
 
 
@@ -202,8 +204,8 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
                 block_m: int = 128, block_n: int = 64, workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS,
                 long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype. workspace_tokens: the most
-    keys expanded at once; long_attend: the library attention for sequences of at least long_pairs (query, key)
-    pairs (None: every sequence in this kernel). Module docstring."""
+    keys expanded at once; long_attend: the library attention for sequences whose new tokens times cached tokens
+    reach long_pairs (None: every sequence in this kernel). Module docstring."""
     op = "mla_prefill"
     t, nh, nope, rope, _, v_dim, bs, _ = check_mla_layer(
         op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
@@ -223,7 +225,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     if -(-longest // bs) > block_tables.shape[1]:
         raise TritonKernelError(f"{op}: a sequence of {longest} tokens needs more than the "
                                 f"{block_tables.shape[1]} blocks of its table")
-    long = {b for b, (c, n) in enumerate(zip(ctx, lens)) if n and long_attend and n * (c + n) >= long_pairs}
+    long = {b for b, (c, n) in enumerate(zip(ctx, lens)) if n and long_attend and n * c >= long_pairs}
     segments = _segments(ctx, [0 if b in long else n for b, n in enumerate(lens)], workspace_tokens)
     _packed(segments, out, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx, bounds, scale, block_m, block_n)
     for b in sorted(long):
