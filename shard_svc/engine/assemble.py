@@ -9,6 +9,7 @@ same engine from the same options.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from shard_svc.engine.capacity import CapacityRequest
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.grammar import Grammars
-from shard_svc.engine.memory_profile import attention_workspace
+from shard_svc.engine.memory_profile import attention_peak_context
 from shard_svc.engine.sizing import sized_config
 from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.engine.warmup import warm_up
@@ -107,7 +108,7 @@ def assemble_engine(opts: EngineOptions, device: torch.device, cfg: ModelConfig,
     if opts.capacity is not None:
         config = sized_config(opts.capacity, opts.config, cfg, device, dtype, build,
                               None if eager else enable_cuda_graphs, in_group=in_group,
-                              context_workspace=attention_workspace(ops))
+                              peak_context=functools.partial(attention_peak_context, ops))
     engine = build(config)
     if not eager:
         enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out

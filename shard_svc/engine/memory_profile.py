@@ -6,9 +6,10 @@ peak above the probe's pools is the activation peak, the free memory the capture
 probe is then dropped and what is in use measured again, so anything it left behind counts as used, never as free.
 
 A pass late in a long prompt also holds its attention's context workspace: the MLA prefill expands the latents of
-the keys it reads to per-head keys and values, at most `ops.mla_prefill.context_workspace_tokens` of them at once
-(`attention_workspace`). The probe's prompt is long enough that its last full-budget pass reads at least that many
-keys, so the workspace is in the peak; an op that declares no bound (the eager reference) is profiled at no context.
+the keys it reads to per-head keys and values, at most `ops.mla_prefill.context_workspace_tokens` of them at once,
+and from `long_context_pairs` (new tokens x cached ones) it hands a sequence to a library whose workspace differs.
+The probe's prompt is long enough that its last full-budget pass is past both (`attention_peak_context`), so the
+largest workspace is in the peak; an op that declares no bound (the eager reference) is profiled at no context.
 
 The meter is the seam: `CudaMeter` reads torch.cuda; a CPU test passes its own to run the same probe on the CPU.
 """
@@ -73,9 +74,12 @@ class CudaMeter:
         torch.cuda.empty_cache()
 
 
-def attention_workspace(ops: Ops) -> int:
-    """The most context keys the prefill attention expands at once (0: it declares no bound)."""
-    return int(getattr(ops.mla_prefill, "context_workspace_tokens", 0))
+def attention_peak_context(ops: Ops, budget: int) -> int:
+    """The context from which a prefill pass of `budget` tokens holds the attention's largest workspace: the keys it
+    expands at once, or the context that sends a full pass to its library, whichever is later (0: no bound)."""
+    workspace = int(getattr(ops.mla_prefill, "context_workspace_tokens", 0))
+    pairs = int(getattr(ops.mla_prefill, "long_context_pairs", 0))
+    return max(workspace, -(-pairs // max(budget, 1))) if workspace else 0
 
 
 def probe_batch(request: CapacityRequest, sizes: UnitSizes, meter: MemoryMeter, model_max_len: int) -> int:
@@ -88,17 +92,18 @@ def probe_batch(request: CapacityRequest, sizes: UnitSizes, meter: MemoryMeter, 
 
 def measure(build: Callable[[EngineConfig], Engine], request: CapacityRequest, sizes: UnitSizes,
             meter: MemoryMeter, model_max_len: int, capture_graphs: Callable[[Engine], object] | None,
-            context_workspace: int = 0) -> MemoryReport:
+            peak_context: Callable[[int], int] | None = None) -> MemoryReport:
     """Runs the probe (module docstring) on engines from `build` and returns the report to size from.
-    capture_graphs: what the served engine will capture (None: decode stays eager). context_workspace: the served
-    ops' `attention_workspace`."""
+    capture_graphs: what the served engine will capture (None: decode stays eager). peak_context: the served ops'
+    `attention_peak_context` for a prefill budget (None: no context)."""
     prefill = min(gpu_prefill_budget(request), model_max_len - 1)
     batch = probe_batch(request, sizes, meter, model_max_len)
     bs = sizes.kv_block_size
     per_pass = max(prefill, batch)
     # Whole passes of context before the last one, so that it is a full-budget pass reading the whole workspace,
     # as far as the model's length allows.
-    context = min(math.ceil(context_workspace / per_pass), (model_max_len - 1 - prefill) // per_pass) * per_pass
+    wanted = peak_context(prefill) if peak_context is not None else 0
+    context = min(math.ceil(wanted / per_pass), (model_max_len - 1 - prefill) // per_pass) * per_pass
     prompt = prefill + context
     # Room for the prefill sequence, then for every decode sequence (3 tokens: one block each). `build` adds the
     # decode graphs' padding slot and block where graphs run.

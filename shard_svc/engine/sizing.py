@@ -27,11 +27,12 @@ log = logging.getLogger(__name__)
 def sized_config(request: CapacityRequest, base: EngineConfig, cfg: ModelConfig, device: torch.device,
                  dtype: torch.dtype, build: Callable[[EngineConfig], Engine],
                  capture_graphs: Callable[[Engine], object] | None, in_group: bool,
-                 meter: MemoryMeter | None = None, context_workspace: int = 0) -> EngineConfig:
+                 meter: MemoryMeter | None = None, peak_context: Callable[[int], int] | None = None
+                 ) -> EngineConfig:
     """`base` with the request's capacity filled in. base supplies what is not sized here (the prefix state interval
     and host entries). build: an engine of the served kind for a config (the memory probe's);
     capture_graphs: what the served engine captures (None: eager). meter: CudaMeter on a GPU unless given.
-    context_workspace: the served ops' `memory_profile.attention_workspace`, profiled by the probe."""
+    peak_context: the served ops' `memory_profile.attention_peak_context` for a budget, profiled by the probe."""
     measured = meter is not None or (device.type == "cuda" and not in_group)
     block = request.block_size(measured)
     host_kv_bytes, host_why = 0, "host KV offload off"
@@ -45,7 +46,7 @@ def sized_config(request: CapacityRequest, base: EngineConfig, cfg: ModelConfig,
     else:
         sizes = UnitSizes.for_model(cfg, dtype, block)
         report = measure(build, request, sizes, meter or CudaMeter(device), model_max, capture_graphs,
-                         context_workspace)
+                         peak_context)
         plan = plan_from_memory(request, sizes, report, model_max, host_kv=host_kv_bytes > 0)
     log.info("capacity chosen", extra={"device": str(device), "state_slots": plan.num_state_slots,
                                        "kv_blocks": plan.num_kv_blocks, "kv_block_size": block,

@@ -5,6 +5,7 @@ and the probe run end to end on a tiny model with a fake meter."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.capacity import (
     CapacityDoesNotFit, CapacityRequest, MemoryReport, UnitSizes, cpu_plan, plan_from_memory, plan_host_kv)
 from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.memory_profile import attention_workspace
+from shard_svc.engine.memory_profile import attention_peak_context
 from shard_svc.engine.sizing import sized_config
 from shard_svc.ops import select_ops
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
@@ -201,9 +202,11 @@ def test_probe_runs_on_a_tiny_model_and_sizes_the_engine(caplog):
     assert len(chosen) == 1 and "from memory" in chosen[0].why and "host KV offload off" in chosen[0].why
 
 
-def test_probe_runs_its_last_full_pass_at_the_attention_workspace(caplog):
-    """An MLA prefill that expands at most 300 context keys at once: the probe's prompt is long enough that its last
-    pass runs the full prefill budget (64 tokens) reading more keys than that, so the workspace is in the peak."""
+@pytest.mark.parametrize("library_pairs, context", [(0, 512), (64 * 600, 768)], ids=["kernel", "library"])
+def test_probe_runs_its_last_full_pass_past_the_attention_workspace(caplog, library_pairs, context):
+    """An MLA prefill that expands at most 300 context keys at once (and, in the second case, hands a sequence to a
+    library from 600 cached keys under a full pass of 64): the probe's prompt is long enough that its last pass runs
+    the full prefill budget (64 tokens) past both, so the largest workspace is in the peak."""
     cfg, model = random_model(linear_config())
     passes: list[tuple[int, int]] = []  # (query tokens, longest context) of each prefill attention call
 
@@ -213,8 +216,11 @@ def test_probe_runs_its_last_full_pass_at_the_attention_workspace(caplog):
             q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale)
 
     bounded_prefill.context_workspace_tokens = 300
+    if library_pairs:
+        bounded_prefill.long_context_pairs = library_pairs
     ops = dataclasses.replace(select_ops(torch.device("cpu"), "eager"), mla_prefill=bounded_prefill)
-    assert attention_workspace(ops) == 300 and attention_workspace(select_ops(torch.device("cpu"), "eager")) == 0
+    assert attention_peak_context(ops, 64) == max(300, library_pairs // 64)
+    assert attention_peak_context(select_ops(torch.device("cpu"), "eager"), 64) == 0
 
     def build(config: EngineConfig) -> Engine:
         return Engine(cfg, model, ops, torch.device("cpu"), config)
@@ -223,11 +229,11 @@ def test_probe_runs_its_last_full_pass_at_the_attention_workspace(caplog):
     with caplog.at_level(logging.INFO, logger="shard_svc"):
         sized_config(request, EngineConfig(), cfg, torch.device("cpu"), torch.float32, build, None, in_group=False,
                      meter=FakeMeter(total=8 * GiB, in_use=7 * GiB, peak=100 * MiB),
-                     context_workspace=attention_workspace(ops))
+                     peak_context=functools.partial(attention_peak_context, ops))
     profiled = next(r for r in caplog.records if r.msg == "memory profiled")
-    # passes of 256 tokens (the probe's decode batch sets its budget) until the context covers the workspace
-    assert profiled.prefill_context_tokens == 512
-    assert (64, 512) in passes and max(ctx for _, ctx in passes) == 512
+    # passes of 256 tokens (the probe's decode batch sets its budget) until the context is past the peak's
+    assert profiled.prefill_context_tokens == context
+    assert (64, context) in passes and max(ctx for _, ctx in passes) == context
 
 
 def test_shard_group_and_cpu_are_not_measured(caplog):

@@ -70,8 +70,10 @@ def _with_cudnn_long_context(mla_prefill: Callable) -> Callable:
     import functools
 
     from shard_svc.ops.mla.cudnn import cudnn_attend
+    from shard_svc.ops.triton.mla_prefill import LONG_PAIRS
 
     op = functools.partial(mla_prefill, long_attend=cudnn_attend)
     op.context_workspace_tokens = mla_prefill.context_workspace_tokens
+    op.long_context_pairs = LONG_PAIRS
     op.served_by = "triton; cudnn for long sequences"
     return op

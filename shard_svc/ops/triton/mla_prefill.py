@@ -27,8 +27,8 @@ an execution plan for every new shape, which only a pass over a long context rep
 One program per (query block of one sequence, head) and segment: first the key tiles that every query of the block
 sees (positions before its first query: no mask), then the tiles at the causal edge. The per-sequence lengths are
 read to the host once to lay out the segments and blocks: prefill is not captured in a CUDA graph (the op does not
-declare `graph_safe`). The op declares `context_workspace_tokens`, which the memory probe reads to profile a pass
-at that much context (shard_svc/engine/memory_profile.py).
+declare `graph_safe`). The op declares `context_workspace_tokens` (and, where it has a library, `long_context_pairs`),
+which the memory probe reads to profile a pass past them (shard_svc/engine/memory_profile.py).
 """
 
 from __future__ import annotations
