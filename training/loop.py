@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from shard_svc.model import KimiForCausalLM
 from training.data import Batch
+from training.graphed import CapturedPass
 from training.ops import RouterLoads, training_context, training_ops
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class PhaseReport:
 
 class Trainer:
     def __init__(self, model: KimiForCausalLM, batch: int, seq_len: int, chunk: int, mxfp4_experts: bool,
-                 weight_decay: float = 0.1, bias_rate: float = 1e-3, clip: float = 1.0):
+                 weight_decay: float = 0.1, bias_rate: float = 1e-3, clip: float = 1.0, cuda_graphs: bool = False):
+        """cuda_graphs: replay each step's forward and backward as one captured graph (training/graphed.py)."""
         self.model, self.batch, self.seq_len, self.clip, self.bias_rate = model, batch, seq_len, clip, bias_rate
+        self.cuda_graphs = cuda_graphs
+        self.captured: CapturedPass | None = None
         self.device = next(model.parameters()).device
         self.chunk = chunk
         self.loads = RouterLoads()
@@ -72,6 +76,7 @@ class Trainer:
     def use_mxfp4_experts(self, on: bool) -> None:
         """Routed experts on their MXFP4-rounded values from now on (straight-through), or on their own values."""
         self.ops = training_ops(self.batch, self.seq_len, self.chunk, on, self.loads)
+        self.captured = None  # captured with the other experts' ops
 
     def loss(self, batch: Batch) -> torch.Tensor:
         ctx = training_context(self.ops, self.device)
@@ -81,9 +86,15 @@ class Trainer:
 
     def step(self, batch: Batch, lr: float) -> torch.Tensor:
         """One optimiser step; returns the loss (a device tensor: reading it is the caller's sync)."""
-        self.loads.per_layer.clear()
-        loss = self.loss(batch)
-        loss.backward()
+        if self.cuda_graphs:
+            if self.captured is None:
+                self.captured = CapturedPass(self.loss, self.params, batch, self.loads.per_layer)
+            loss, loads = self.captured.run(batch), self.captured.loads
+        else:
+            self.loads.per_layer.clear()
+            loss = self.loss(batch)
+            loss.backward()
+            loads = self.loads.per_layer
         with torch.no_grad():
             pairs = [(p.grad, m) for p, m in zip(self.params, self.master) if p.grad is not None]
             for _, m in pairs:
@@ -95,11 +106,12 @@ class Trainer:
                 group["lr"] = lr
             self.opt.step()
             torch._foreach_copy_(self.params, self.master)
-            for p in self.params:
-                p.grad = None
-            for bias, load in zip(self.biases, self.loads.per_layer, strict=True):
+            if not self.cuda_graphs:  # the captured pass writes the same .grad tensors every replay
+                for p in self.params:
+                    p.grad = None
+            for bias, load in zip(self.biases, loads, strict=True):
                 bias.add_(torch.sign(load.float().mean() - load.float()), alpha=self.bias_rate)
-        return loss.detach()
+        return loss.detach().clone() if self.cuda_graphs else loss.detach()  # the next replay rewrites it
 
     def run(self, sample, schedule: Schedule, report: PhaseReport, log_every: int, name: str,
             budget_s: float | None = None, calibrate_after: int = 10) -> PhaseReport:

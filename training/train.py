@@ -76,6 +76,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default: the model's recipe)")
     p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--k3-layers", type=int, default=93, help="fewer only for smoke runs")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each step's forward and backward as one CUDA graph (default: on a CUDA device)")
     p.add_argument("--sample-tokens", type=int, default=48)
     p.add_argument("--held-out-tokens", type=int, default=None,
                    help="evaluate perplexity on the first N held-out tokens only (default: all; for smoke runs)")
@@ -88,6 +90,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.cuda_graphs is None:
+        args.cuda_graphs = device.type == "cuda"
     corpus = load_corpus()
     tok_dir = args.out / "tokenizer"
     tokenizer = train_tokenizer(corpus.train, BASE_VOCAB, tok_dir)
@@ -97,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     packed = pack_dialogues(dialogues, args.seq_len, PAD)
     summary: dict[str, Any] = {
         "seed": args.seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+        "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cuda_graphs": args.cuda_graphs,
         "corpus": {"file": str(CORPUS_FILE.relative_to(Path(__file__).parent.parent)),
                    "sha256": hashlib.sha256(CORPUS_FILE.read_bytes()).hexdigest(),
                    "train_tokens": len(train_stream), "held_out_tokens": len(held_stream),
@@ -127,7 +131,7 @@ def train_one(name: str, args: argparse.Namespace, device: torch.device, dtype: 
     model = init_model(cfg, dtype, device, args.seed)
     batch = args.batch or recipe.batch
     mxfp4 = cfg.quantization == "mxfp4"
-    trainer = Trainer(model, batch, args.seq_len, KDA_CHUNK, mxfp4_experts=False)
+    trainer = Trainer(model, batch, args.seq_len, KDA_CHUNK, mxfp4_experts=False, cuda_graphs=args.cuda_graphs)
     prose = ProseSampler(train_stream, args.seq_len, device, args.seed)
     fixed = args.steps is not None
     total = args.steps or max(1, int(recipe.max_epochs * len(train_stream) / (batch * args.seq_len)))

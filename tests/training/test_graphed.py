@@ -1,0 +1,76 @@
+"""The captured training pass (training/graphed.py): a training forward and backward make no host sync, for both
+model families (what lets them be captured as a CUDA graph); a CPU batch is refused by name; on a GPU, steps replayed
+from the graph give the losses of eager steps."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shard_svc.config import ModelConfig
+from tests.engine.conftest import k3_config, linear_config
+from training.data import Batch
+from training.graphed import CapturedPassError
+from training.loop import PhaseReport, Schedule, Trainer
+from training.models import init_model
+
+CONFIGS = {"linear": linear_config(), "k3-13-mxfp4": k3_config(13, routed_expert_hidden_size=32,
+                                                               moe_intermediate_size=32)}
+# ops whose result the host must wait for (a value read back, or an output sized by the data)
+HOST_SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "unique", "_unique2",
+              "unique_consecutive", "masked_select", "bincount", "repeat_interleave", "tolist"}
+
+
+class HostSyncs(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in HOST_SYNCS:
+            self.seen[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def trainer_and_batch(name: str, device: str, cuda_graphs: bool = False) -> tuple[Trainer, Batch]:
+    cfg = ModelConfig.from_dict(CONFIGS[name])
+    model = init_model(cfg, torch.float32, torch.device("cpu"), seed=0).to(device)
+    trainer = Trainer(model, batch=2, seq_len=32, chunk=16, mxfp4_experts=name.endswith("mxfp4"),
+                      cuda_graphs=cuda_graphs)
+    tokens = torch.randint(0, 200, (2, 33), generator=torch.Generator().manual_seed(0)).to(device)
+    return trainer, Batch(tokens[:, :-1], tokens[:, 1:])
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_training_pass_makes_no_host_sync(name):
+    trainer, batch = trainer_and_batch(name, "cpu")
+    syncs = HostSyncs()
+    with syncs:
+        trainer.loss(batch).backward()
+        assert not syncs.seen, f"{name}: host syncs in the pass: {dict(syncs.seen)}"
+        float(trainer.loss(batch))  # the detector sees a value read back
+    assert syncs.seen["_local_scalar_dense"] + syncs.seen["item"] >= 1
+
+
+def test_a_cpu_batch_is_refused_by_name():
+    trainer, batch = trainer_and_batch("linear", "cpu", cuda_graphs=True)
+    with pytest.raises(CapturedPassError, match="CUDA device, got cpu"):
+        trainer.step(batch, 1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need the GPU")
+@pytest.mark.parametrize("name", CONFIGS)
+def test_replayed_steps_give_the_eager_losses(name):
+    losses = {}
+    for graphs in (False, True):
+        trainer, batch = trainer_and_batch(name, "cuda", cuda_graphs=graphs)
+        seq = torch.randint(0, 200, (6, 2, 33), generator=torch.Generator().manual_seed(1)).cuda()
+        batches = iter([Batch(s[:, :-1], s[:, 1:]) for s in seq])
+        report = trainer.run(lambda rows: next(batches), Schedule(1e-2, 2, 6), PhaseReport(), log_every=1,
+                             name=name)
+        losses[graphs] = [loss for _, loss in report.losses]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
