@@ -16,7 +16,9 @@ Per row: ms, TFLOP/s, its share of the matmul rate, the peak memory allocated du
 the error against the eager op (where eager's fp32 expansion fits: C <= 65,536) and served vs triton.
 
 The library's first call at a shape it has not seen (cuDNN builds and caches an execution plan per shape, and a
-serving pass's chunk and context remainder vary) against the same call warm: `new_shape`.
+serving pass's chunk and context remainder vary) against the same call warm, with its error against the fp32
+reference at the smaller shapes: `new_shape`; and the same in a fresh process with PyTorch's
+TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one plan for every sequence length): `new_shape_avoid_recompile`.
 
 Then where the library starts paying (`LONG_PAIRS`, new queries x cached keys): chunks of 256 .. 8,192 queries at
 contexts 32,768 and 131,072, the library for the sequence against the kernel. And the attention of a whole 1,048,576-token
@@ -29,6 +31,8 @@ import argparse
 import functools
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,9 +42,10 @@ import torch
 
 from bench.measure import gpu_ms
 from shard_svc.ops.mla import eager
-from shard_svc.ops.mla.long_context import Attend, expand, gather_latents
+from shard_svc.ops.mla.long_context import Attend, expand, gather_latents, math_attend
 
 PROMPT, MLA_LAYERS = 1_048_576, 7
+NEW_SHAPES = ((8191, 8191, True), (5003, 21011, False), (777, 32768, False), (3001, 3001, True), (1500, 2500, False))
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,7 @@ def pass_row(shape: Shape, context: int, chunk: int, prefill: Callable, attend: 
         row[f"{name}_tflops"] = flops / (row[f"{name}_ms"] * 1e-3) / 1e12
         row[f"{name}_peak_gib"] = peak_bytes(fn, device) / 2**30
     # the peer: attention alone on keys and values expanded beforehand
-    q = torch.cat([args[0], args[1]], -1).transpose(0, 1).contiguous()
+    q = torch.cat([args[0], args[1]], -1)
     k_self, v_self = expand(gather_latents(args[2], args[4][0], context, context + chunk), args[3], shape.heads,
                             shape.nope)
     k_ctx, v_ctx = (expand(gather_latents(args[2], args[4][0], 0, context), args[3], shape.heads, shape.nope)
@@ -136,17 +141,20 @@ def crossover_row(shape: Shape, context: int, chunk: int, prefill: Callable, tim
 def new_shape_row(shape: Shape, queries: int, keys: int, causal: bool, attend: Attend, timer: Callable,
                   device: str, gen: torch.Generator) -> dict:
     """Wall milliseconds of the library's first call at (queries, keys), then the warm call's time."""
-    q = torch.randn(shape.heads, queries, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
-    k = torch.randn(shape.heads, keys, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
-    v = torch.randn(shape.heads, keys, shape.v, generator=gen, device=device).bfloat16()
+    q = torch.randn(queries, shape.heads, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
+    k = torch.randn(keys, shape.heads, shape.nope + shape.rope, generator=gen, device=device).bfloat16()
+    v = torch.randn(keys, shape.heads, shape.v, generator=gen, device=device).bfloat16()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
     start = time.perf_counter()
-    attend(q, k, v, causal, 0.1)
+    o, _ = attend(q, k, v, causal, 0.1)
     sync()
     first = (time.perf_counter() - start) * 1e3
-    return {"queries": queries, "keys": keys, "causal": causal, "first_ms": first,
-            "warm_ms": timer(lambda: attend(q, k, v, causal, 0.1))}
+    row = {"queries": queries, "keys": keys, "causal": causal, "first_ms": first,
+           "warm_ms": timer(lambda: attend(q, k, v, causal, 0.1))}
+    if queries * keys <= 1 << 24:  # the fp32 scores fit
+        row["err_vs_math"] = rel(o, math_attend(q, k, v, causal, 0.1)[0])
+    return row
 
 
 def whole_prompt_s(rows: list[dict], column: str, chunk: int, prompt: int = PROMPT) -> float:
@@ -168,8 +176,7 @@ def matmul_tflops(timer: Callable, device: str, n: int = 8192) -> float:
 
 def run(shape: Shape, contexts: list[int], chunk: int, crossover_chunks: list[int], crossover_contexts: list[int],
         prefill: Callable, attend: Attend, timer: Callable, device: str, eager_up_to: int = 65536,
-        new_shapes: tuple[tuple[int, int, bool], ...] = ((8191, 8191, True), (5003, 21011, False),
-                                                          (777, 32768, False), (3001, 3001, True))) -> dict:
+        new_shapes: tuple[tuple[int, int, bool], ...] = NEW_SHAPES) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shape": asdict(shape), "chunk": chunk,
               "device": torch.cuda.get_device_name() if device == "cuda" else device,
@@ -201,10 +208,18 @@ def table(result: dict) -> str:
         lines.append(f"{r['context']:>9,} | {r['served_ms']:8.2f} ms {r['served_tflops']:5.0f} TF/s | "
                      f"{r['triton_ms']:8.2f} ms {r['triton_tflops']:5.0f} TF/s | "
                      f"{r['cudnn_attention_tflops']:9.0f} TF/s | {r['served_peak_gib']:8.2f} GiB | {err:.1e}")
-    lines.append("library at a new shape, first call / warm:")
-    for r in result["new_shape"]:
-        lines.append(f"  {r['queries']:>6} x {r['keys']:>6} {'causal' if r['causal'] else 'unmasked':>8}  "
-                     f"{r['first_ms']:8.1f} / {r['warm_ms']:7.2f} ms")
+    for key, title in (("new_shape", ""), ("new_shape_avoid_recompile", ", TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1")):
+        rows = result.get(key)
+        if rows is None:
+            continue
+        lines.append(f"library at a new shape{title}, first call / warm:")
+        if isinstance(rows, str):  # the fresh process failed: its error
+            lines.append(f"  {rows}")
+            continue
+        for r in rows:
+            err = f"  err {r['err_vs_math']:.1e}" if "err_vs_math" in r else ""
+            lines.append(f"  {r['queries']:>6} x {r['keys']:>6} {'causal' if r['causal'] else 'unmasked':>8}  "
+                         f"{r['first_ms']:8.1f} / {r['warm_ms']:7.2f} ms{err}")
     lines.append("library (long_pairs 0) vs kernel, one sequence:")
     for r in result["crossover"]:
         lines.append(f"  C {r['context']:>7,}  M {r['chunk']:>5}  pairs {r['pairs']:>12,}  library "
@@ -214,6 +229,15 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def new_shapes_in_fresh_process(out: Path, env: dict[str, str]) -> list[dict] | str:
+    """This script's `new_shape` rows run by a fresh process under `env` (read once by PyTorch): rows, or its error."""
+    proc = subprocess.run([sys.executable, "-m", "bench.mla_prefill_long", "--new-shapes-only", "--out", str(out)],
+                          env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        return f"exit {proc.returncode}: {proc.stderr[-400:]}"
+    return json.loads((out / "new_shapes.json").read_text())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "bench_out")))
@@ -221,15 +245,23 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--crossover-chunks", default="256,1024,2048,4096,8192")
     p.add_argument("--crossover-contexts", default="32768,131072")
+    p.add_argument("--new-shapes-only", action="store_true", help="only the library's new-shape rows")
     args = p.parse_args()
     from shard_svc.ops import select_ops
     from shard_svc.ops.mla.cudnn import cudnn_attend
 
+    args.out.mkdir(parents=True, exist_ok=True)
+    timer = functools.partial(gpu_ms, warmup=3, rep=20)
+    if args.new_shapes_only:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        rows = [new_shape_row(Shape(), m, n, c, cudnn_attend, timer, "cuda", gen) for m, n, c in NEW_SHAPES]
+        (args.out / "new_shapes.json").write_text(json.dumps(rows, indent=1))
+        return
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     result = run(Shape(), ints(args.contexts), args.chunk, ints(args.crossover_chunks), ints(args.crossover_contexts),
-                 select_ops(torch.device("cuda"), "triton").mla_prefill, cudnn_attend,
-                 functools.partial(gpu_ms, warmup=3, rep=20), "cuda")
-    args.out.mkdir(parents=True, exist_ok=True)
+                 select_ops(torch.device("cuda"), "triton").mla_prefill, cudnn_attend, timer, "cuda")
+    result["new_shape_avoid_recompile"] = new_shapes_in_fresh_process(
+        args.out / "avoid_recompile", {"TORCH_CUDNN_SDPA_AVOID_RECOMPILE": "1"})
     (args.out / "mla_prefill_long.json").write_text(json.dumps(result, indent=1))
     print(table(result))
 

@@ -56,7 +56,7 @@ def test_the_dispatch_sends_long_sequences_to_the_library_and_keeps_the_rest_pac
     calls: list[tuple[int, int, bool]] = []  # (queries, keys, causal) of each library call
 
     def recording(q, k, v, causal, scale):
-        calls.append((q.shape[1], k.shape[1], causal))
+        calls.append((q.shape[0], k.shape[0], causal))
         return math_attend(q, k, v, causal, scale)
 
     # new x cached: 1 x 40 (a decode row), 30 x 30, 8 x 0, 25 x 0
@@ -79,9 +79,9 @@ def test_without_a_library_every_sequence_stays_in_the_kernel():
 @pytest.mark.parametrize("m, n, causal", [(8192, 8192, True), (512, 40000, False), (100, 100, True)])
 def test_cudnn_attend_matches_math_at_the_48b_head_shape(m, n, causal):
     g = torch.Generator(device=DEVICE).manual_seed(m + n)
-    q = torch.randn(32, m, 192, device=DEVICE, generator=g).bfloat16()
-    k = torch.randn(32, n, 192, device=DEVICE, generator=g).bfloat16()
-    v = torch.randn(32, n, 128, device=DEVICE, generator=g).bfloat16()
+    q = torch.randn(m, 32, 192, device=DEVICE, generator=g).bfloat16()
+    k = torch.randn(n, 32, 192, device=DEVICE, generator=g).bfloat16()
+    v = torch.randn(n, 32, 128, device=DEVICE, generator=g).bfloat16()
     o, lse = cudnn_attend(q, k, v, causal, 192 ** -0.5)
     ref_o, ref_lse = math_attend(q, k, v, causal, 192 ** -0.5)
     assert_close("cudnn o", o, ref_o, 2e-2)

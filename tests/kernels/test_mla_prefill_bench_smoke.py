@@ -37,6 +37,7 @@ def test_bench_runs_on_cpu_and_its_columns_agree():
     assert set(result["prompt_attention_s"]) == {"served", "triton", "cudnn_attention", "matmul_ceiling"}
     text = bench.table(result)
     assert [(r["queries"], r["keys"], r["causal"]) for r in result["new_shape"]] == [(9, 9, True), (5, 21, False)]
+    assert all("err_vs_math" in r for r in result["new_shape"])  # small shapes carry the check against math
     assert "1,048,576-token prompt" in text and len(text.splitlines()) == 2 + 2 + 1 + 2 + 1 + 4 + 1
 
 

@@ -25,20 +25,22 @@ class AttentionLibraryError(KimiServeError):
 
 def cudnn_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [nh, M, d], k [nh, N, d], v [nh, N, dv] on a CUDA device -> (o [nh, M, dv] in q's dtype, lse [nh, M] fp32)."""
-    check_cudnn_attend(q.device, q.dtype, q.shape[0], q.shape[2], v.shape[2])
+    """q [M, nh, d], k [N, nh, d], v [N, nh, dv] on a CUDA device -> (o [M, nh, dv] in q's dtype, lse [M, nh] fp32)."""
+    check_cudnn_attend(q.device, q.dtype, q.shape[1], q.shape[2], v.shape[2])
     return _call(q, k, v, causal, scale)
 
 
 def _call(q, k, v, causal, scale):
+    # [1, nh, L, d] views of the token-major tensors: the layout models hand F.scaled_dot_product_attention
+    q4, k4, v4 = (x.transpose(0, 1)[None] for x in (q, k, v))
     try:
-        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q[None], k[None], v[None], None, True, 0.0, causal,
-                                                                 False, scale=scale)
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False,
+                                                                 scale=scale)
     except RuntimeError as e:
         raise AttentionLibraryError(f"cuDNN attention failed on {q.device} (torch {torch.__version__}) for q "
                                     f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} {q.dtype}, "
                                     f"causal {causal}: {e}") from e
-    return out[0][0], out[1].reshape(q.shape[0], q.shape[1]).float()
+    return out[0][0].transpose(0, 1), out[1].reshape(q.shape[1], q.shape[0]).t().float()
 
 
 def check_cudnn_attend(device: torch.device, dtype: torch.dtype, heads: int, qk_dim: int, v_dim: int) -> None:
@@ -49,8 +51,8 @@ def check_cudnn_attend(device: torch.device, dtype: torch.dtype, heads: int, qk_
         return
     g = torch.Generator(device=device).manual_seed(0)
     for m, n, causal in ((160, 160, True), (96, 300, False)):
-        q, k = (torch.randn(heads, rows, qk_dim, device=device, generator=g).to(dtype) for rows in (m, n))
-        v = torch.randn(heads, n, v_dim, device=device, generator=g).to(dtype)
+        q, k = (torch.randn(rows, heads, qk_dim, device=device, generator=g).to(dtype) for rows in (m, n))
+        v = torch.randn(n, heads, v_dim, device=device, generator=g).to(dtype)
         scale = qk_dim ** -0.5
         o, lse = _call(q, k, v, causal, scale)
         ref_o, ref_lse = math_attend(q, k, v, causal, scale)
