@@ -21,8 +21,8 @@ reference at the smaller shapes: `new_shape`; and the same in a fresh process wi
 TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one plan for every sequence length): `new_shape_avoid_recompile`.
 
 Then where the library starts paying (`LONG_PAIRS`, new queries x cached keys): chunks of 256 .. 8,192 queries at
-contexts 32,768 and 131,072, the library for the sequence against the kernel. And the attention of a whole 1,048,576-token
-prompt (7 MLA layers, 128 passes of 8,192), from a line fitted through each column's pass times.
+contexts 32,768 and 131,072, the library for the sequence against the kernel. And the attention of a whole
+1,048,576-token prompt (7 MLA layers, 128 passes of 8,192), from a line fitted through each column's pass times.
 """
 
 from __future__ import annotations
