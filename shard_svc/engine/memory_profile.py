@@ -27,9 +27,14 @@ from shard_svc.engine.capacity import (
     MAX_AUTO_STATE_SLOTS, CapacityRequest, MemoryReport, UnitSizes, gpu_prefill_budget, plan_from_memory)
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.errors import KimiServeError
 from shard_svc.ops import Ops
 
 log = logging.getLogger(__name__)
+
+
+class MemoryProbeFailed(KimiServeError):
+    """A pass of the memory probe failed, so the activation peak it would measure is unknown."""
 
 
 class MemoryMeter(Protocol):
@@ -112,14 +117,21 @@ def measure(build: Callable[[EngineConfig], Engine], request: CapacityRequest, s
     engine = build(probe_cfg)
     meter.reset_peak()
     base = meter.allocated()
-    engine.generate([(7 * i) % 97 + 1 for i in range(prompt)],
-                    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), request_id="memory-probe-prefill")
+    probes = [engine.generate([(7 * i) % 97 + 1 for i in range(prompt)],
+                              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                              request_id="memory-probe-prefill")]
     sampled = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=2, seed=0, logprobs=True,
                              top_logprobs=5, ignore_eos=True)
     for i in range(batch):  # one packed prefill of 1-token prompts, then one decode pass of them all
-        engine.add_request(f"memory-probe-decode-{i}", [i % 97 + 1], sampled)
+        probes.append(engine.add_request(f"memory-probe-decode-{i}", [i % 97 + 1], sampled))
     while engine.has_work():
         engine.step()
+    # A failed pass is logged and its sequences finish with an error; a peak without that pass would undersize.
+    failed = [s for s in probes if s.finish_reason == "error"]
+    if failed:
+        raise MemoryProbeFailed(f"the memory probe's {failed[0].request_id} ({len(failed[0].prompt)} prompt tokens, "
+                                f"{len(failed)} of {len(probes)} probe requests failed) on {meter.device}: "
+                                f"{failed[0].error}; capacity cannot be measured")
     activation = max(0, meter.peak() - base)
     graph = 0
     if capture_graphs is not None:

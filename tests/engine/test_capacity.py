@@ -16,7 +16,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.capacity import (
     CapacityDoesNotFit, CapacityRequest, MemoryReport, UnitSizes, cpu_plan, plan_from_memory, plan_host_kv)
 from shard_svc.engine.engine import Engine, EngineConfig
-from shard_svc.engine.memory_profile import attention_peak_context
+from shard_svc.engine.memory_profile import MemoryProbeFailed, attention_peak_context
 from shard_svc.engine.sizing import sized_config
 from shard_svc.ops import select_ops
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
@@ -234,6 +234,27 @@ def test_probe_runs_its_last_full_pass_past_the_attention_workspace(caplog, libr
     # passes of 256 tokens (the probe's decode batch sets its budget) until the context is past the peak's
     assert profiled.prefill_context_tokens == context
     assert (64, context) in passes and max(ctx for _, ctx in passes) == context
+
+
+def test_a_failed_probe_pass_is_an_error_not_a_smaller_peak():
+    """The engine fails a pass's sequences and keeps serving; the probe must not then size from a peak that pass never
+    reached."""
+    cfg, model = random_model(linear_config())
+
+    def breaks_at_context(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+        if int(ctx_lens.max()) > 0:
+            raise RuntimeError("library call failed at 512 keys")
+        return select_ops(torch.device("cpu"), "eager").mla_prefill(
+            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale)
+
+    breaks_at_context.context_workspace_tokens = 300
+    ops = dataclasses.replace(select_ops(torch.device("cpu"), "eager"), mla_prefill=breaks_at_context)
+    request = CapacityRequest(prefill_token_budget=64, max_model_len=2048, kv_block_size=16)
+    with pytest.raises(MemoryProbeFailed, match=r"memory-probe-prefill \(576 prompt tokens, 1 of 257 .*RuntimeError"):
+        sized_config(request, EngineConfig(), cfg, torch.device("cpu"), torch.float32,
+                     lambda config: Engine(cfg, model, ops, torch.device("cpu"), config), None, in_group=False,
+                     meter=FakeMeter(total=8 * GiB, in_use=7 * GiB, peak=100 * MiB),
+                     peak_context=functools.partial(attention_peak_context, ops))
 
 
 def test_shard_group_and_cpu_are_not_measured(caplog):
