@@ -2,13 +2,13 @@
 then loaded to its limits, with the device's memory watched against the budget it was sized for.
 
 Records what the sizing chose (slots, blocks, entries, prefill budget, max_model_len), then fills every state slot
-with a prompt of --input-len tokens generating --output-len, and runs one --long-prompt prompt; after each phase the
+with a prompt of --input-len tokens generating --output-len, and runs each --long-prompts prompt; after each phase the
 peak memory torch reserved and allocated and the device's least free memory. `within_budget` is true when the peak in
 use stayed at or under --gpu-memory-utilization of the total; `needed_within_budget` when what the passes allocated
 did (the difference is torch's cache of freed blocks, which it gives back before it would fail an allocation).
 Writes capacity.json.
 
-    python -m bench.capacity --out DIR [--gpu-memory-utilization 0.9] [--long-prompt 262144]
+    python -m bench.capacity --out DIR [--gpu-memory-utilization 0.9] [--long-prompts 262144,1048000]
     python -m bench.capacity --out DIR --dry-run      # the same code on the CPU with the tiny checkpoint
 """
 
@@ -69,14 +69,15 @@ def main() -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--long-prompt", type=int, default=262144)
+    p.add_argument("--long-prompts", default="262144,1048000",
+                   help="comma-separated prompt lengths, each run alone after the full-slots phase")
     p.add_argument("--dry-run", action="store_true", help="the tiny checkpoint on the CPU, toy sizes")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.dry_run else "cuda")
     if args.dry_run:
-        args.input_len, args.output_len, args.long_prompt = 32, 4, 2048
+        args.input_len, args.output_len, args.long_prompts = 32, 4, "2048,3000"
         torch.set_num_threads(1)
     result: dict = {"date": time.strftime("%Y-%m-%d"), "device": str(device)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,13 +96,15 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     full = [[(k * 7919 + i * 104729) % 400 + 1 for i in range(args.input_len)] for k in range(cfg.num_state_slots)]
     result["all_slots"] = run_phase(engine, full, params, device, "full")
-    if args.long_prompt + 1 <= engine.max_model_len:
-        long = [[(i * 104729) % 400 + 1 for i in range(args.long_prompt)]]
-        result["long_prompt"] = {"tokens": args.long_prompt, **run_phase(
-            engine, long, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), device, "long")}
-    else:
-        result["long_prompt"] = {"tokens": args.long_prompt, "refused": f"over max_model_len {engine.max_model_len}"}
-    phases = [result["all_slots"], result["long_prompt"]]
+    result["long_prompts"] = []
+    for tokens in (int(n) for n in args.long_prompts.split(",") if n):
+        if tokens + 1 <= engine.max_model_len:
+            long = [[(i * 104729) % 400 + 1 for i in range(tokens)]]
+            result["long_prompts"].append({"tokens": tokens, **run_phase(
+                engine, long, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), device, "long")})
+        else:
+            result["long_prompts"].append({"tokens": tokens, "refused": f"over max_model_len {engine.max_model_len}"})
+    phases = [result["all_slots"], *result["long_prompts"]]
     if device.type == "cuda":
         budget = args.gpu_memory_utilization * result["after_build"]["total_gib"]
         result["within_budget"] = max(r.get("peak_in_use_gib", 0.0) for r in phases) <= budget
