@@ -51,13 +51,13 @@ GPU_ENV = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 bench-gpu:
 	$(GPU_ENV) $(GPU_PY) -m bench.capacity --out $(BENCH_OUT)/capacity
 	$(GPU_ENV) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served --auto-capacity --long-prompt 262144
+	$(GPU_ENV) $(GPU_PY) -m bench.mla_prefill_long --out $(BENCH_OUT)/mla_prefill_long
 	$(GPU_ENV) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep --profile
 	$(GPU_ENV) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
 	$(GPU_ENV) $(GPU_PY) -m bench.op_parity --out $(BENCH_OUT)/parity
 	$(GPU_ENV) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
 	$(GPU_ENV) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
 	$(GPU_ENV) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
-	$(GPU_ENV) $(GPU_PY) -m bench.mla_prefill_long --out $(BENCH_OUT)/mla_prefill_long
 	$(GPU_ENV) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
 	$(GPU_ENV) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
 
