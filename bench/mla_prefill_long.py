@@ -20,6 +20,9 @@ serving pass's chunk and context remainder vary) against the same call warm, wit
 reference at the smaller shapes: `new_shape`; and the same in a fresh process with PyTorch's
 TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 (one plan for every sequence length): `new_shape_avoid_recompile`.
 
+The Triton kernel's tiles and pipeline depth at one context where it serves (65,536), against its default layout:
+`layouts`.
+
 Then where the library starts paying (`LONG_PAIRS`, new queries x cached keys): chunks of 256 .. 8,192 queries at
 contexts 32,768 and 131,072, the library for the sequence against the kernel. And the attention of a whole
 1,048,576-token prompt (7 MLA layers, 128 passes of 8,192), from a line fitted through each column's pass times.
@@ -45,6 +48,7 @@ from shard_svc.ops.mla import eager
 from shard_svc.ops.mla.long_context import Attend, expand, gather_latents, math_attend
 
 PROMPT, MLA_LAYERS = 1_048_576, 7
+LAYOUTS = [dict(block_m=m, block_n=n, num_stages=s) for m in (64, 128) for n in (32, 64, 128) for s in (2, 3)]
 NEW_SHAPES = ((8191, 8191, True), (5003, 21011, False), (777, 32768, False), (3001, 3001, True), (1500, 2500, False))
 
 
@@ -157,6 +161,25 @@ def new_shape_row(shape: Shape, queries: int, keys: int, causal: bool, attend: A
     return row
 
 
+def layout_rows(shape: Shape, context: int, chunk: int, prefill: Callable, layouts: list[dict], timer: Callable,
+                device: str, gen: torch.Generator) -> list[dict]:
+    """The kernel alone (long_attend=None) at each layout: ms and its error against the default layout."""
+    args = pass_inputs(shape, context, chunk, device, gen)
+    kernel_only = functools.partial(prefill, long_attend=None)
+    default = kernel_only(*args)
+    rows = []
+    for layout in [{}] + layouts:
+        row = {"context": context, "chunk": chunk, "layout": layout or "default"}
+        try:
+            row["err_vs_default"] = rel(kernel_only(*args, **layout), default)
+            row["ms"] = timer(lambda: kernel_only(*args, **layout))
+            row["tflops"] = shape.flops(context, chunk) / (row["ms"] * 1e-3) / 1e12
+        except Exception as e:  # noqa: BLE001 - a layout that does not compile (shared memory) is reported
+            row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        rows.append(row)
+    return rows
+
+
 def whole_prompt_s(rows: list[dict], column: str, chunk: int, prompt: int = PROMPT) -> float:
     """Attention seconds of one `prompt`-token prompt in passes of `chunk`, from the line through (C, ms)."""
     xs = [r["context"] for r in rows]
@@ -176,7 +199,8 @@ def matmul_tflops(timer: Callable, device: str, n: int = 8192) -> float:
 
 def run(shape: Shape, contexts: list[int], chunk: int, crossover_chunks: list[int], crossover_contexts: list[int],
         prefill: Callable, attend: Attend, timer: Callable, device: str, eager_up_to: int = 65536,
-        new_shapes: tuple[tuple[int, int, bool], ...] = NEW_SHAPES) -> dict:
+        new_shapes: tuple[tuple[int, int, bool], ...] = NEW_SHAPES, layouts: list[dict] | None = None,
+        layout_context: int = 65536) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     result = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "shape": asdict(shape), "chunk": chunk,
               "device": torch.cuda.get_device_name() if device == "cuda" else device,
@@ -186,6 +210,8 @@ def run(shape: Shape, contexts: list[int], chunk: int, crossover_chunks: list[in
         result["rows"].append(pass_row(shape, context, chunk, prefill, attend, timer, device, gen, eager_up_to))
         if device == "cuda":
             torch.cuda.empty_cache()
+    result["layouts"] = layout_rows(shape, layout_context, chunk, prefill, LAYOUTS if layouts is None else layouts,
+                                    timer, device, gen)
     for queries, keys, causal in new_shapes:
         result["new_shape"].append(new_shape_row(shape, queries, keys, causal, attend, timer, device, gen))
     for context in crossover_contexts:
@@ -208,6 +234,11 @@ def table(result: dict) -> str:
         lines.append(f"{r['context']:>9,} | {r['served_ms']:8.2f} ms {r['served_tflops']:5.0f} TF/s | "
                      f"{r['triton_ms']:8.2f} ms {r['triton_tflops']:5.0f} TF/s | "
                      f"{r['cudnn_attention_tflops']:9.0f} TF/s | {r['served_peak_gib']:8.2f} GiB | {err:.1e}")
+    lines.append(f"kernel layouts at context {result['layouts'][0]['context']:,}:")
+    for r in result["layouts"]:
+        what = (f"{r['ms']:8.2f} ms {r['tflops']:5.0f} TF/s  err {r['err_vs_default']:.1e}" if "ms" in r
+                else r["error"])
+        lines.append(f"  {json.dumps(r['layout']):<48} {what}")
     for key, title in (("new_shape", ""), ("new_shape_avoid_recompile", ", TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1")):
         rows = result.get(key)
         if rows is None:

@@ -27,7 +27,8 @@ def test_bench_runs_on_cpu_and_its_columns_agree():
                                 long_attend=math_attend, long_pairs=300)
     shape = bench.Shape(heads=2, nope=16, rope=8, v=16, kv_lora=32, page=4)
     result = bench.run(shape, [0, 40], 16, [4, 16], [0, 20], prefill, math_attend, wall_ms, "cpu",
-                       new_shapes=((9, 9, True), (5, 21, False)))
+                       new_shapes=((9, 9, True), (5, 21, False)), layouts=[dict(block_m=16, block_n=32, num_stages=3)],
+                       layout_context=30)
     assert [(r["context"], r["chunk"]) for r in result["rows"]] == [(0, 16), (40, 16)]
     for r in result["rows"]:  # no context stays in the kernel, 16 x 40 goes to the library: both checked
         assert r["served_vs_eager"] < 1e-2 and r["served_vs_triton"] < 1e-2
@@ -38,7 +39,9 @@ def test_bench_runs_on_cpu_and_its_columns_agree():
     text = bench.table(result)
     assert [(r["queries"], r["keys"], r["causal"]) for r in result["new_shape"]] == [(9, 9, True), (5, 21, False)]
     assert all("err_vs_math" in r for r in result["new_shape"])  # small shapes carry the check against math
-    assert "1,048,576-token prompt" in text and len(text.splitlines()) == 2 + 2 + 1 + 2 + 1 + 4 + 1
+    assert [r["layout"] for r in result["layouts"]] == ["default", dict(block_m=16, block_n=32, num_stages=3)]
+    assert result["layouts"][1]["err_vs_default"] < 1e-2  # another tiling of the same attention
+    assert "1,048,576-token prompt" in text and len(text.splitlines()) == 2 + 2 + 1 + 2 + 1 + 2 + 1 + 4 + 1
 
 
 def test_whole_prompt_estimate_is_the_sum_over_passes_of_the_fitted_line():

@@ -202,10 +202,12 @@ def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: tor
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                 block_m: int = 128, block_n: int = 64, workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS,
-                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS) -> torch.Tensor:
+                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS, num_stages: int = 2
+                ) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype. workspace_tokens: the most
     keys expanded at once; long_attend: the library attention for sequences whose new tokens times cached tokens
-    reach long_pairs (None: every sequence in this kernel). Module docstring."""
+    reach long_pairs (None: every sequence in this kernel); block_m, block_n, num_stages: the kernel's tiles and
+    pipeline depth (bench/mla_prefill_long.py sweeps them). Module docstring."""
     op = "mla_prefill"
     t, nh, nope, rope, _, v_dim, bs, _ = check_mla_layer(
         op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
@@ -227,7 +229,8 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
                                 f"{block_tables.shape[1]} blocks of its table")
     long = {b for b, (c, n) in enumerate(zip(ctx, lens)) if n and long_attend and n * c >= long_pairs}
     segments = _segments(ctx, [0 if b in long else n for b, n in enumerate(lens)], workspace_tokens)
-    _packed(segments, out, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx, bounds, scale, block_m, block_n)
+    _packed(segments, out, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx, bounds, scale, block_m, block_n,
+            num_stages)
     for b in sorted(long):
         s, e = bounds[b], bounds[b + 1]
         out[s:e] = prefill_sequence(q_nope[s:e], q_pe[s:e], kv_cache, w_kv_b, block_tables[b], ctx[b], scale,
@@ -237,7 +240,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
 
 def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
             kv_cache: torch.Tensor, w_kv_b: torch.Tensor, block_tables: torch.Tensor, ctx: list[int],
-            bounds: list[int], scale: float, block_m: int, block_n: int) -> None:
+            bounds: list[int], scale: float, block_m: int, block_n: int, num_stages: int) -> None:
     """This kernel over the segments' sequences, writing their rows of `out` (and, with several segments, zeros on
     the rest)."""
     t, nh, v_dim = out.shape
@@ -255,7 +258,7 @@ def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nop
             target.stride(0), target.stride(1), lse.stride(0), scale * LOG2E,
             NOPE=nope, ROPE=rope, V=v_dim, NOPE_P=pow2_at_least(nope, 16), ROPE_P=pow2_at_least(rope, 16),
             V_P=pow2_at_least(v_dim, 16), BM=block_m, BN=block_n, FIELDS=BLOCK_FIELDS, MERGE=merge,
-            DOT_FP32=interpreting(), num_warps=8 if block_m >= 128 else 4, num_stages=2)
+            DOT_FP32=interpreting(), num_warps=8 if block_m >= 128 else 4, num_stages=num_stages)
     if merge:
         out.copy_(target)  # the library's sequences' rows too: they are written after this
 
