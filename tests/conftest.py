@@ -14,8 +14,11 @@ under the same names for the loader tests; inside tests/model they win.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,10 @@ import pytest
 # torch reads it when first imported, in this process (after this file: no plugin here imports torch) and in every
 # child. A run that sets it itself keeps its own value.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Routers started without --batch-db keep their batch store under $XDG_CACHE_HOME/kimiserve: one directory per test
+# process (and the processes it starts), removed at exit, so tests neither share a store nor write the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kimiserve-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 if "torch" in sys.modules:
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
