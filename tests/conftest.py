@@ -28,6 +28,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Routers started without --batch-db keep their batch store under $XDG_CACHE_HOME/kimiserve: one directory per test
 # process (and the processes it starts), removed at exit, so tests neither share a store nor write the user's cache.
+# The native engine's build cache stays where it was: a rebuild per test process would load the machine for nothing.
+os.environ.setdefault("KIMISERVE_NATIVE_CACHE", str(
+    Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kimiserve" / "native"))
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kimiserve-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 if "torch" in sys.modules:
