@@ -129,7 +129,8 @@ def warm_request_paths(engine: Engine) -> dict:
     # The prefix cache's paths, one request at a time: a new prompt, the same prompt (cached whole: its first token
     # from the cached logits row, sampled), then a longer one (a cached prefix restored, the rest prefilled).
     other = [(13 * i) % 83 + 2 for i in range(len(prompt))]
-    for k, ids in enumerate((other, other, other + prompt[:8])):
+    tail = [(17 * i) % 79 + 3 for i in range(8)]  # the longer prompt's new tokens after the cached `other`
+    for k, ids in enumerate((other, other, other + tail)):
         if len(ids) + OUTPUT_TOKENS <= engine.max_model_len:
             engine.generate(ids, params["sampled"], request_id=f"warmup-prefix-{k}")
     hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0

@@ -18,6 +18,7 @@ functions several kernels call).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from shard_svc.ops.triton.common import TritonKernelError, interpreting
@@ -67,8 +68,6 @@ def load() -> dict[str, Callable]:
 def _with_cudnn_long_context(mla_prefill: Callable) -> Callable:
     """The MLA prefill with its long sequences on cuDNN (`ops/mla/cudnn.py`; checked against the reference on first
     use). Not under the interpreter: cuDNN needs the GPU."""
-    import functools
-
     from shard_svc.ops.mla.cudnn import cudnn_attend
     from shard_svc.ops.triton.mla_prefill import LONG_PAIRS
 
