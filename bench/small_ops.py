@@ -1,6 +1,6 @@
-"""Two small ops that showed up in the prefill / decode profiles, ours (Triton) beside the eager references (one GPU).
+"""Small ops that showed up in the prefill / decode profiles, ours (Triton) beside the eager references (one GPU).
 
-    python -m bench.small_ops [--out DIR] [--sweep] [--profile] [--skip conv,route]
+    python -m bench.small_ops [--out DIR] [--sweep] [--profile] [--skip conv,route,norm,glu]
 
 short_conv prefill (Kimi-Linear-48B: C = q|k|v = 12288 channels, W = 4, bf16): T = 4096 and 32768 tokens packed as
 B = 1 or 8 equal sequences. Reports ms per call for ours and the eager op, the bytes the op must move (x read, out
@@ -11,6 +11,15 @@ moe_route (E = 256 experts, top_k = 8, D = 2304, bf16): T = 1, 16, 64, 256, 4096
 (includes the host launch path, which dominates at small T) and CUDA-graph replays of calls over distinct gate
 weights totalling several times the L2 (the device time a captured decode step sees). Agreement: the fraction of
 tokens whose chosen experts are identical (in order) to the eager router's, and the relative error of the weights.
+
+add_rms_norm (D = 2304, bf16; the residual add and the next block's input norm, 54 of each per 48B decode step):
+T = 1, 16, 64, 256, 8192 rows. CUDA-graph replays of 54 calls over distinct buffers: ours fused (one kernel),
+unfused (torch's add, then our rms_norm: what the model ran before) and eager (add, then the eager norm).
+Agreement: the sum bitwise equal to torch's add, the normed output's relative error vs eager.
+
+glu (SwiGLU of the shared experts and the dense MLP, I = 1024 / 9216, bf16; 27 per decode step): T = 1, 16, 64,
+256, 8192 rows of gate and up as the column halves of one product. Graph replays of ours (one kernel) and eager
+(silu, then the product). Agreement: the share of elements bitwise equal to eager and the relative error.
 
 --sweep also times short_conv tilings at B=8 x 4096 (T=32768) and moe_route splits of D at T <= 256; --profile adds
 per-kernel device time (PyTorch profiler). Prints a table and writes small_ops.json to --out (default $OUT, else
@@ -34,6 +43,10 @@ CONV_SHAPES = [(1, 4096), (8, 4096), (1, 32768), (8, 32768)]  # (B, total tokens
 CONV_DETAIL = (8, 32768)  # the shape --sweep and --profile look at (the profiled 8 x 4096 prefill)
 E, TOP_K, D = 256, 8, 2304
 ROUTE_T = [1, 16, 64, 256, 4096]
+NORM_T = [1, 16, 64, 256, 8192]
+NORMS_PER_STEP = 54  # 48B: two residual adds per layer, each followed by a norm
+GLU_WIDTHS = (1024, 9216)  # the shared experts' intermediate (26 per step), the dense MLP's (1)
+GLUS_PER_STEP = 27
 L2_BYTES = 60 << 20  # H100/H200 L2 is 50-60 MB; graph replays cycle through >= 3x this
 
 
@@ -142,6 +155,64 @@ def route_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
     return rows
 
 
+def add_norm_rows(dev, copy: float) -> list[dict]:
+    import torch
+
+    from shard_svc.ops import norm
+    from shard_svc.ops.triton.norm import add_rms_norm, rms_norm
+
+    def unfused(x, r, w, eps):
+        h = r + x
+        return rms_norm(h, w, eps), h
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(2)
+    weight = (1 + 0.1 * torch.randn(D, device=dev, generator=g)).to(torch.bfloat16)
+    for t in NORM_T:
+        calls = NORMS_PER_STEP if t <= 256 else 4
+        pairs = [(torch.randn(t, D, device=dev, generator=g).to(torch.bfloat16),
+                  torch.randn(t, D, device=dev, generator=g).to(torch.bfloat16)) for _ in range(calls)]
+        x, r = pairs[0]
+        normed, h = add_rms_norm(x, r, weight, 1e-5)
+        ref_normed, ref_h = norm.add_rms_norm(x, r, weight, 1e-5)
+        row = {"T": t, "sum_equal": bool(torch.equal(h, ref_h)), "err_normed_vs_eager": rel(normed, ref_normed)}
+        for name, fn in (("fused", add_rms_norm), ("unfused", unfused), ("eager", norm.add_rms_norm)):
+            row[f"{name}_graph_us"] = graph_us([lambda x=x, r=r, fn=fn: fn(x, r, weight, 1e-5) for x, r in pairs])
+        row["speedup_vs_unfused"] = row["unfused_graph_us"] / row["fused_graph_us"]
+        row["fused_frac_copy"] = 4 * t * D * 2 / (row["fused_graph_us"] * 1e-6) / 1e12 / copy
+        print("add_rms_norm", json.dumps(row), flush=True)
+        rows.append(row)
+        del pairs
+    return rows
+
+
+def glu_rows(dev, copy: float) -> list[dict]:
+    import torch
+
+    from shard_svc.ops import activations
+    from shard_svc.ops.triton.glu import glu
+
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(3)
+    for inter in GLU_WIDTHS:
+        for t in NORM_T:
+            calls = GLUS_PER_STEP if t <= 256 else 4
+            halves = [(3 * torch.randn(t, 2 * inter, device=dev, generator=g)).to(torch.bfloat16).split(inter, -1)
+                      for _ in range(calls)]
+            gate, up = halves[0]
+            out, ref = glu(gate, up, "silu", (1.0, 1.0)), activations.glu(gate, up, "silu", (1.0, 1.0))
+            row = {"I": inter, "T": t, "equal_frac": (out == ref).float().mean().item(), "err_vs_eager": rel(out, ref)}
+            for name, fn in (("ours", glu), ("eager", activations.glu)):
+                row[f"{name}_graph_us"] = graph_us([lambda a=a, b=b, fn=fn: fn(a, b, "silu", (1.0, 1.0))
+                                                    for a, b in halves])
+            row["speedup_vs_eager"] = row["eager_graph_us"] / row["ours_graph_us"]
+            row["ours_frac_copy"] = 3 * t * inter * 2 / (row["ours_graph_us"] * 1e-6) / 1e12 / copy
+            print("glu", json.dumps(row), flush=True)
+            rows.append(row)
+            del halves
+    return rows
+
+
 def table(res: dict) -> str:
     lines = [f"{res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_TBps']:.2f} TB/s", ""]
     if res["short_conv"]:
@@ -167,6 +238,21 @@ def table(res: dict) -> str:
             if r.get("sweep_graph_us"):
                 lines.append("    graph us by split: " + "  ".join(f"{k} {v:.1f}"
                                                                    for k, v in r["sweep_graph_us"].items()))
+    if res["add_rms_norm"]:
+        lines += ["", f"add_rms_norm D={D} bf16 (graph us per call, {NORMS_PER_STEP} calls replayed)",
+                  f"  {'':<8}{'fused':>8}{'unfused':>9}{'eager':>8}{'speedup':>9}{'of copy':>9}{'sum ==':>8}"
+                  f"{'err':>9}"]
+        for r in res["add_rms_norm"]:
+            lines.append(f"  {'T=%d' % r['T']:<8}{r['fused_graph_us']:8.1f}{r['unfused_graph_us']:9.1f}"
+                         f"{r['eager_graph_us']:8.1f}{r['speedup_vs_unfused']:8.2f}x{r['fused_frac_copy']:9.1%}"
+                         f"{str(r['sum_equal']):>8}{r['err_normed_vs_eager']:9.1e}")
+    if res["glu"]:
+        lines += ["", f"glu silu bf16 (graph us per call, {GLUS_PER_STEP} calls replayed)",
+                  f"  {'':<16}{'ours':>8}{'eager':>8}{'speedup':>9}{'of copy':>9}{'equal':>8}{'err':>9}"]
+        for r in res["glu"]:
+            lines.append(f"  {'I=%d T=%d' % (r['I'], r['T']):<16}{r['ours_graph_us']:8.1f}{r['eager_graph_us']:8.1f}"
+                         f"{r['speedup_vs_eager']:8.2f}x{r['ours_frac_copy']:9.1%}{r['equal_frac']:8.1%}"
+                         f"{r['err_vs_eager']:9.1e}")
     return "\n".join(lines)
 
 
@@ -177,7 +263,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"), help="folder for small_ops.json")
     ap.add_argument("--sweep", action="store_true", help="also time short_conv tilings and moe_route splits")
     ap.add_argument("--profile", action="store_true", help="per-kernel device time of ours (PyTorch profiler)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: conv,route")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: conv,route,norm,glu")
     a = ap.parse_args()
 
     import torch
@@ -190,10 +276,16 @@ def main() -> None:
     path = os.path.join(a.out, "small_ops.json")
     skip = set(a.skip.split(","))
     res = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "short_conv": [], "moe_route": [],
+           "triton": triton.__version__, "short_conv": [], "moe_route": [], "add_rms_norm": [], "glu": [],
            "copy_TBps": copy_bytes_per_s(dev, lambda fn: gpu_ms(fn, warmup=50, rep=200)) / 1e12}
     if "route" not in skip:
         res["moe_route"] = route_rows(dev, res["copy_TBps"], a.sweep, a.profile)
+        json.dump(res, open(path, "w"), indent=1)
+    if "norm" not in skip:
+        res["add_rms_norm"] = add_norm_rows(dev, res["copy_TBps"])
+        json.dump(res, open(path, "w"), indent=1)
+    if "glu" not in skip:
+        res["glu"] = glu_rows(dev, res["copy_TBps"])
         json.dump(res, open(path, "w"), indent=1)
     if "conv" not in skip:
         res["short_conv"] = conv_rows(dev, res["copy_TBps"], a.sweep, a.profile)

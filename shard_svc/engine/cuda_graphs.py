@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 
 PAD_OWNER = "<cuda-graph padding>"
 # Every op a decode step calls through the seam (prefill-only ops excluded).
-DECODE_OPS = ("linear", "rms_norm", "gated_rms_norm", "short_conv", "kda_decode", "mla_cache_write", "mla_decode",
-              "moe_route", "moe_experts")
+DECODE_OPS = ("linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "short_conv", "kda_decode",
+              "mla_cache_write", "mla_decode", "moe_route", "moe_experts")
 # Eager references that make no host sync (their files stay untouched, so the declaration lives here).
-EAGER_GRAPH_SAFE = frozenset({"linear", "rms_norm", "gated_rms_norm", "mla_cache_write", "moe_route"})
+EAGER_GRAPH_SAFE = frozenset({"linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "mla_cache_write",
+                              "moe_route"})
 
 
 class CudaGraphError(KimiServeError):

@@ -6,7 +6,6 @@ from torch import nn
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
 from shard_svc.model.layers import PackedWeights, RMSNorm, linear, split_linear
-from shard_svc.ops.activations import glu
 
 
 class GatedMLP(PackedWeights):
@@ -25,7 +24,7 @@ class GatedMLP(PackedWeights):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ops = ctx.ops
         gate, up = split_linear(x, (self.gate_proj, self.up_proj), ops)
-        return self.down_proj(glu(gate, up, self.activation, self.betas), ops)
+        return self.down_proj(ops.glu(gate, up, self.activation, self.betas), ops)
 
 
 class Router(nn.Module):

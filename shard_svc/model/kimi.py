@@ -33,17 +33,28 @@ class DecoderLayer(nn.Module):
             self.self_attention_res = AttnResMix(d, eps, dtype)
             self.mlp_res = AttnResMix(d, eps, dtype)
 
+    @property
+    def ffn_block(self) -> nn.Module:
+        return self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+
     def mixer(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.self_attn(self.input_layernorm(x, ctx.ops), ctx)
 
     def ffn(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        block = self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
-        return block(self.post_attention_layernorm(x, ctx.ops), ctx)
+        return self.ffn_block(self.post_attention_layernorm(x, ctx.ops), ctx)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Plain residual path."""
-        h = h + self.mixer(h, ctx)
-        return h + self.ffn(h, ctx)
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Plain residual path: h + mixer(h), then that + ffn(that). `pending` is the previous layer's FFN output
+        not yet added to the residual stream h (None at the first layer): each add runs with the norm after it as
+        one op (`add_rms_norm`), so this layer hands its own FFN output on the same way. Returns (h, pending)."""
+        ops = ctx.ops
+        if pending is None:
+            x = self.input_layernorm(h, ops)
+        else:
+            x, h = self.input_layernorm.add_then_norm(pending, h, ops)
+        x, h = self.post_attention_layernorm.add_then_norm(self.self_attn(x, ctx), h, ops)
+        return h, self.ffn_block(x, ctx)
 
     def forward_attn_res(self, x: torch.Tensor, carry: BlockCarry, ctx: ForwardContext) -> torch.Tensor:
         """Block Attention Residuals path (docs/models.md#block-attention-residuals, steps 1-8)."""
@@ -76,9 +87,10 @@ class KimiModel(nn.Module):
         """input_ids [T] packed -> final-normed hidden states [T, D]."""
         h = self.embed_tokens(input_ids)
         if not self.cfg.attn_res_block_size:
+            pending = None
             for layer in self.layers:
-                h = layer(h, ctx)
-            return self.norm(h, ctx.ops)
+                h, pending = layer(h, pending, ctx)
+            return self.norm.add_then_norm(pending, h, ctx.ops)[0]
         carry = BlockCarry(self.cfg.num_layers, self.cfg.attn_res_block_size, h)
         for layer in self.layers:
             h = layer.forward_attn_res(h, carry, ctx)

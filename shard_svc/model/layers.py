@@ -96,3 +96,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_then_norm(self, x: torch.Tensor, residual: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x)."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from shard_svc.ops import conv, norm
+from shard_svc.ops import activations, conv, norm
 from shard_svc.ops.kda import eager as kda_eager
 from shard_svc.ops.mla import eager as mla_eager
 from shard_svc.ops.moe import eager as moe_eager
@@ -25,7 +25,9 @@ log = logging.getLogger(__name__)
 class Ops:
     linear: Callable  # (x [..., K], weight [N, K]) -> [..., N]: every linear layer but the routed experts
     rms_norm: Callable
+    add_rms_norm: Callable  # (x, residual, weight, eps) -> (rms_norm(residual + x), residual + x)
     gated_rms_norm: Callable
+    glu: Callable  # (gate, up, activation, situ_betas) -> act(gate) * up: the dense MLP's and shared experts'
     short_conv: Callable
     kda_prefill: Callable
     kda_decode: Callable
@@ -40,7 +42,9 @@ class Ops:
 EAGER: dict[str, Callable] = {
     "linear": F.linear,  # exactly what nn.Linear(bias=False) runs
     "rms_norm": norm.rms_norm,
+    "add_rms_norm": norm.add_rms_norm,
     "gated_rms_norm": norm.gated_rms_norm,
+    "glu": activations.glu,
     "short_conv": conv.short_conv,
     "kda_prefill": kda_eager.kda_prefill,
     "kda_decode": kda_eager.kda_decode,

@@ -12,6 +12,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * y.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's output x added to the residual stream, then the next block's input norm: (rms_norm(h), h) with
+    h = residual + x in their dtype. One op so that a backend can run both steps in one pass over the row."""
+    h = residual + x
+    return rms_norm(h, weight, eps), h
+
+
 def gated_rms_norm(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor, eps: float) -> torch.Tensor:
     """KDA output norm: RMSNorm over the last dim times weight times sigmoid(gate). x, gate [..., N]."""
     xf = upcast(x)

@@ -89,9 +89,9 @@ class StreamedDecoderLayer(DecoderLayer):
 
     _streamer: "WeightStreamer"
 
-    def forward(self, h: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, pending: torch.Tensor | None, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         with self._streamer.layer_scope(self.idx):
-            return super().forward(h, ctx)
+            return super().forward(h, pending, ctx)
 
     def forward_attn_res(self, x: torch.Tensor, carry, ctx) -> torch.Tensor:
         with self._streamer.layer_scope(self.idx):

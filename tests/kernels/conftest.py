@@ -16,8 +16,8 @@ import torch
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
-# modules with @triton.jit, in import order
-KERNEL_MODULES = ("kda_gate", "kda_decode", "kda_chunk", "short_conv", "norm")
+# modules with @triton.jit, in import order (shared device functions first)
+KERNEL_MODULES = ("jit_helpers", "kda_gate", "kda_decode", "kda_chunk", "short_conv", "norm", "glu")
 
 
 def _interpreted(triton_module) -> bool:

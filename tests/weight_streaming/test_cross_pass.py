@@ -222,7 +222,8 @@ def test_a_pass_that_skips_a_streamed_layer_is_a_named_error(monkeypatch, caplog
     cfg, model, streamer, _ = streamed(prefetch_depth=2)
     engine = Engine(cfg, model, select_ops(CPU, "eager"), CPU, EngineConfig(num_state_slots=1, num_kv_blocks=16))
     streamer.attach(engine.runner)
-    monkeypatch.setattr(model.model.layers[7], "forward", lambda h, ctx: h)  # the last layer never runs
+    # the last layer never runs
+    monkeypatch.setattr(model.model.layers[7], "forward", lambda h, pending, ctx: (h, pending))
     engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
     (event,) = engine.step().events
     assert event.finish_reason == "error"

@@ -3,9 +3,10 @@
 One file per kernel family, each next to the eager reference it is tested against:
 `linear.py` (F.linear; a shape dispatch: the skinny decode GEMM for at most 4 rows, F.linear above),
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
-in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py), `moe.py` and `moe_route.py`
-(ops/moe/eager.py::moe_experts, moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention;
-on CUDA its long sequences run on cuDNN, ops/mla/cudnn.py).
+in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py: rms_norm, add_rms_norm,
+gated_rms_norm), `glu.py` (ops/activations.py), `moe.py` and `moe_route.py` (ops/moe/eager.py::moe_experts,
+moe_route), `mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention; on CUDA its long sequences run
+on cuDNN, ops/mla/cudnn.py).
 Ops not listed in `load()` stay eager. `moe_w4a16.py::moe_experts_w4a16` (packed MXFP4 experts, the contract of
 streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds packed experts calls it directly.
 
@@ -27,7 +28,7 @@ __all__ = ["load", "TritonKernelError"]
 
 # Ops of other kernel files that are graph-safe on the decode path (one token per sequence): no .tolist()/.item(),
 # grids from shapes. Kernel files written with the graph in mind set `graph_safe` themselves.
-GRAPH_SAFE = ("kda_decode", "short_conv", "gated_rms_norm", "rms_norm")
+GRAPH_SAFE = ("kda_decode", "short_conv", "gated_rms_norm", "rms_norm", "add_rms_norm")  # glu.py sets its own
 
 
 def load() -> dict[str, Callable]:
@@ -36,6 +37,7 @@ def load() -> dict[str, Callable]:
 
     if not torch.cuda.is_available() and not interpreting():
         raise TritonKernelError("Triton kernels need a CUDA device (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    from shard_svc.ops.triton.glu import glu
     from shard_svc.ops.triton.kda_chunk import kda_prefill
     from shard_svc.ops.triton.kda_decode import kda_decode
     from shard_svc.ops.triton.linear import linear
@@ -43,7 +45,7 @@ def load() -> dict[str, Callable]:
     from shard_svc.ops.triton.mla_prefill import mla_prefill
     from shard_svc.ops.triton.moe import moe_experts
     from shard_svc.ops.triton.moe_route import moe_route
-    from shard_svc.ops.triton.norm import gated_rms_norm, rms_norm
+    from shard_svc.ops.triton.norm import add_rms_norm, gated_rms_norm, rms_norm
     from shard_svc.ops.triton.short_conv import short_conv
 
     impls = {
@@ -52,7 +54,9 @@ def load() -> dict[str, Callable]:
         "kda_decode": kda_decode,
         "short_conv": short_conv,
         "gated_rms_norm": gated_rms_norm,
+        "glu": glu,
         "rms_norm": rms_norm,
+        "add_rms_norm": add_rms_norm,
         "moe_experts": moe_experts,
         "moe_route": moe_route,
         "mla_decode": mla_decode,

@@ -20,6 +20,20 @@ def round_to(x, dt: tl.constexpr, RNE: tl.constexpr):
 
 
 @triton.jit
+def tanh(x):
+    """tanh without cancellation for large |x| and without libdevice (runs in the interpreter too)."""
+    z = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - z) / (1.0 + z)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def situ_glu(g, u, beta, beta_lin):
+    """K3's SiTU-GLU of fp32 gate and up: beta*tanh(g/beta) * sigmoid(g) * beta_lin*tanh(u/beta_lin)."""
+    return beta * tanh(g / beta) * tl.sigmoid(g) * (beta_lin * tanh(u / beta_lin))
+
+
+@triton.jit
 def online_softmax_step(s, m_i, l_i, acc, v):
     """One key tile of a streaming softmax(s) @ v in base 2. s [BQ, BN]: the tile's scores times scale * LOG2E,
     -inf where a key is not seen; m_i, l_i [BQ]: the running max and sum of exp2; acc [BQ, V]: the unnormalised

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to
+from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to, situ_glu
 
 CHUNK_PAIRS = 65536  # pairs per pass: bounds the h / y intermediates (8,192 tokens at top-8)
 SMALL_ALIGN_MAX = 4096  # pairs handled by the one-program align kernel (decode up to 512 x top-8)
@@ -164,14 +164,6 @@ def tile_ids(num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tanh(x):
-    """tanh without cancellation for large |x| and without libdevice (runs in the interpreter too)."""
-    z = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - z) / (1.0 + z)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
 def expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, N, BM: tl.constexpr, BN: tl.constexpr):
     """The rows and columns of an (M-block, N-tile) of a grouped GEMM: sorted positions o_p [BM], their pair indices
     and which are real rows (padding holds n_pairs), the block's expert (int64), output columns o_n [BN] and which
@@ -232,7 +224,7 @@ def store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.co
     if ACT == 0:  # SwiGLU in fp32 (rounding silu(g) first, as eager bf16 does, made ptxas serialize the wgmma)
         act = (g * tl.sigmoid(g)) * u
     else:  # SiTU-GLU in fp32
-        act = beta * _tanh(g / beta) * tl.sigmoid(g) * (beta_lin * _tanh(u / beta_lin))
+        act = situ_glu(g, u, beta, beta_lin)
     p_h = h + o_p[:, None].to(tl.int64) * stride_h + o_n[None, :]
     tl.store(p_h, round_to(act, dt, RNE), mask=m_n[None, :])
 
