@@ -7,6 +7,8 @@ Prefill: 8 x 4,096 and 1 x 32,768 tokens. Decode: one step of batch 1, 16, 64, 2
 context's state and cache are filled with random values rather than prefilled: a decode step's cost does not depend
 on what the cache holds), each timed eager and as a replayed CUDA graph (shard_svc/engine/cuda_graphs.py; skipped
 with --enforce-eager). Parity on tiny checkpoints: kernels vs eager, and decode graphs vs the same kernels eager.
+At the 48B shape: the MoE and MLA-decode ops vs eager, and the MoE block with its shared expert fused into the grouped
+kernels (`moe_experts_shared`) vs the same block composed of the separate ops, replayed over every layer's weights.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from bench.configs import KIMI_LINEAR_48B
 from bench.kernel_profile import format_profile, kernel_profile
-from bench.measure import copy_bytes_per_s, gpu_ms
+from bench.measure import copy_bytes_per_s, gpu_ms, graph_us
 from shard_svc.config import ModelConfig
 from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
@@ -152,6 +154,43 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
                     "TFLOPs": 2 * pairs * (mla.nope + mla.rope + mla.v_dim) / (ms * 1e-3) / 1e12})
         del cache
     return out
+
+
+def shared_expert_checks(cfg: ModelConfig, model, ops) -> list[dict]:
+    """The MoE block at decode sizes: the shared expert fused into the grouped kernels (`ops.moe_experts_shared`) vs
+    the block composed of the separate ops (what the model runs without the fused op), as CUDA-graph replays over all
+    26 MoE layers' weights (a decode step's access pattern), and both against the eager composition."""
+    from shard_svc.model.layers import stacked_weight
+    from shard_svc.ops import EAGER
+    from shard_svc.ops.moe.eager import with_shared_expert
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    composed = with_shared_expert(ops.moe_experts, ops.linear, ops.glu)
+    reference = with_shared_expert(EAGER["moe_experts"], EAGER["linear"], EAGER["glu"])
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    m = cfg.moe
+    blocks = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
+    rows = []
+    for t in (1, 4, 16):
+        x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        calls = []
+        for moe in blocks:
+            weights, ids = ops.moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, m.top_k,
+                                         m.renormalize, m.routed_scaling_factor)
+            s = moe.shared_experts
+            calls.append((x, weights, ids, moe.experts.w1, moe.experts.w3, moe.experts.w2, cfg.activation,
+                          (cfg.situ_beta, cfg.situ_linear_beta), stacked_weight((s.gate_proj, s.up_proj)),
+                          s.down_proj.weight))
+        ref = reference(*calls[0])
+        row = {"tokens": t, "layers": len(calls), "rel_err_fused": rel(ops.moe_experts_shared(*calls[0]), ref),
+               "rel_err_composed": rel(composed(*calls[0]), ref)}
+        for name, fn in (("fused", ops.moe_experts_shared), ("composed", composed)):
+            row[f"{name}_us_per_layer"] = graph_us([lambda a=a, fn=fn: fn(*a) for a in calls])
+        row["speedup"] = row["composed_us_per_layer"] / row["fused_us_per_layer"]
+        rows.append(row)
+    return rows
 
 
 def active_bytes(model, routed_share: float) -> float:
@@ -314,6 +353,7 @@ def main() -> None:
     if not args.skip_parity:
         try:
             result["op_checks_48b"] = op_checks_48b(cfg, model, ops)
+            result["shared_expert_48b"] = shared_expert_checks(cfg, model, ops)
         except Exception as e:  # noqa: BLE001 - recorded loudly; the timings below still run
             log.exception("48B op checks failed")
             result["op_checks_48b_error"] = repr(e)
@@ -363,6 +403,10 @@ def main() -> None:
                 "mla_decode": f"{r.get('kv_TBps', 0):.2f} TB/s of latent KV",
                 "mla_prefill": f"{r.get('TFLOPs', 0):.0f} TFLOP/s (causal attention)"}[r["op"]]
         lines.append(f"48B {r['op']:<12} {size:<14} rel err vs eager {err}  {r['ms'] * 1e3:9.1f} us  {rate}")
+    for r in result.get("shared_expert_48b", []):
+        lines.append(f"48B MoE + shared expert T={r['tokens']:<3} fused {r['fused_us_per_layer']:6.1f} us/layer  "
+                     f"composed {r['composed_us_per_layer']:6.1f}  ({r['speedup']:.2f}x)  rel err vs eager fused "
+                     f"{r['rel_err_fused']:.2e} composed {r['rel_err_composed']:.2e}")
     for r in result.get("graph_parity", []):
         lines.append(f"graphs vs eager {r['family']:<12} P={r['prompt_len']:<4} step logits rel err "
                      f"{r['step_logits_max_rel_err']:.2e} greedy equal {r['greedy_tokens_equal']}")

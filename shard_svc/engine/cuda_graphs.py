@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 PAD_OWNER = "<cuda-graph padding>"
 # Every op a decode step calls through the seam (prefill-only ops excluded).
 DECODE_OPS = ("linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "short_conv", "kda_decode",
-              "mla_cache_write", "mla_decode", "moe_route", "moe_experts")
+              "mla_cache_write", "mla_decode", "moe_route", "moe_experts", "moe_experts_shared")
 # Eager references that make no host sync (their files stay untouched, so the declaration lives here).
 EAGER_GRAPH_SAFE = frozenset({"linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "mla_cache_write",
                               "moe_route"})
@@ -48,8 +48,10 @@ def is_graph_safe(name: str, impl: Callable) -> bool:
 
 
 def unsafe_decode_ops(ops: Ops) -> list[str]:
-    """Decode ops whose implementation is not declared graph-safe (empty: graphs may be used)."""
-    return [name for name in DECODE_OPS if not is_graph_safe(name, getattr(ops, name))]
+    """Decode ops whose implementation is not declared graph-safe (empty: graphs may be used). A fused op the backend
+    does not provide (None) is composed of the others, which are checked themselves."""
+    return [name for name in DECODE_OPS
+            if getattr(ops, name) is not None and not is_graph_safe(name, getattr(ops, name))]
 
 
 def bucket_sizes(max_batch: int) -> tuple[int, ...]:

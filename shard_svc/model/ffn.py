@@ -5,7 +5,8 @@ from torch import nn
 
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
-from shard_svc.model.layers import PackedWeights, RMSNorm, linear, split_linear
+from shard_svc.model.layers import PackedWeights, RMSNorm, linear, split_linear, stacked_weight
+from shard_svc.ops.moe.eager import with_shared_expert
 
 
 class GatedMLP(PackedWeights):
@@ -66,6 +67,12 @@ class MoE(nn.Module):
         ops, m = ctx.ops, self.cfg
         weights, ids = ops.moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, m.top_k,
                                      m.renormalize, m.routed_scaling_factor)
+        if m.num_shared_experts and not m.latent_size:
+            # as one op where the backend fuses it (the shared expert inside the routed experts' launches)
+            fused = ops.moe_experts_shared or with_shared_expert(ops.moe_experts, ops.linear, ops.glu)
+            s = self.shared_experts
+            return fused(x, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2, self.activation,
+                         self.betas, stacked_weight((s.gate_proj, s.up_proj)), s.down_proj.weight)
         z = self.routed_expert_down_proj(x, ops) if m.latent_size else x
         y = ops.moe_experts(z, weights, ids, self.experts.w1, self.experts.w3, self.experts.w2, self.activation,
                             self.betas)

@@ -36,6 +36,9 @@ class Ops:
     mla_decode: Callable
     moe_route: Callable
     moe_experts: Callable
+    # A backend's fused op for the routed experts plus a shared expert; None: the model composes moe_experts, linear
+    # and glu (ops/moe/eager.py::with_shared_expert, the reference).
+    moe_experts_shared: Callable | None = None
     backends: tuple[tuple[str, str], ...] = ()  # (op name, backend that serves it)
 
 
@@ -54,6 +57,9 @@ EAGER: dict[str, Callable] = {
     "moe_route": moe_eager.moe_route,
     "moe_experts": moe_eager.moe_experts,
 }
+
+# Ops a backend may provide fused; without one the model composes their parts (logged as such).
+FUSED_ONLY = ("moe_experts_shared",)
 
 # backend name -> loader returning {op name: implementation}; loaders import lazily (Triton needs a GPU).
 BACKENDS: dict[str, Callable[[], dict[str, Callable]]] = {"eager": lambda: EAGER}
@@ -80,6 +86,8 @@ def select_ops(device: torch.device, backend: str = "auto") -> Ops:
         impls.update(overrides)
         # an implementation that hands part of its work to a library says so (`served_by`)
         served.update({name: getattr(impl, "served_by", backend) for name, impl in overrides.items()})
+    for name in FUSED_ONLY:
+        served.setdefault(name, "composed in the model")
     ops = Ops(**impls, backends=tuple(sorted(served.items())))
     log.info("op backends selected", extra={"device": str(device), "ops": dict(ops.backends)})
     return ops

@@ -218,9 +218,11 @@ class WeightStreamer:
         else:
             self._w4a16 = w4a16_moe_experts
         log.info("streamed MXFP4 experts: %s W4A16 (%s.%s)", backend, self._w4a16.__module__, self._w4a16.__name__)
-        backends = tuple((n, f"{b}+stream" if n == "moe_experts" else b) for n, b in ops.backends)
+        relabel = {"moe_experts": f"{backend}+stream", "moe_experts_shared": "composed in the model"}
+        backends = tuple((n, relabel.get(n, b)) for n, b in ops.backends)
+        # no fused shared-expert op: it would bypass the slots; the model composes it around the routed experts
         return dataclasses.replace(ops, moe_experts=functools.partial(self._moe_experts, ops.moe_experts),
-                                   backends=backends)
+                                   moe_experts_shared=None, backends=backends)
 
     def attach(self, runner) -> None:
         """Hooks into a ModelRunner: it enters `pass_scope` around each forward and calls the wrapped ops."""

@@ -1,10 +1,11 @@
 """Eager MoE: sigmoid router with bias-for-selection-only, and a loop over the experts that got tokens."""
 
+from typing import Callable
+
 import torch
 
-from shard_svc.ops.precision import acc_dtype, upcast
-
 from shard_svc.ops.activations import glu
+from shard_svc.ops.precision import acc_dtype, upcast
 
 
 def moe_route(
@@ -45,3 +46,20 @@ def moe_experts(
         h = glu(xe @ w1[e].t(), xe @ w3[e].t(), activation, situ_betas)
         out.index_add_(0, token_idx, upcast(h @ w2[e].t()) * weights[token_idx, which].unsqueeze(-1))
     return out.to(x.dtype)
+
+
+def with_shared_expert(moe_experts: Callable, linear: Callable, glu_op: Callable) -> Callable:
+    """The `moe_experts_shared` op composed from a backend's own `moe_experts`, `linear` and `glu`: the routed sum,
+    plus the shared expert as the dense MLP runs it (one product with its stacked gate|up rows, the activation, the
+    down product), added in x's dtype."""
+
+    def moe_experts_shared(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                           w3: torch.Tensor, w2: torch.Tensor, activation: str, situ_betas: tuple[float, float],
+                           shared_gate_up: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
+        """`moe_experts(...)` + the shared expert: shared_gate_up [2I', Din] (gate rows, then up), shared_down
+        [Din, I']."""
+        y = moe_experts(x, weights, ids, w1, w3, w2, activation, situ_betas)
+        gate, up = linear(x, shared_gate_up).chunk(2, dim=-1)
+        return y + linear(glu_op(gate, up, activation, situ_betas), shared_down)
+
+    return moe_experts_shared

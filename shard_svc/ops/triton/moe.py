@@ -38,11 +38,21 @@ SMEM_BUDGET = 200 * 1024  # bytes of shared memory the pipelined tiles may take 
 # -- align: rows sorted by expert ----------------------------------------------------------------------------------
 
 @triton.jit
-def _expert_of(ids, o, N, E, E_PAD: tl.constexpr):
-    """Expert of pairs o as int32; pairs past N and ids outside [0, E) go to the spare bin E_PAD - 1 (>= E)."""
+def _expert_of(ids, o, N, E, E_PAD: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr):
+    """Expert of pairs o as int32; pairs past N and ids outside [0, E) go to the spare bin E_PAD - 1 (> E).
+    SHARED: pair o is choice o % (K + 1) of token o // (K + 1), where choices 0..K-1 are the token's row of ids [T, K]
+    and choice K is the shared expert, numbered E."""
     m = o < N
-    e = tl.load(ids + o, mask=m, other=E_PAD - 1)
-    return tl.where(m & (e >= 0) & (e < E), e, E_PAD - 1).to(tl.int32)
+    if SHARED:
+        j = o % (K + 1)
+        routed = j < K
+        e = tl.load(ids + (o // (K + 1)) * K + j, mask=m & routed, other=E_PAD - 1)
+        ok = m & (((e >= 0) & (e < E)) | ~routed)
+        e = tl.where(routed, e, E)
+    else:
+        e = tl.load(ids + o, mask=m, other=E_PAD - 1)
+        ok = m & (e >= 0) & (e < E)
+    return tl.where(ok, e, E_PAD - 1).to(tl.int32)
 
 
 @triton.jit
@@ -69,44 +79,50 @@ def _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD
 
 
 @triton.jit
-def _place_pairs(ids, scratch, sorted_ids, o, N, E, E_PAD: tl.constexpr):
-    e = _expert_of(ids, o, N, E, E_PAD)
-    valid = e < E
+def _place_pairs(ids, scratch, sorted_ids, o, N, E, NB, E_PAD: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr):
+    e = _expert_of(ids, o, N, E, E_PAD, K, SHARED)
+    valid = e < NB
     pos = tl.atomic_add(scratch + e, 1, mask=valid)  # next free row of the expert's run
     tl.store(sorted_ids + pos, o, mask=valid)
 
 
+# E: routed experts; NB: experts with runs (E, or E + 1 with the shared expert); K: routed choices per token.
+
 @triton.jit
-def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E,
-                          BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, RB: tl.constexpr):
+def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E, NB,
+                          BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
+                          SHARED: tl.constexpr):
     """The whole align in one program (few pairs). The barrier orders the run starts before the atomics."""
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, N, C):
-        counts += tl.histogram(_expert_of(ids, c0 + tl.arange(0, C), N, E, E_PAD), E_PAD)
-    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD, BM, RB)
+        counts += tl.histogram(_expert_of(ids, c0 + tl.arange(0, C), N, E, E_PAD, K, SHARED), E_PAD)
+    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, NB, E_PAD, BM, RB)
     tl.debug_barrier()
     for c0 in range(0, N, C):
-        _place_pairs(ids, scratch, sorted_ids, c0 + tl.arange(0, C), N, E, E_PAD)
+        _place_pairs(ids, scratch, sorted_ids, c0 + tl.arange(0, C), N, E, NB, E_PAD, K, SHARED)
 
 
 @triton.jit
-def _moe_hist_kernel(ids, scratch, N, E, E_PAD: tl.constexpr, C: tl.constexpr):
+def _moe_hist_kernel(ids, scratch, N, E, NB, E_PAD: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                     SHARED: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
-    hist = tl.histogram(_expert_of(ids, o, N, E, E_PAD), E_PAD)
+    hist = tl.histogram(_expert_of(ids, o, N, E, E_PAD, K, SHARED), E_PAD)
     o_e = tl.arange(0, E_PAD)
-    tl.atomic_add(scratch + E_PAD + o_e, hist, mask=(o_e < E) & (hist > 0))
+    tl.atomic_add(scratch + E_PAD + o_e, hist, mask=(o_e < NB) & (hist > 0))
 
 
 @triton.jit
-def _moe_runs_kernel(scratch, sorted_ids, expert_ids, num_padded, N, E,
+def _moe_runs_kernel(scratch, sorted_ids, expert_ids, num_padded, N, NB,
                      BM: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
     counts = tl.load(scratch + E_PAD + tl.arange(0, E_PAD))
-    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, E, E_PAD, BM, RB)
+    _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, NB, E_PAD, BM, RB)
 
 
 @triton.jit
-def _moe_place_kernel(ids, sorted_ids, scratch, N, E, E_PAD: tl.constexpr, C: tl.constexpr):
-    _place_pairs(ids, scratch, sorted_ids, tl.program_id(0).to(tl.int64) * C + tl.arange(0, C), N, E, E_PAD)
+def _moe_place_kernel(ids, sorted_ids, scratch, N, E, NB, E_PAD: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
+                      SHARED: tl.constexpr):
+    _place_pairs(ids, scratch, sorted_ids, tl.program_id(0).to(tl.int64) * C + tl.arange(0, C), N, E, NB, E_PAD, K,
+                 SHARED)
 
 
 @dataclass(frozen=True)
@@ -123,31 +139,36 @@ def max_blocks_for(n_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(n_pairs + min(num_experts, n_pairs) * (block_m - 1), block_m)
 
 
-def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int = SMALL_ALIGN_MAX) -> Layout:
-    """Rows of ids [T, k] grouped by expert, each expert's run padded to block_m; no host sync."""
+def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int = SMALL_ALIGN_MAX,
+              shared: bool = False) -> Layout:
+    """Rows of ids [T, k] grouped by expert, each expert's run padded to block_m; no host sync. shared: every token
+    also has a last choice, the shared expert (numbered num_experts): pair t * (k + 1) + j."""
     flat = ids.reshape(-1)
     if flat.stride(0) != 1:
         flat = flat.contiguous()
-    n = flat.shape[0]
-    max_blocks = max_blocks_for(n, num_experts, block_m)
+    k = ids.shape[1]
+    n = flat.shape[0] + (ids.shape[0] if shared else 0)
+    runs = num_experts + shared
+    max_blocks = max_blocks_for(n, runs, block_m)
     dev = ids.device
-    e_pad = pow2_at_least(num_experts + 1, 32)  # a spare bin for pairs outside [0, E); >= a warp for tl.histogram
+    e_pad = pow2_at_least(runs + 1, 32)  # a spare bin for pairs outside [0, E); >= a warp for tl.histogram
     rb = min(block_m, max(1, 8192 // e_pad))  # padding rows written [E_PAD, RB] at a time
     sorted_ids = torch.empty(max_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(max_blocks, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     if n <= small_max:
         scratch = torch.empty(e_pad, dtype=torch.int32, device=dev)
-        _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts,
-                                    BM=block_m, E_PAD=e_pad, C=256, RB=rb, num_warps=8)
+        _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts, runs,
+                                    BM=block_m, E_PAD=e_pad, C=256, RB=rb, K=k, SHARED=shared, num_warps=8)
     else:
         c = 1024
         scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)  # run starts | counts
-        _moe_hist_kernel[(triton.cdiv(n, c),)](flat, scratch, n, num_experts, E_PAD=e_pad, C=c, num_warps=4)
-        _moe_runs_kernel[(1,)](scratch, sorted_ids, expert_ids, num_padded, n, num_experts,
+        _moe_hist_kernel[(triton.cdiv(n, c),)](flat, scratch, n, num_experts, runs, E_PAD=e_pad, C=c, K=k,
+                                               SHARED=shared, num_warps=4)
+        _moe_runs_kernel[(1,)](scratch, sorted_ids, expert_ids, num_padded, n, runs,
                                BM=block_m, E_PAD=e_pad, RB=rb, num_warps=8)
-        _moe_place_kernel[(triton.cdiv(n, c),)](flat, sorted_ids, scratch, n, num_experts, E_PAD=e_pad, C=c,
-                                                num_warps=4)
+        _moe_place_kernel[(triton.cdiv(n, c),)](flat, sorted_ids, scratch, n, num_experts, runs, E_PAD=e_pad, C=c,
+                                                K=k, SHARED=shared, num_warps=4)
     return Layout(sorted_ids, expert_ids, num_padded, block_m, max_blocks)
 
 
@@ -177,12 +198,15 @@ def expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, N, BM: tl.conste
 
 @triton.jit
 def _moe_gate_up_kernel(
-    x, w1, w3, h, sorted_ids, expert_ids, num_padded,
-    n_pairs, num_m, D, I, stride_x, stride_we, stride_wn, stride_h,
+    x, w1, w3, sw1, sw3, h, sorted_ids, expert_ids, num_padded,
+    n_pairs, num_m, E, D, I, stride_x, stride_we, stride_wn, stride_h,
     beta, beta_lin,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
+    """TOP_K: choices per token (the shared expert's included). SHARED: expert E's gate / up rows are sw1 / sw3
+    (rows of the same stride as an expert's)."""
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
@@ -190,9 +214,13 @@ def _moe_gate_up_kernel(
     tok = (pair // TOP_K).to(tl.int64)
     o_k = tl.arange(0, BK)
     p_a = x + tok[:, None] * stride_x + o_k[None, :]  # [BM, BK]
-    w_off = e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
-    p_b1 = w1 + w_off
-    p_b3 = w3 + w_off
+    w_off = o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    p_b1 = w1 + e * stride_we + w_off
+    p_b3 = w3 + e * stride_we + w_off
+    if SHARED:
+        if e == E:
+            p_b1 = sw1 + w_off
+            p_b3 = sw3 + w_off
     acc1 = tl.zeros([BM, BN], dtype=tl.float32)
     acc3 = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, D, BK):
@@ -231,18 +259,23 @@ def store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.co
 
 @triton.jit
 def _moe_down_kernel(
-    h, w2, y, sorted_ids, expert_ids, num_padded,
-    n_pairs, num_m, D, I, stride_h, stride_we, stride_wn, stride_y,
+    h, w2, sw2, y, sorted_ids, expert_ids, num_padded,
+    n_pairs, num_m, E, D, I, stride_h, stride_we, stride_wn, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr,
 ):
+    """SHARED: expert E's down rows are sw2."""
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
     o_p, pair, m_row, e, o_n, m_n = expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, D, BM, BN)
     o_k = tl.arange(0, BK)
     p_a = h + o_p[:, None].to(tl.int64) * stride_h + o_k[None, :]  # [BM, BK] contiguous rows of h
-    p_b = w2 + e * stride_we + o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    w_off = o_n[None, :].to(tl.int64) * stride_wn + o_k[:, None]  # [BK, BN]
+    p_b = w2 + e * stride_we + w_off
+    if SHARED:
+        if e == E:
+            p_b = sw2 + w_off
     # K over the whole of I; w2's rows are contiguous (K stride 1)
     acc = dot_k_loop(tl.zeros([BM, BN], dtype=tl.float32), p_a, p_b, m_n, o_k, 0, I, 1, BK, EVEN_K, DOT_FP32,
                      PRECISION)
@@ -252,7 +285,8 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(y, weights, ids, out, D, E, stride_y, stride_w, stride_i, stride_o,
-                        TOP_K: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr):
+                        TOP_K: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr):
+    """SHARED: each token's y rows end with the shared expert's, added at weight 1 after the routed ones."""
     t = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -262,8 +296,10 @@ def _moe_combine_kernel(y, weights, ids, out, D, E, stride_y, stride_w, stride_i
         e = tl.zeros([BD], dtype=tl.int64) + tl.load(ids + t * stride_i + j)
         valid = (e >= 0) & (e < E)
         w = tl.load(weights + t * stride_w + j)
-        row = tl.load(y + (t * TOP_K + j) * stride_y + o_d, mask=m_d & valid, other=0.0).to(tl.float32)
-        acc += tl.where(valid, w, 0.0) * row
+        row = tl.load(y + (t * (TOP_K + SHARED) + j) * stride_y + o_d, mask=m_d & valid, other=0.0)
+        acc += tl.where(valid, w, 0.0) * row.to(tl.float32)
+    if SHARED:
+        acc += tl.load(y + (t * (TOP_K + 1) + TOP_K) * stride_y + o_d, mask=m_d, other=0.0).to(tl.float32)
     tl.store(out + t * stride_o + o_d, round_to(acc, out.dtype.element_ty, RNE), mask=m_d)
 
 
@@ -311,7 +347,15 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
                 chunk_pairs: int = CHUNK_PAIRS) -> torch.Tensor:
     """Same contract as `ops.moe.eager.moe_experts`: x [T, Din], weights [T, k] fp32, ids [T, k], w1/w3 [E, I, Din],
     w2 [E, Din, I] -> [T, Din] in x's dtype. Long batches run in passes of `chunk_pairs` (token, choice) pairs."""
-    op = "moe_experts"
+    check_experts("moe_experts", x, weights, ids, w1, w3, w2, activation)
+    return run_in_chunks(x, weights, ids, chunk_pairs, lambda xs, ws, ids_s, out: moe_pass(
+        xs, ws, ids_s, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m))
+
+
+def check_experts(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                  w3: torch.Tensor, w2: torch.Tensor, activation: str) -> None:
+    """The token side (`check_routing`) and bf16-kernel expert weights: w1 / w3 [E, I, Din], w2 [E, Din, I] in x's
+    dtype, rows contiguous."""
     check_routing(op, x, weights, ids, activation)
     for name, w in (("w1", w1), ("w3", w3), ("w2", w2)):
         check(op, name, w, dtypes=(x.dtype,), dims=3)
@@ -324,8 +368,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
     if w1.stride(1) != d or w3.stride(1) != d or w2.stride(1) != inter:
         raise TritonKernelError(f"{op}: expert weights must have contiguous rows (strides w1 {w1.stride()}, "
                                 f"w3 {w3.stride()}, w2 {w2.stride()})")
-    return run_in_chunks(x, weights, ids, chunk_pairs, lambda xs, ws, ids_s, out: _moe_pass(
-        xs, ws, ids_s, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m))
 
 
 def check_routing(op: str, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, activation: str) -> None:
@@ -356,22 +398,27 @@ def run_in_chunks(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, chu
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, num_experts: int,
-            rne: bool) -> None:
-    """out[t] = sum over t's choices of weight x that (token, choice) pair's expert output row of y."""
+            rne: bool, shared: bool = False) -> None:
+    """out[t] = sum over t's choices of weight x that (token, choice) pair's expert output row of y (then the shared
+    expert's row, weight 1)."""
     t, d = out.shape
     bd = min(1024, pow2_at_least(d, 16))
     _moe_combine_kernel[(t, triton.cdiv(d, bd))](
         y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
-        TOP_K=ids.shape[1], BD=bd, RNE=rne, num_warps=4)
+        TOP_K=ids.shape[1], BD=bd, RNE=rne, SHARED=shared, num_warps=4)
 
 
-def _moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m) -> None:
+def moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m,
+             shared=None) -> None:
+    """One chunk of tokens through align, the two grouped GEMMs and the combine, into out. shared: (gate|up
+    [2I, Din], down [Din, I]) of a shared expert run as every token's last choice, or None."""
     t, d = x.shape
     num_experts, inter, _ = w1.shape
-    k = ids.shape[1]
+    k = ids.shape[1] + (shared is not None)
     n = t * k
-    bm = block_m or block_m_for(n, num_experts)
-    layout = moe_align(ids, num_experts, bm, small_align_max)
+    bm = block_m or block_m_for(n, num_experts + (shared is not None))
+    layout = moe_align(ids, num_experts, bm, small_align_max, shared=shared is not None)
+    sw1, sw3, sw2 = (w1, w3, w2) if shared is None else (shared[0][:inter], shared[0][inter:], shared[1])
     up, down = gemm_configs(bm, x.element_size())
     h = torch.empty(layout.max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
@@ -380,19 +427,19 @@ def _moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_al
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     group_m = 8 if bm >= 64 else 1
     _moe_gate_up_kernel[(layout.max_blocks * triton.cdiv(inter, up.block_n),)](
-        x, w1, w3, h, layout.sorted_ids, layout.expert_ids, layout.num_padded,
-        n, layout.max_blocks, d, inter, x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+        x, w1, w3, sw1, sw3, h, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        n, layout.max_blocks, num_experts, d, inter, x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
         float(situ_betas[0]), float(situ_betas[1]),
         TOP_K=k, BM=bm, BN=up.block_n, BK=up.block_k, GROUP_M=group_m, ACT=ACTIVATIONS[activation],
-        EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
+        EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne, SHARED=shared is not None,
         num_warps=up.num_warps, num_stages=up.num_stages)
     _moe_down_kernel[(layout.max_blocks * triton.cdiv(d, down.block_n),)](
-        h, w2, y, layout.sorted_ids, layout.expert_ids, layout.num_padded,
-        n, layout.max_blocks, d, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        h, w2, sw2, y, layout.sorted_ids, layout.expert_ids, layout.num_padded,
+        n, layout.max_blocks, num_experts, d, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
         EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
-        num_warps=down.num_warps, num_stages=down.num_stages)
-    combine(y, weights, ids, out, num_experts, rne)
+        SHARED=shared is not None, num_warps=down.num_warps, num_stages=down.num_stages)
+    combine(y, weights, ids, out, num_experts, rne, shared=shared is not None)
 
 
 moe_experts.graph_safe = True  # no host sync; buffers and grids sized from shapes only
