@@ -14,6 +14,7 @@ kernels (`moe_experts_shared`) vs the same block composed of the separate ops, r
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -157,9 +158,10 @@ def op_checks_48b(cfg: ModelConfig, model, ops) -> list[dict]:
 
 
 def shared_expert_checks(cfg: ModelConfig, model, ops) -> list[dict]:
-    """The MoE block at decode sizes: the shared expert fused into the grouped kernels (`ops.moe_experts_shared`) vs
-    the block composed of the separate ops (what the model runs without the fused op), as CUDA-graph replays over all
-    26 MoE layers' weights (a decode step's access pattern), and both against the eager composition."""
+    """The MoE block at decode sizes: the shared expert fused into the grouped kernels (`ops.moe_experts_shared`,
+    forced past its FUSE_MAX_TOKENS at 64 and 256 tokens to show where the threshold belongs) vs the block composed of
+    the separate ops (what the model runs without the fused op), as CUDA-graph replays over all 26 MoE layers'
+    weights (a decode step's access pattern), and both against the eager composition."""
     from shard_svc.model.layers import stacked_weight
     from shard_svc.ops import EAGER
     from shard_svc.ops.moe.eager import with_shared_expert
@@ -168,12 +170,13 @@ def shared_expert_checks(cfg: ModelConfig, model, ops) -> list[dict]:
         return float((a.double() - b.double()).norm() / b.double().norm())
 
     composed = with_shared_expert(ops.moe_experts, ops.linear, ops.glu)
+    fused = functools.partial(ops.moe_experts_shared, max_tokens=1 << 20)
     reference = with_shared_expert(EAGER["moe_experts"], EAGER["linear"], EAGER["glu"])
     gen = torch.Generator(device="cuda").manual_seed(1)
     m = cfg.moe
     blocks = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
     rows = []
-    for t in (1, 4, 16):
+    for t in (1, 4, 16, 64, 256):
         x = torch.randn(t, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
         calls = []
         for moe in blocks:
@@ -184,9 +187,9 @@ def shared_expert_checks(cfg: ModelConfig, model, ops) -> list[dict]:
                           (cfg.situ_beta, cfg.situ_linear_beta), stacked_weight((s.gate_proj, s.up_proj)),
                           s.down_proj.weight))
         ref = reference(*calls[0])
-        row = {"tokens": t, "layers": len(calls), "rel_err_fused": rel(ops.moe_experts_shared(*calls[0]), ref),
+        row = {"tokens": t, "layers": len(calls), "rel_err_fused": rel(fused(*calls[0]), ref),
                "rel_err_composed": rel(composed(*calls[0]), ref)}
-        for name, fn in (("fused", ops.moe_experts_shared), ("composed", composed)):
+        for name, fn in (("fused", fused), ("composed", composed)):
             row[f"{name}_us_per_layer"] = graph_us([lambda a=a, fn=fn: fn(*a) for a in calls])
         row["speedup"] = row["composed_us_per_layer"] / row["fused_us_per_layer"]
         rows.append(row)
