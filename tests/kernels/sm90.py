@@ -1,0 +1,121 @@
+"""Every Triton kernel compiled for sm_90 (H100 / H200) on a machine without a GPU: the launches a run makes under
+the CPU interpreter are recorded (kernel, argument types, constexprs, warps, stages), then compiled ahead of time by
+Triton's own compiler and the ptxas bundled with it, in a fresh process where the kernels are not interpreted.
+
+A kernel that interprets fine can still fail to compile (a construct the interpreter accepts and the code generator
+does not, a register or shared-memory budget blown by the tile sizes); this catches those before a GPU session.
+
+    python -m tests.kernels.sm90 SPECS.json    # compiles each spec, one JSON line per spec on stdout
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import torch
+
+SM90 = ("cuda", 90, 32)  # Hopper, warp size 32
+SHARED_MEMORY_LIMIT = 232448  # bytes a block may use on sm_90 (227 KB)
+# constexprs that only the interpreter sets (see ops/triton/common.py::interpreting): compiled with their GPU value
+GPU_VALUES = {"DOT_FP32": False, "RNE": False}
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+         torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+         torch.bool: "i1"}
+
+
+def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
+    """One interpreted launch as {module, name, signature, constexprs, options}."""
+    params = list(inspect.signature(fn).parameters.values())
+    names = {p.name for p in params}
+    values = dict(zip((p.name for p in params), args))
+    values.update((k, v) for k, v in kwargs.items() if k in names)
+    signature, constexprs = {}, {}
+    for p in params:
+        v = values.get(p.name, p.default)
+        if "constexpr" in str(p.annotation) or v is None:
+            signature[p.name] = "constexpr"
+            constexprs[p.name] = GPU_VALUES.get(p.name, getattr(v, "value", v))
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + TYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__} has no Triton type here")
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
+            "options": options}
+
+
+@contextlib.contextmanager
+def recorded_launches(execute: bool = True) -> Iterator[list[dict]]:
+    """Records every interpreted kernel launch (deduplicated) into the yielded list. execute=False skips running
+    them: enough for graph-safe ops (they never read a kernel's output back on the host), at full model sizes."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    specs: list[dict] = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        spec = launch_spec(self.fn, args, kwargs)
+        key = json.dumps(spec, sort_keys=True)
+        if key not in seen:
+            seen[key] = spec
+            specs.append(spec)
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    InterpretedFunction.run = run
+    try:
+        yield specs
+    finally:
+        InterpretedFunction.run = original
+
+
+def compile_all(specs: list[dict], cache_dir: str, timeout: float = 600) -> list[dict]:
+    """Compiles the specs in a fresh process (kernels decorated for the GPU, Triton's cache in cache_dir); one result
+    per spec: {name, constexprs, error or None, shared (bytes of shared memory)}."""
+    path = os.path.join(cache_dir, "specs.json")
+    with open(path, "w") as f:
+        json.dump(specs, f)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = cache_dir
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    out = subprocess.run([sys.executable, "-m", "tests.kernels.sm90", path], capture_output=True, text=True,
+                         timeout=timeout, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    if out.returncode != 0:
+        raise RuntimeError(f"the sm_90 compile process failed ({out.returncode}): {out.stderr[-3000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def main(path: str) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for spec in json.load(open(path)):
+        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+        result = {"name": spec["name"], "constexprs": spec["constexprs"], "error": None, "shared": None}
+        try:
+            kernel = triton.compile(ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"]),
+                                    target=GPUTarget(*SM90), options=spec["options"])
+            result["shared"] = kernel.metadata.shared
+        except Exception as e:  # noqa: BLE001 - reported per spec; the test names them all
+            result["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

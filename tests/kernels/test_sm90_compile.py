@@ -1,0 +1,107 @@
+"""Every Triton kernel of the project compiles for sm_90 (tests/kernels/sm90.py): the launches of a tiny bf16
+model's prefill and decode through the Triton backend, of the paths a tiny model does not take (histogram align,
+split-K, split MLA decode, segmented MLA prefill, MXFP4 experts), and, recorded without running them, of the
+Kimi-Linear-48B decode shapes (its linears, norms, activation, MoE with the shared expert, MLA at its head dims)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from shard_svc.ops import select_ops
+from tests.engine.conftest import linear_config, random_model
+from tests.engine.test_cuda_graphs import run
+from tests.kernels.conftest import ON_GPU, kernel_module
+from tests.kernels.sm90 import SHARED_MEMORY_LIMIT, compile_all, recorded_launches
+from tests.kernels.test_glu import glu_module
+from tests.kernels.test_linear import linear_module
+from tests.kernels.test_mla_decode import make_decode_batch, mla_module
+from tests.kernels.test_mla_prefill import make_prefill_batch, prefill_module
+from tests.kernels.test_moe_experts import make_inputs, moe_module
+from tests.kernels.test_moe_w4a16 import make_inputs as w4_inputs, w4_module
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "shard_svc" / "ops" / "triton"
+BF16 = torch.bfloat16
+D, E, K, I_MOE, I_DENSE = 2304, 256, 8, 1024, 9216  # Kimi-Linear-48B
+
+
+def all_kernels() -> set[str]:
+    """Names of the @triton.jit functions named `_*_kernel` in shard_svc/ops/triton (launched from the host)."""
+    names = set()
+    for path in KERNEL_DIR.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("_") and node.name.endswith("_kernel"):
+                names.add(node.name)
+    return names
+
+
+def tiny_model_launches() -> None:
+    cfg, model = random_model(linear_config(), seed=0, dtype=BF16)
+    from shard_svc.engine.engine import Engine, EngineConfig
+    from shard_svc.model.kimi import pack_weights
+
+    pack_weights(model)
+    engine = Engine(cfg, model, select_ops(torch.device("cpu"), "triton"), torch.device("cpu"),
+                    EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=4, prefill_token_budget=1000))
+    run(engine)
+
+
+def other_paths() -> None:
+    moe = moe_module()
+    x, weights, ids, w1, w3, w2 = make_inputs(40, 64, 32, 6, 3, BF16)
+    moe.moe_experts(x, weights, ids, w1, w3, w2, "situ", (4.0, 25.0), small_align_max=0)  # histogram align
+    lin = linear_module()
+    lin.skinny_linear(torch.randn(2, 256, dtype=BF16), torch.randn(32, 256, dtype=BF16),
+                      lin.SkinnyConfig(block_n=16, block_k=32, splits=4))  # split-K and its reduction
+    args = make_decode_batch([37, 5], 2, 16, 8, 16, 32, 4, BF16)
+    mla_module().mla_decode(*args, 0.1, num_splits=3)
+    args = make_prefill_batch([40, 0], [9, 30], 2, 16, 8, 16, 32, 4, BF16)
+    prefill_module().mla_prefill(*args, 0.1, workspace_tokens=16)  # segments merged across launches
+    x, weights, ids, packed, _ = w4_inputs(5, 64, 64, 4, 2, BF16)
+    w4_module().moe_experts_w4a16(x, weights, ids, packed, "silu", (1.0, 1.0))
+
+
+def decode_48b_launches() -> None:
+    """Recorded only (not run): the 48B decode step's shapes at batch 1 and 16."""
+    lin, norm, glu = linear_module(), kernel_module("norm", "_rms_norm_kernel"), glu_module()
+    moe_shared = kernel_module("moe_shared", "composed")
+    one = torch.empty(1, D, dtype=BF16)
+    for n, k in ((12288, D), (288, D), (4096, 128), (D, 4096), (6720, D), (2 * I_DENSE, D), (D, I_DENSE),
+                 (163840, D)):
+        lin.skinny_linear(torch.empty(1, k, dtype=BF16), torch.empty(1, k, dtype=BF16).expand(n, k))
+    norm.add_rms_norm(one, one, torch.empty(D, dtype=BF16), 1e-5)
+    norm.gated_rms_norm(torch.empty(1, 32, 128, dtype=BF16), torch.empty(128, dtype=BF16),
+                        torch.empty(1, 32, 128, dtype=BF16), 1e-5)
+    glu.glu(*torch.empty(1, 2 * I_DENSE, dtype=BF16).split(I_DENSE, -1), "silu", (1.0, 1.0))
+    experts = [torch.empty(1, I_MOE, D, dtype=BF16).expand(E, I_MOE, D) for _ in range(2)]
+    down = torch.empty(1, D, I_MOE, dtype=BF16).expand(E, D, I_MOE)
+    for t in (1, 16):
+        x = torch.empty(t, D, dtype=BF16)
+        ids = torch.arange(t * K).remainder(E).view(t, K)
+        moe_shared.moe_experts_shared(x, torch.empty(t, K), ids, *experts, down, "silu", (1.0, 1.0),
+                                      torch.empty(2 * I_MOE, D, dtype=BF16), torch.empty(D, I_MOE, dtype=BF16))
+    args = make_decode_batch([4095] * 2, 32, 128, 64, 128, 512, 64, BF16)
+    mla_module().mla_decode(*args, 0.1)
+    args = make_prefill_batch([4096], [512], 32, 128, 64, 128, 512, 64, BF16)
+    prefill_module().mla_prefill(*args, 0.1)
+
+
+@pytest.mark.slow  # ~1 minute: out of `make test-fast`
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    with recorded_launches() as specs:
+        tiny_model_launches()
+        other_paths()
+    with recorded_launches(execute=False) as specs_48b:
+        decode_48b_launches()
+    results = compile_all(specs + specs_48b, str(tmp_path))
+    assert len(results) == len(specs) + len(specs_48b)
+    failed = [f"{r['name']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
+    assert not failed, "kernels that do not compile for sm_90:\n" + "\n".join(failed)
+    too_big = [f"{r['name']} {r['constexprs']}: {r['shared']} B" for r in results if r["shared"] > SHARED_MEMORY_LIMIT]
+    assert not too_big, f"more shared memory than an sm_90 block has ({SHARED_MEMORY_LIMIT} B):\n" + "\n".join(too_big)
+    missing = all_kernels() - {r["name"] for r in results}
+    assert not missing, f"kernels no recorded launch reached (add a call above): {sorted(missing)}"
