@@ -150,25 +150,31 @@ def sweep_shape(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device
 
 
 def graph_step(uses: list[LinearUse], m: int, dtype: torch.dtype, device: torch.device, timer: Timer) -> dict:
-    """One decode step's linears, each call on its own weight, captured as one CUDA graph per implementation."""
-    from shard_svc.ops.triton import linear as tl_linear
+    """One decode step's linears, each call on its own weight, captured as one CUDA graph per implementation (ours
+    also captured with programmatic dependent launch off, `ours_no_pdl`)."""
+    from shard_svc.ops.triton import common, linear as tl_linear
 
     weights = [(torch.randn(u.n, u.k, device=device) * u.k**-0.5).to(dtype) for u in uses for _ in range(u.count)]
     xs = {k: torch.randn(m, k, device=device).to(dtype) for k in {u.k for u in uses}}
     result = {"m": m, "calls": len(weights), "weight_GB": sum(w.numel() * w.element_size() for w in weights) / 1e9}
-    for name, fn in (("ours", tl_linear.linear), ("cublas", F.linear)):
+    for name, fn, pdl in (("ours", tl_linear.linear, True), ("ours_no_pdl", tl_linear.linear, False),
+                          ("cublas", F.linear, True)):
         def step(fn=fn):
             for w in weights:
                 fn(xs[w.shape[1]], w)
 
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
-            step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        common.USE_PDL = pdl
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        finally:
+            common.USE_PDL = True
         result[f"{name}_ms"] = timer(graph.replay)
         del graph
     return result
@@ -222,7 +228,8 @@ def table(result: dict) -> str:
         if "graph" in s:
             g = s["graph"]
             line += (f" | one CUDA graph ours {g['ours_ms']:.3f} ms ({100 * s['floor_ms'] / g['ours_ms']:.0f}% of "
-                     f"floor), cuBLAS {g['cublas_ms']:.3f} ms ({100 * s['floor_ms'] / g['cublas_ms']:.0f}%)")
+                     f"floor; {g['ours_no_pdl_ms']:.3f} ms without PDL), cuBLAS {g['cublas_ms']:.3f} ms "
+                     f"({100 * s['floor_ms'] / g['cublas_ms']:.0f}%)")
         lines.append(line)
     for sw in result["sweeps"]:
         best, chosen = sw["tried"][0], next(r for r in result["shapes"] if (r["n"], r["k"], r["m"]) ==

@@ -9,6 +9,7 @@ on what the cache holds), each timed eager and as a replayed CUDA graph (shard_s
 with --enforce-eager). Parity on tiny checkpoints: kernels vs eager, and decode graphs vs the same kernels eager.
 At the 48B shape: the MoE and MLA-decode ops vs eager, and the MoE block with its shared expert fused into the grouped
 kernels (`moe_experts_shared`) vs the same block composed of the separate ops, replayed over every layer's weights.
+On Hopper the decode graphs are also captured and timed (batch 1 and 64) with programmatic dependent launch off.
 """
 
 from __future__ import annotations
@@ -277,6 +278,20 @@ def decode_bench(engine: Engine, batch: int, context: int, profile: bool = False
     return seconds
 
 
+def decode_without_pdl(engine: Engine, graphs, batches: tuple[int, ...]) -> list[dict]:
+    """The decode graphs captured again with programmatic dependent launch off (`ops/triton/common.py::USE_PDL`),
+    timed at these batches in the same run, then captured with it on again."""
+    from shard_svc.ops.triton import common
+
+    common.USE_PDL = False
+    try:
+        graphs.capture()
+        return [{"batch": b, "tpot_graphs_ms": decode_bench(engine, b, 4096)["graphs"] * 1e3} for b in batches]
+    finally:
+        common.USE_PDL = True
+        graphs.capture()
+
+
 def plots(result: dict, out: Path) -> list[str]:
     import matplotlib
 
@@ -391,6 +406,12 @@ def main() -> None:
                         "tokens_per_s_graphs": batch / g})
         result["decode"].append(row)
         save(result, args.out)
+    from shard_svc.ops.triton.common import pdl_args
+
+    result["pdl"] = pdl_args(torch.device("cuda"))["PDL"]
+    if engine.runner.graphs is not None and result["pdl"]:
+        result["decode_without_pdl"] = decode_without_pdl(engine, engine.runner.graphs, (1, 64))
+        save(result, args.out)
     result["plots"] = plots(result, args.out)
     save(result, args.out)
     lines = [f"{result['device']}  copy {ceil['copy_TBps']:.2f} TB/s  bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} "
@@ -421,6 +442,10 @@ def main() -> None:
                    f"{100 * r['bandwidth_utilisation_graphs']:.1f}%") if "tpot_graphs_ms" in r else ""
         lines.append(f"decode batch {r['batch']:<4} TPOT {r['tpot_ms']:8.2f} ms  floor {r['floor_ms']:.2f} ms  "
                      f"bandwidth {100 * r['bandwidth_utilisation']:.1f}%{graphed}")
+    with_pdl = {r["batch"]: r.get("tpot_graphs_ms") for r in result["decode"]}
+    for r in result.get("decode_without_pdl", []):
+        lines.append(f"decode batch {r['batch']:<4} graphs without PDL {r['tpot_graphs_ms']:8.2f} ms  (with PDL "
+                     f"{with_pdl[r['batch']]:.2f} ms)")
     for r in result["prefill"] + result["decode"]:
         if "profile" in r:
             kind = f"prefill {r['batch']} x {r['length']}" if "length" in r else f"decode batch {r['batch']}"

@@ -23,8 +23,9 @@ import torch
 
 SM90 = ("cuda", 90, 32)  # Hopper, warp size 32
 SHARED_MEMORY_LIMIT = 232448  # bytes a block may use on sm_90 (227 KB)
-# constexprs that only the interpreter sets (see ops/triton/common.py::interpreting): compiled with their GPU value
-GPU_VALUES = {"DOT_FP32": False, "RNE": False}
+# constexprs that take another value on a Hopper GPU than under the interpreter (ops/triton/common.py: interpreting,
+# pdl_args): compiled with their GPU value
+GPU_VALUES = {"DOT_FP32": False, "RNE": False, "PDL": True}
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
          torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
          torch.bool: "i1"}
@@ -53,6 +54,8 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
         else:
             raise TypeError(f"{fn.__name__}: argument {p.name} of type {type(v).__name__} has no Triton type here")
     options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+    if "PDL" in constexprs:
+        options["launch_pdl"] = constexprs["PDL"]
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
             "options": options}
 

@@ -105,3 +105,39 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert not too_big, f"more shared memory than an sm_90 block has ({SHARED_MEMORY_LIMIT} B):\n" + "\n".join(too_big)
     missing = all_kernels() - {r["name"] for r in results}
     assert not missing, f"kernels no recorded launch reached (add a call above): {sorted(missing)}"
+
+
+def test_kernels_launched_with_pdl_wait_first():
+    """A kernel launched with programmatic dependent launch may start while the previous kernel still writes: each
+    kernel with a PDL parameter must open with `pdl_prologue(PDL)`, and every launch of it must pass `pdl_args(...)`
+    (the constexpr and the launch attribute together), or it could read inputs that are not yet written."""
+    with_pdl, launches = {}, []
+    for path in KERNEL_DIR.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in tree.body:
+            if (isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+                    and any(a.arg == "PDL" for a in node.args.args)):
+                body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(
+                    node.body[0].value, ast.Constant) else node.body
+                first = ast.unparse(body[0]) if body else ""
+                with_pdl[node.name] = first
+        for call in ast.walk(tree):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Subscript)
+                    and isinstance(call.func.value, ast.Name)):
+                launches.append((path.name, call.func.value.id, [ast.unparse(k.value) for k in call.keywords
+                                                                 if k.arg is None]))
+    assert len(with_pdl) >= 12, sorted(with_pdl)
+    assert {name: first for name, first in with_pdl.items() if first != "pdl_prologue(PDL)"} == {}
+    for file, kernel, spread in launches:
+        if kernel in with_pdl:
+            assert any(s.startswith("pdl_args(") for s in spread), f"{file}: {kernel} launched without pdl_args"
+        else:
+            assert not any(s.startswith("pdl_args(") for s in spread), f"{file}: {kernel} has no PDL prologue"
+
+
+def test_pdl_is_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
+    from shard_svc.ops.triton.common import pdl_args
+
+    assert pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl_args(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}

@@ -3,13 +3,21 @@ naming the tensor, its shape, dtype and device; nothing here falls back to a slo
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import logging
 import os
 
 import torch
 
 from shard_svc.errors import KimiServeError
 
+log = logging.getLogger(__name__)
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Programmatic dependent launch for the decode-path kernels (see `pdl_args`); benchmarks switch it off to time the
+# same kernels without it in the same run.
+USE_PDL = True
 
 
 class TritonKernelError(KimiServeError):
@@ -19,6 +27,31 @@ class TritonKernelError(KimiServeError):
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), where CPU tensors are allowed."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(device_index: int) -> bool:
+    """Hopper or later, and a Triton that launches with the PDL attribute (logged once when one is missing)."""
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
+        return False
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    if "launch_pdl" not in {f.name for f in dataclasses.fields(CUDAOptions)}:
+        import triton
+
+        log.warning("programmatic dependent launch off: this Triton (%s) has no launch_pdl option", triton.__version__)
+        return False
+    return True
+
+
+def pdl_args(device: torch.device) -> dict[str, bool]:
+    """Launch arguments of a kernel that begins with `jit_helpers.pdl_prologue(PDL)`: on a Hopper GPU it is
+    launched with programmatic dependent launch, so its launch overlaps the previous kernel's tail instead of
+    following it (in a captured decode step, one gap fewer per kernel); its prologue waits for the previous kernel's
+    memory before anything is read or written. Off under the interpreter and before Hopper."""
+    on = (USE_PDL and device.type == "cuda" and not interpreting()
+          and _pdl_capable(device.index if device.index is not None else torch.cuda.current_device()))
+    return {"PDL": on, "launch_pdl": on}
 
 
 def check(op: str, name: str, x: torch.Tensor, *, dtypes=KERNEL_DTYPES, dims: int | None = None,

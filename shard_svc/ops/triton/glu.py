@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.jit_helpers import round_to, situ_glu
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import pdl_prologue, round_to, situ_glu
 from shard_svc.ops.triton.moe import ACTIVATIONS
 
 BLOCK_COLS = 1024
@@ -22,7 +22,8 @@ ROW_ELEMENTS = 4096  # elements per program: a few rows of a decode step, one ti
 
 @triton.jit
 def _glu_kernel(gate, up, out, rows, I, stride_g, stride_u, stride_o, beta, beta_lin,
-                BR: tl.constexpr, BI: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr):
+                BR: tl.constexpr, BI: tl.constexpr, ACT: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_i = tl.program_id(1) * BI + tl.arange(0, BI)
     m = (o_r < rows)[:, None] & (o_i < I)[None, :]
@@ -57,7 +58,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str, situ_betas: tuple
     _glu_kernel[(triton.cdiv(rows, br), triton.cdiv(inter, bi))](
         gate, up, out, rows, inter, gate.stride(0), up.stride(0), inter,
         float(situ_betas[0]), float(situ_betas[1]),
-        BR=br, BI=bi, ACT=ACTIVATIONS[activation], RNE=interpreting() and gate.dtype == torch.bfloat16, num_warps=4)
+        BR=br, BI=bi, ACT=ACTIVATIONS[activation], RNE=interpreting() and gate.dtype == torch.bfloat16, num_warps=4,
+        **pdl_args(gate.device))
     return out
 
 

@@ -10,6 +10,16 @@ LOG2E = 1.4426950408889634  # softmax in base 2: scores scaled by scale * LOG2E,
 
 
 @triton.jit
+def pdl_prologue(PDL: tl.constexpr):
+    """First statement of a kernel launched with `common.pdl_args`: wait until the previous kernel's writes are
+    visible (nothing before this reads or writes memory), then let the next kernel launch as soon as every program of
+    this one has started (it waits in its own prologue). A no-op when PDL is off."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def round_to(x, dt: tl.constexpr, RNE: tl.constexpr):
     """fp32 x rounded to dt. RNE: round to nearest even by hand first (the CPU interpreter truncates to bf16)."""
     if RNE:

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, check_index, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, check_index, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import pdl_prologue
 from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
 
 
@@ -25,7 +26,9 @@ def _kda_decode_kernel(
     scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
     i_b = i_bh // H
@@ -111,6 +114,6 @@ def kda_decode(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool,
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         dk**-0.5, float(lower_bound) if lower_bound is not None else 0.0,
         H=heads, K=dk, V=dv, BK=bk, BV=bv, USE_LOWER_BOUND=lower_bound is not None,
-        num_warps=num_warps or (4 if bk * bv >= 4096 else 2),
+        num_warps=num_warps or (4 if bk * bv >= 4096 else 2), **pdl_args(q.device),
     )
     return o

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import dot_k_loop, pdl_prologue, round_to
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
 # Rows up to which the `linear` op dispatches to it. H200, one decode step's 243 linears replayed as one CUDA graph
@@ -57,7 +57,8 @@ class SkinnyConfig:
 @triton.jit
 def _skinny_kernel(x, w, out, M, N, K, k_split, stride_xm, stride_xk, stride_wn, stride_om, stride_os,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
-                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr):
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     o_n = pid_n * BN + tl.arange(0, BN)
@@ -78,7 +79,9 @@ def _skinny_kernel(x, w, out, M, N, K, k_split, stride_xm, stride_xk, stride_wn,
 
 
 @triton.jit
-def _splitk_reduce_kernel(part, y, N, S, stride_ps, stride_pm, stride_ym, BR: tl.constexpr, RNE: tl.constexpr):
+def _splitk_reduce_kernel(part, y, N, S, stride_ps, stride_pm, stride_ym, BR: tl.constexpr, RNE: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_prologue(PDL)
     o_n = tl.program_id(0) * BR + tl.arange(0, BR)
     m = tl.program_id(1).to(tl.int64)
     m_n = o_n < N
@@ -180,11 +183,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
         x, weight, out, m, n, k, k_split, x.stride(0), x.stride(1), weight.stride(0), out.stride(-2), stride_os,
         BM=BLOCK_M, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=even_k, DOT_FP32=interpreting(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RNE=rne and splits == 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     if splits > 1:
         br = min(REDUCE_BLOCK, pow2_at_least(n, 128))
         _splitk_reduce_kernel[(triton.cdiv(n, br), m)](
-            out, y, n, splits, out.stride(0), out.stride(1), y.stride(0), BR=br, RNE=rne, num_warps=4)
+            out, y, n, splits, out.stride(0), out.stride(1), y.stride(0), BR=br, RNE=rne, num_warps=4,
+            **pdl_args(x.device))
     return y
 
 

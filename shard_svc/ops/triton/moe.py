@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.jit_helpers import dot_k_loop, round_to, situ_glu
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import dot_k_loop, pdl_prologue, round_to, situ_glu
 
 CHUNK_PAIRS = 65536  # pairs per pass: bounds the h / y intermediates (8,192 tokens at top-8)
 SMALL_ALIGN_MAX = 4096  # pairs handled by the one-program align kernel (decode up to 512 x top-8)
@@ -91,8 +91,9 @@ def _place_pairs(ids, scratch, sorted_ids, o, N, E, NB, E_PAD: tl.constexpr, K: 
 @triton.jit
 def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E, NB,
                           BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
-                          SHARED: tl.constexpr):
+                          SHARED: tl.constexpr, PDL: tl.constexpr):
     """The whole align in one program (few pairs). The barrier orders the run starts before the atomics."""
+    pdl_prologue(PDL)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for c0 in range(0, N, C):
         counts += tl.histogram(_expert_of(ids, c0 + tl.arange(0, C), N, E, E_PAD, K, SHARED), E_PAD)
@@ -159,7 +160,8 @@ def moe_align(ids: torch.Tensor, num_experts: int, block_m: int, small_max: int 
     if n <= small_max:
         scratch = torch.empty(e_pad, dtype=torch.int32, device=dev)
         _moe_align_one_kernel[(1,)](flat, sorted_ids, expert_ids, num_padded, scratch, n, num_experts, runs,
-                                    BM=block_m, E_PAD=e_pad, C=256, RB=rb, K=k, SHARED=shared, num_warps=8)
+                                    BM=block_m, E_PAD=e_pad, C=256, RB=rb, K=k, SHARED=shared, num_warps=8,
+                                    **pdl_args(dev))
     else:
         c = 1024
         scratch = torch.zeros(2 * e_pad, dtype=torch.int32, device=dev)  # run starts | counts
@@ -204,9 +206,11 @@ def _moe_gate_up_kernel(
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
     SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """TOP_K: choices per token (the shared expert's included). SHARED: expert E's gate / up rows are sw1 / sw3
     (rows of the same stride as an expert's)."""
+    pdl_prologue(PDL)
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
@@ -263,8 +267,10 @@ def _moe_down_kernel(
     n_pairs, num_m, E, D, I, stride_h, stride_we, stride_wn, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """SHARED: expert E's down rows are sw2."""
+    pdl_prologue(PDL)
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
         return
@@ -285,8 +291,10 @@ def _moe_down_kernel(
 
 @triton.jit
 def _moe_combine_kernel(y, weights, ids, out, D, E, stride_y, stride_w, stride_i, stride_o,
-                        TOP_K: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr):
+                        TOP_K: tl.constexpr, BD: tl.constexpr, RNE: tl.constexpr, SHARED: tl.constexpr,
+                        PDL: tl.constexpr):
     """SHARED: each token's y rows end with the shared expert's, added at weight 1 after the routed ones."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     o_d = tl.program_id(1) * BD + tl.arange(0, BD)
     m_d = o_d < D
@@ -405,7 +413,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, out: torc
     bd = min(1024, pow2_at_least(d, 16))
     _moe_combine_kernel[(t, triton.cdiv(d, bd))](
         y, weights, ids, out, d, num_experts, y.stride(0), weights.stride(0), ids.stride(0), out.stride(0),
-        TOP_K=ids.shape[1], BD=bd, RNE=rne, SHARED=shared, num_warps=4)
+        TOP_K=ids.shape[1], BD=bd, RNE=rne, SHARED=shared, num_warps=4, **pdl_args(out.device))
 
 
 def moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_align_max, block_m,
@@ -432,13 +440,13 @@ def moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_ali
         float(situ_betas[0]), float(situ_betas[1]),
         TOP_K=k, BM=bm, BN=up.block_n, BK=up.block_k, GROUP_M=group_m, ACT=ACTIVATIONS[activation],
         EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne, SHARED=shared is not None,
-        num_warps=up.num_warps, num_stages=up.num_stages)
+        num_warps=up.num_warps, num_stages=up.num_stages, **pdl_args(x.device))
     _moe_down_kernel[(layout.max_blocks * triton.cdiv(d, down.block_n),)](
         h, w2, sw2, y, layout.sorted_ids, layout.expert_ids, layout.num_padded,
         n, layout.max_blocks, num_experts, d, inter, h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
         EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
-        SHARED=shared is not None, num_warps=down.num_warps, num_stages=down.num_stages)
+        SHARED=shared is not None, num_warps=down.num_warps, num_stages=down.num_stages, **pdl_args(x.device))
     combine(y, weights, ids, out, num_experts, rne, shared=shared is not None)
 
 

@@ -17,13 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import pdl_prologue
 
 
 @triton.jit
 def _router_logits_kernel(x, w, logits, T, D, E, k_span, stride_x, stride_w, stride_l, stride_split,
                           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     o_e = tl.program_id(1) * BE + tl.arange(0, BE)
     m_t = o_t < T
@@ -47,7 +49,8 @@ def _router_logits_kernel(x, w, logits, T, D, E, k_span, stride_x, stride_w, str
 @triton.jit
 def _router_topk_kernel(logits, bias, weights, ids, T, E, stride_l, stride_split, scaling,
                         K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
-                        SPLIT: tl.constexpr, RENORMALIZE: tl.constexpr):
+                        SPLIT: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     o_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     m_t = o_t < T
     o_e = tl.arange(0, E_PAD)
@@ -119,13 +122,14 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     _router_logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), split)](
         x, gate_weight, logits, t, d, e, k_span, x.stride(0), gate_weight.stride(0), logits.stride(1),
         logits.stride(0), BT=bt, BE=be, BK=bk, DOT_FP32=interpreting(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3)
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3, **pdl_args(x.device))
     e_pad = pow2_at_least(e, 16)
     bt2 = min(pow2_at_least(t), max(1, min(64, 4096 // e_pad)))  # rows per program: no more than the batch has
     _router_topk_kernel[(triton.cdiv(t, bt2),)](
         logits, correction_bias, weights, ids, t, e, logits.stride(1), logits.stride(0), float(scaling),
         K=top_k, K_PAD=pow2_at_least(top_k, 2), BT=bt2, E_PAD=e_pad, SPLIT=split, RENORMALIZE=bool(renormalize),
-        num_warps=max(1, min(4, bt2 * e_pad // 1024)))  # at most 32 scores per thread; one warp for a decode token
+        num_warps=max(1, min(4, bt2 * e_pad // 1024)),  # at most 32 scores per thread; one warp for a decode token
+        **pdl_args(x.device))
     return weights, ids
 
 

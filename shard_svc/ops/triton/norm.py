@@ -14,14 +14,15 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pow2_at_least
-from shard_svc.ops.triton.jit_helpers import round_to
+from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import pdl_prologue, round_to
 
 
 @triton.jit
 def _rms_norm_kernel(x, weight, gate, res, out, h_out, rows, stride_x, stride_g, stride_r, stride_o, stride_h, eps,
                      N: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, GATED: tl.constexpr, ADD: tl.constexpr,
-                     RNE: tl.constexpr):
+                     RNE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     o_r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     o_n = tl.arange(0, BN)
     m = (o_r < rows)[:, None] & (o_n < N)[None, :]
@@ -68,7 +69,7 @@ def _launch(op, x, weight, eps, out_dtype, gate=None, residual=None):
         _rms_norm_kernel[(triton.cdiv(rows, br),)](
             x2, weight, g2, r2, out, h2, rows, x2.stride(0), g2.stride(0), r2.stride(0), n, h2.stride(0), eps,
             N=n, BN=bn, BR=br, GATED=gate is not None, ADD=residual is not None,
-            RNE=interpreting() and x.dtype == torch.bfloat16, num_warps=4)
+            RNE=interpreting() and x.dtype == torch.bfloat16, num_warps=4, **pdl_args(x.device))
     return out, h
 
 

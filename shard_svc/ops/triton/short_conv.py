@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, check_index, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, check_index, pdl_args, pow2_at_least
+from shard_svc.ops.triton.jit_helpers import pdl_prologue
 
 
 @triton.jit
@@ -156,7 +157,9 @@ def _conv_state_kernel(
 def _conv_seq_kernel(
     x, weight, conv_state, slots, cu_seqlens, out, C, stride_x, stride_o, stride_s_slot, stride_s_c,
     W: tl.constexpr, WP: tl.constexpr, BC: tl.constexpr, EVEN_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     i_n = tl.program_id(0)
     o_c = tl.program_id(1) * BC + tl.arange(0, BC)
     if EVEN_C:  # no mask along the contiguous channels: vector loads
@@ -220,7 +223,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
         bc = 256
         _conv_seq_kernel[(n, triton.cdiv(c, bc))](
             x, weight, conv_state, slots, cu_seqlens, out, c, strides[0], out.stride(0), strides[1], strides[2],
-            W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4)
+            W=width, WP=wp, BC=bc, EVEN_C=c % bc == 0, num_warps=4, **pdl_args(x.device))
         return out
     warps = _prefill_warps(c) if num_warps is None else num_warps
     # 8 tokens: a thread holds 2 x (8 + W-1) rows of 4 channels (this tile's and the next), ~128 registers in bf16
