@@ -31,15 +31,17 @@ def interpreting() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device_index: int) -> bool:
-    """Hopper or later, and a Triton that launches with the PDL attribute (logged once when one is missing)."""
+    """Hopper or later, and a Triton with the PDL launch option and grid dependency control (logged once when this
+    Triton lacks them)."""
     if torch.cuda.get_device_capability(device_index)[0] < 9:
         return False
+    import triton
+    import triton.language.extra.cuda as cuda_extra
     from triton.backends.nvidia.compiler import CUDAOptions
 
-    if "launch_pdl" not in {f.name for f in dataclasses.fields(CUDAOptions)}:
-        import triton
-
-        log.warning("programmatic dependent launch off: this Triton (%s) has no launch_pdl option", triton.__version__)
+    if "launch_pdl" not in {f.name for f in dataclasses.fields(CUDAOptions)} or not hasattr(cuda_extra, "gdc_wait"):
+        log.warning("programmatic dependent launch off: this Triton (%s) has no launch_pdl option or gdc_wait",
+                    triton.__version__)
         return False
     return True
 
