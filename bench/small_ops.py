@@ -21,7 +21,8 @@ glu (SwiGLU of the shared experts and the dense MLP, I = 1024 / 9216, bf16; 27 p
 256, 8192 rows of gate and up as the column halves of one product. Graph replays of ours (one kernel) and eager
 (silu, then the product). Agreement: the share of elements bitwise equal to eager and the relative error.
 
---sweep also times short_conv tilings at B=8 x 4096 (T=32768) and moe_route splits of D at T <= 256; --profile adds
+--sweep also times short_conv tilings at B=8 x 4096 (T=32768), and moe_route splits of D and tokens per top-k
+program at T <= 256; --profile adds
 per-kernel device time (PyTorch profiler). Prints a table and writes small_ops.json to --out (default $OUT, else
 bench_out).
 """
@@ -146,6 +147,10 @@ def route_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
             for split in (1, 2, 3, 6, 9, 18):
                 row["sweep_graph_us"][f"split{split}"] = graph_us(
                     [lambda gw=gw, s=split: moe_route(x, gw, bias, *args, split_k=s) for gw in gates[:n_calls]])
+            for rows in (1, 2, 4, 16, 64):  # tokens per top-k program: one program for 16 serialises its arg-maxes
+                if rows <= max(t, 1) * 4:
+                    row["sweep_graph_us"][f"topk_rows{rows}"] = graph_us(
+                        [lambda gw=gw, r=rows: moe_route(x, gw, bias, *args, topk_rows=r) for gw in gates[:n_calls]])
         if profile and t in (1, 4096):
             row["ours_profile"] = kernel_profile(lambda: moe_route(x, gate, bias, *args), top=6)
             print("\n".join(format_profile(f"moe_route T={t}", row["ours_profile"])), flush=True)

@@ -82,12 +82,21 @@ def test_moe_route_ties_go_to_the_lower_expert(t):
     assert torch.equal(weights[:, 0], weights[:, 1]) and torch.equal(weights[:, 0], weights[:, 2])
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 64])
+def test_moe_route_any_topk_rows(rows):
+    """Tokens per top-k program only tile the batch: every choice agrees with eager (17 tokens: a partial tile)."""
+    x, gate, bias = inputs(17, 200, 40, torch.float32, seed=3)
+    assert_matches_eager(f"topk_rows={rows}", x, gate, bias, 6, True, 2.446, topk_rows=rows)
+
+
 def test_moe_route_rejects_bad_split():
     from shard_svc.ops.triton.common import TritonKernelError
 
     x, gate, bias = inputs(1, 64, 8, torch.float32)
     with pytest.raises(TritonKernelError, match="split_k 0"):
         route_module().moe_route(x, gate, bias, 2, True, 1.0, split_k=0)
+    with pytest.raises(TritonKernelError, match="topk_rows 3"):
+        route_module().moe_route(x, gate, bias, 2, True, 1.0, topk_rows=3)
 
 
 def test_op_seam_serves_triton_router():

@@ -85,11 +85,13 @@ _MIN_PROGRAMS = 256
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-              renormalize: bool, scaling: float, *, split_k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              renormalize: bool, scaling: float, *, split_k: int | None = None,
+              topk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `ops.moe.eager.moe_route`: x [T, D], gate_weight [E, D], correction_bias [E] ->
     (weights [T, k] fp32, expert ids [T, k] int64).
 
-    `split_k` overrides how many parts the hidden dimension is split into (benchmarks and tests)."""
+    `split_k` overrides how many parts the hidden dimension is split into, `topk_rows` how many tokens one top-k
+    program takes (a power of two; benchmarks and tests)."""
     op = "moe_route"
     check(op, "x", x, dims=2)
     check(op, "gate_weight", gate_weight, dtypes=(x.dtype,), dims=2)
@@ -99,6 +101,8 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     if gate_weight.shape[1] != d or correction_bias.shape[0] != e or not 0 < top_k <= e or top_k > 64:
         raise TritonKernelError(f"{op}: gate_weight {tuple(gate_weight.shape)}, bias {tuple(correction_bias.shape)}, "
                                 f"top_k {top_k} do not fit x {tuple(x.shape)} (top_k at most 64 and E)")
+    if topk_rows is not None and (topk_rows < 1 or topk_rows & (topk_rows - 1)):
+        raise TritonKernelError(f"{op}: topk_rows {topk_rows} must be a power of two")
     if e > 4096:
         raise TritonKernelError(f"{op}: {e} experts do not fit the per-token register tile (at most 4096)")
     weights = torch.empty(t, top_k, dtype=torch.float32, device=x.device)
@@ -124,7 +128,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
         logits.stride(0), BT=bt, BE=be, BK=bk, DOT_FP32=interpreting(),
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3, **pdl_args(x.device))
     e_pad = pow2_at_least(e, 16)
-    bt2 = min(pow2_at_least(t), max(1, min(64, 4096 // e_pad)))  # rows per program: no more than the batch has
+    bt2 = topk_rows or min(pow2_at_least(t), max(1, min(64, 4096 // e_pad)))  # rows per program: at most the batch
     _router_topk_kernel[(triton.cdiv(t, bt2),)](
         logits, correction_bias, weights, ids, t, e, logits.stride(1), logits.stride(0), float(scaling),
         K=top_k, K_PAD=pow2_at_least(top_k, 2), BT=bt2, E_PAD=e_pad, SPLIT=split, RENORMALIZE=bool(renormalize),
