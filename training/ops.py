@@ -22,6 +22,7 @@ from shard_svc.forward_batch import ForwardBatch, ForwardContext
 from shard_svc.ops import EAGER, Ops
 from shard_svc.ops.activations import glu
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
+from shard_svc.ops.norm import rms_norm
 from shard_svc.ops.precision import upcast
 
 from training.mxfp4 import fake_quantize_mxfp4
@@ -86,8 +87,8 @@ def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool 
         o = chunked_kda(*(rows(t) for t in (qn, kn, upcast(v), g, beta)), chunk)
         return o.reshape(v.shape).to(v.dtype)
 
-    def mla_cache_write(cache, latent, slot_mapping):
-        cache.latent = latent
+    def mla_cache_write(cache, c_kv, k_pe, norm_weight, eps, slot_mapping):
+        cache.latent = torch.cat([rms_norm(c_kv, norm_weight, eps), k_pe], dim=-1)
 
     def mla_prefill(q_nope, q_pe, cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
         nh, nope = q_nope.shape[1], q_nope.shape[2]

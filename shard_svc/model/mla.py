@@ -57,8 +57,8 @@ class MLAttention(PackedWeights):
         q = q.view(t, self.nh, self.nope + self.rope)
         c_kv, k_pe = kv_a.split([self.kv_lora, self.rope], dim=-1)
         cache = ctx.kv_cache.layer(self.layer_idx)
-        # The cache stores the normed c_kv, so decode never re-normalises old tokens.
-        ops.mla_cache_write(cache, torch.cat([self.kv_a_layernorm(c_kv, ops), k_pe], dim=-1), batch.slot_mapping)
+        norm = self.kv_a_layernorm
+        ops.mla_cache_write(cache, c_kv, k_pe, norm.weight, norm.eps, batch.slot_mapping)  # writes norm(c_kv) | k_pe
         attend = ops.mla_decode if batch.is_decode else ops.mla_prefill
         o = attend(q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
                    batch.ctx_lens, batch.cu_seqlens, self.scale).reshape(t, self.nh * self.v_dim)

@@ -31,7 +31,7 @@ class Ops:
     short_conv: Callable
     kda_prefill: Callable
     kda_decode: Callable
-    mla_cache_write: Callable
+    mla_cache_write: Callable  # (cache, c_kv, k_pe, norm weight, eps, slot mapping): norm(c_kv) | k_pe into the cache
     mla_prefill: Callable
     mla_decode: Callable
     moe_route: Callable

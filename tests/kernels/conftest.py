@@ -17,7 +17,7 @@ import torch
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # modules with @triton.jit, in import order (shared device functions first)
-KERNEL_MODULES = ("jit_helpers", "kda_gate", "kda_decode", "kda_chunk", "short_conv", "norm", "glu")
+KERNEL_MODULES = ("jit_helpers", "kda_gate", "kda_decode", "kda_chunk", "short_conv", "norm", "glu", "mla_cache")
 
 
 def _interpreted(triton_module) -> bool:

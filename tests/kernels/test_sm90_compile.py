@@ -85,6 +85,9 @@ def decode_48b_launches() -> None:
                                       torch.empty(2 * I_MOE, D, dtype=BF16), torch.empty(D, I_MOE, dtype=BF16))
     args = make_decode_batch([4095] * 2, 32, 128, 64, 128, 512, 64, BF16)
     mla_module().mla_decode(*args, 0.1)
+    kernel_module("mla_cache", "_mla_cache_write_kernel").mla_cache_write(
+        args[2], torch.empty(2, 512, dtype=BF16), torch.empty(2, 64, dtype=BF16), torch.empty(512, dtype=BF16), 1e-6,
+        torch.tensor([0, 1]))
     args = make_prefill_batch([4096], [512], 32, 128, 64, 128, 512, 64, BF16)
     prefill_module().mla_prefill(*args, 0.1)
 

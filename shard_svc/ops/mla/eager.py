@@ -1,18 +1,24 @@
 """Eager MLA attention over the paged latent KV cache: the reference for the MLA kernels.
 
 The cache holds, per token and MLA layer, `[RMSNorm(c_kv) (kv_lora) | k_pe (rope)]`. New tokens are written first
-(`mla_cache_write`), then each query attends causally to its sequence's cached prefix plus itself.
+(`mla_cache_write`, which applies the norm), then each query attends causally to its sequence's cached prefix plus
+itself.
 """
 
 import torch
 
+from shard_svc.ops.norm import rms_norm
 from shard_svc.ops.precision import upcast
 
 QUERY_BLOCK = 1024
 
 
-def mla_cache_write(kv_cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """kv_cache [blocks, block_size, W] one layer's view; latent [T, W]; slot_mapping [T] flat token positions."""
+def mla_cache_write(kv_cache: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor, norm_weight: torch.Tensor,
+                    eps: float, slot_mapping: torch.Tensor) -> None:
+    """kv_cache [blocks, block_size, kv_lora + rope] one layer's view; the new tokens' c_kv [T, kv_lora] (normed here:
+    the cache holds the normed latent, so decode never re-normalises old tokens) and k_pe [T, rope]; slot_mapping
+    [T] flat token positions."""
+    latent = torch.cat([rms_norm(c_kv, norm_weight, eps), k_pe], dim=-1)
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping] = latent.to(kv_cache.dtype)
 
 

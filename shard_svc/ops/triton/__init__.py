@@ -5,8 +5,9 @@ One file per kernel family, each next to the eager reference it is tested agains
 `kda_decode.py` (ops/kda/eager.py::kda_decode), `kda_chunk.py` (ops/kda/eager.py::kda_prefill and the token loop
 in ops/kda/naive.py), `short_conv.py` (ops/conv.py), `norm.py` (ops/norm.py: rms_norm, add_rms_norm,
 gated_rms_norm), `glu.py` (ops/activations.py), `moe.py`, `moe_shared.py` and `moe_route.py`
-(ops/moe/eager.py::moe_experts, with_shared_expert, moe_route), `mla_decode.py` and `mla_prefill.py`
-(ops/mla/eager.py::mla_attention; on CUDA its long sequences run on cuDNN, ops/mla/cudnn.py).
+(ops/moe/eager.py::moe_experts, with_shared_expert, moe_route), `mla_cache.py` (ops/mla/eager.py::mla_cache_write),
+`mla_decode.py` and `mla_prefill.py` (ops/mla/eager.py::mla_attention; on CUDA its long sequences run on cuDNN,
+ops/mla/cudnn.py).
 Ops not listed in `load()` stay eager. `moe_w4a16.py::moe_experts_w4a16` (packed MXFP4 experts, the contract of
 streaming/experts.py::w4a16_moe_experts) has no op-seam name: whoever holds packed experts calls it directly.
 
@@ -41,6 +42,7 @@ def load() -> dict[str, Callable]:
     from shard_svc.ops.triton.kda_chunk import kda_prefill
     from shard_svc.ops.triton.kda_decode import kda_decode
     from shard_svc.ops.triton.linear import linear
+    from shard_svc.ops.triton.mla_cache import mla_cache_write
     from shard_svc.ops.triton.mla_decode import mla_decode
     from shard_svc.ops.triton.mla_prefill import mla_prefill
     from shard_svc.ops.triton.moe import moe_experts
@@ -61,6 +63,7 @@ def load() -> dict[str, Callable]:
         "moe_experts": moe_experts,
         "moe_experts_shared": moe_experts_shared,
         "moe_route": moe_route,
+        "mla_cache_write": mla_cache_write,
         "mla_decode": mla_decode,
         "mla_prefill": mla_prefill,
     }
