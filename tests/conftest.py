@@ -51,6 +51,7 @@ LONGEST_FIRST = (
     "tests/parallel/test_cli.py",  # 42
     "tests/router/http/test_openai_compat.py",  # 41
     "tests/deploy/test_image_package.py",  # 33
+    "tests/kernels/test_sm90_compile.py",  # 30 (2026-12-05)
     "tests/services/test_resilience.py",  # 33
     "tests/test_cli.py",  # 31
     "tests/trained/test_parity.py",  # 31

@@ -13,7 +13,6 @@ import torch
 
 from shard_svc.ops import select_ops
 from tests.engine.conftest import linear_config, random_model
-from tests.engine.test_cuda_graphs import run
 from tests.kernels.conftest import ON_GPU, kernel_module
 from tests.kernels.sm90 import SHARED_MEMORY_LIMIT, compile_all, recorded_launches
 from tests.kernels.test_glu import glu_module
@@ -39,14 +38,20 @@ def all_kernels() -> set[str]:
 
 
 def tiny_model_launches() -> None:
-    cfg, model = random_model(linear_config(), seed=0, dtype=BF16)
+    """One prefill pass of two prompts (one with a cached prefix from an earlier pass) and two decode steps."""
     from shard_svc.engine.engine import Engine, EngineConfig
+    from shard_svc.engine.sampling import SamplingParams
     from shard_svc.model.kimi import pack_weights
 
+    cfg, model = random_model(linear_config(), seed=0, dtype=BF16)
     pack_weights(model)
     engine = Engine(cfg, model, select_ops(torch.device("cpu"), "triton"), torch.device("cpu"),
-                    EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=4, prefill_token_budget=1000))
-    run(engine)
+                    EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=4, prefill_token_budget=24))
+    greedy = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", list(range(1, 31)), greedy)
+    engine.add_request("b", [5, 6, 7], greedy)
+    for _ in range(4):
+        engine.step()
 
 
 def other_paths() -> None:
