@@ -2,6 +2,8 @@
 
     python bench/kda_kernels.py [--out DIR] [--sweep] [--quick]
 
+--sweep also times 16- and 32-row chunks on every prefill shape, and kernel layouts on B=1 T=16k.
+
 Kimi-Linear-48B head shape: H=32, K=V=128, bf16 inputs, fp32 state. Prefill: B=1 x T=4k/16k/64k and B=8 x 4k
 (ours packed varlen with cu_seqlens, fla in batch form on the same data; fla gets the gate precomputed as in
 docs/anchors.md, ours computes it in the kernel). Decode: N=1..1024 sequences, one token each, state in place.
@@ -82,6 +84,19 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         row["ours_ms"] = gpu_ms(lambda: kda_prefill(*args, pool, slots, cu))
         _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
         row["ours_intra_ms"], row["ours_state_ms"] = gpu_ms(intra), gpu_ms(state)
+        if sweep:  # chunk sizes, every shape: FlashKDA's 16 rows trade intra-chunk work for state steps
+            row["sweep_chunk"] = {}
+            for chunk in (16, 32):
+                p_c = pool0.clone()
+                o_c = kda_prefill(*args, p_c, slots, cu, chunk=chunk)
+                _, it, st = kda_prefill_stages(*args, pool, slots, cu, chunk=chunk)
+                row["sweep_chunk"][chunk] = {"err_o_vs_fla": rel(o_c, o_fla.view(n_tok, H, V)),
+                                             "err_state_vs_fla": rel(p_c, s_fla), "intra_ms": gpu_ms(it),
+                                             "state_ms": gpu_ms(st),
+                                             "ms": gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu,
+                                                                                      chunk=c))}
+                del o_c, p_c
+            print("chunk sweep", b, t, json.dumps(row["sweep_chunk"]), flush=True)
         if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
             row["sweep_intra"] = []
             for cfg in INTRA_SWEEP:
@@ -200,6 +215,10 @@ def table(res) -> str:
         lines.append(f"  B={r['B']} T={r['T']:<6}              {r['ours_ms']:7.3f}  ({r['ours_intra_ms']:.3f}+"
                      f"{r['ours_state_ms']:.3f})  {r['fla_ms']:8.3f}  {r['speedup']:6.2f}x  {r['ours_Mtok_s']:9.2f}  "
                      f"{r['err_o_vs_fla']:.1e}/{r['err_state_vs_fla']:.1e}")
+        for chunk, c in r.get("sweep_chunk", {}).items():
+            lines.append(f"    chunk {chunk:<3}                 {c['ms']:7.3f}  ({c['intra_ms']:.3f}+"
+                         f"{c['state_ms']:.3f})  {r['fla_ms']:8.3f}  {r['fla_ms'] / c['ms']:6.2f}x  {'':9}  "
+                         f"{c['err_o_vs_fla']:.1e}/{c['err_state_vs_fla']:.1e}")
     lines += ["", "decode (one token/seq)  do_bench: ours us  fla us  speedup | graph: ours us  fla us  "
               "ours TB/s  ours/copy | err o/state vs fla"]
     for r in res["decode"]:

@@ -54,14 +54,14 @@ def make_inputs(lens, heads, dk, dv, dtype, flavour, num_slots=7, seed=0):
     return [x.to(dtype) for x in (q, k, v, f, beta_logits)] + [a_log, dt_bias], slots
 
 
-def run_case(lens, heads, dk, dv, lb, dtype, flavour, tol):
+def run_case(lens, heads, dk, dv, lb, dtype, flavour, tol, **config):
     from shard_svc.ops.triton.kda_chunk import kda_prefill
 
     (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, heads, dk, dv, dtype, flavour)
     cu = cu_seqlens(lens)
     pool = poisoned_pool((7, heads, dk, dv), slots)
     ours_pool = pool.clone()
-    o = kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, ours_pool, slots, cu)
+    o = kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, ours_pool, slots, cu, **config)
     assert o.dtype == v.dtype and o.shape == v.shape
     assert_unused_untouched("kda_prefill state", ours_pool, slots)
 
@@ -88,6 +88,26 @@ def _tol(dtype):
 def test_kda_prefill_matches_reference(case):
     lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype))
+
+
+@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("case", ["varlen-1,2,63,65-H3-K16-lower-bound", "one-128-H2-huge-decay",
+                                  "one-96-H2-identical-keys", "varlen-65,63-H2-K32-bf16"])
+def test_kda_prefill_smaller_chunks_match_reference(case, chunk):
+    """16- and 32-row chunks (FlashKDA's size; the benchmark times them against 64): the same results, boundaries
+    now on and off a finer grid."""
+    lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk)
+
+
+def test_kda_prefill_refuses_other_chunks():
+    from shard_svc.ops.triton.common import TritonKernelError
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs([5], 1, 8, 8, torch.float32, "plain")
+    with pytest.raises(TritonKernelError, match="chunk 48 is not one of"):
+        kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, poisoned_pool((7, 1, 8, 8), slots), slots,
+                    cu_seqlens([5]), chunk=48)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="real Kimi-Linear shapes run on the GPU only (the interpreter is too slow)")

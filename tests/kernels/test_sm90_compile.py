@@ -1,7 +1,8 @@
 """Every Triton kernel of the project compiles for sm_90 (tests/kernels/sm90.py): the launches of a tiny bf16
 model's prefill and decode through the Triton backend, of the paths a tiny model does not take (histogram align,
 split-K, split MLA decode, segmented MLA prefill, MXFP4 experts), and, recorded without running them, of the
-Kimi-Linear-48B decode shapes (its linears, norms, activation, MoE with the shared expert, MLA at its head dims)."""
+Kimi-Linear-48B decode shapes (its linears, norms, activation, MoE with the shared expert, MLA at its head dims) and
+of its KDA prefill in 16- and 32-row chunks."""
 
 from __future__ import annotations
 
@@ -97,6 +98,18 @@ def decode_48b_launches() -> None:
     prefill_module().mla_prefill(*args, 0.1)
 
 
+def kda_prefill_48b_launches() -> None:
+    """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet."""
+    from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
+
+    kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
+    (q, k, v, f, bl, a_log, dt_bias), slots = kda_inputs([100, 28], 2, 128, 128, BF16, "plain")
+    cu = torch.tensor([0, 100, 128])
+    for chunk in (16, 32):
+        pool = torch.zeros(7, 2, 128, 128)
+        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk)
+
+
 @pytest.mark.slow  # ~1 minute: out of `make test-fast`
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -105,6 +118,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         other_paths()
     with recorded_launches(execute=False) as specs_48b:
         decode_48b_launches()
+        kda_prefill_48b_launches()
     results = compile_all(specs + specs_48b, str(tmp_path))
     assert len(results) == len(specs) + len(specs_48b)
     failed = [f"{r['name']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]

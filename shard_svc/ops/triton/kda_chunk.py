@@ -1,4 +1,5 @@
-"""KDA chunked prefill over packed variable-length sequences (chunk 64), state read from and written to the pool.
+"""KDA chunked prefill over packed variable-length sequences (chunk 64, or 16 / 32 on request), state read from and
+written to the pool.
 
 Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (UT/WY chunk form, docs/models.md#chunked-prefill) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
@@ -34,6 +35,10 @@ from shard_svc.ops.triton.common import TritonKernelError, check, check_index, i
 from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
 
 CHUNK = 64  # BT: rows per chunk
+# Chunks a caller may ask for (`chunk=`): FlashKDA runs 16-row chunks, which moves work from the intra kernel (its
+# cost per token grows with the chunk) to the state walk (more, smaller steps); bench/kda_kernels.py --sweep times
+# them against each other.
+CHUNKS = (16, 32, 64)
 SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 
@@ -298,10 +303,13 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-                       intra_warps: int = 4):  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
+                       intra_warps: int = 4,  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
+                       chunk: int = CHUNK):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
+    if chunk not in CHUNKS:
+        raise TritonKernelError(f"{op}: chunk {chunk} is not one of {CHUNKS}")
     t, heads, dk = q.shape
     dv = v.shape[-1]
     n = slots.shape[0]
@@ -311,14 +319,14 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     # Chunk offsets of each sequence, on the device: no host sync, so the call can be graph-captured.
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     chunk_offsets = torch.zeros(n + 1, dtype=torch.int64, device=q.device)
-    torch.cumsum((lens + CHUNK - 1) // CHUNK, 0, out=chunk_offsets[1:])
-    max_chunks = t // CHUNK + n  # sum of ceil(len / 64) <= floor(T / 64) + B
+    torch.cumsum((lens + chunk - 1) // chunk, 0, out=chunk_offsets[1:])
+    max_chunks = t // chunk + n  # sum of ceil(len / chunk) <= floor(T / chunk) + B
     inter = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     w = torch.empty(t, heads, dk, dtype=inter, device=q.device)
     qg = torch.empty_like(w)
     kg = torch.empty_like(w)
     u = torch.empty(t, heads, dv, dtype=inter, device=q.device)
-    aqk = torch.empty(t, heads, CHUNK, dtype=inter, device=q.device)
+    aqk = torch.empty(t, heads, chunk, dtype=inter, device=q.device)
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
@@ -330,8 +338,8 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             n, dk**-0.5, lb,
-            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=CHUNK, BC=SUB,
-            FAR_LEVELS=int(math.log2(CHUNK // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
+            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
+            FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             num_warps=intra_warps,
         )
@@ -340,7 +348,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
         _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
             w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
-            H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=CHUNK, DOT_FP32=interpreting(),
+            H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
             # 3 stages of bf16 tiles fit in shared memory (fastest on the H200); fp32 tiles only fit 1
             num_warps=state_warps, num_stages=state_stages or (3 if inter != torch.float32 else 1),
         )
