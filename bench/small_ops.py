@@ -241,8 +241,8 @@ def table(res: dict) -> str:
                          f"{r['ours_graph_frac_copy']:9.1%} | {r['ids_equal_frac']:9.2%}"
                          f"{r['err_weights_vs_eager']:9.1e}")
             if r.get("sweep_graph_us"):
-                lines.append("    graph us by setting: " + "  ".join(f"{k} {v:.1f}"
-                                                                   for k, v in r["sweep_graph_us"].items()))
+                settings = "  ".join(f"{k} {v:.1f}" for k, v in r["sweep_graph_us"].items())
+                lines.append(f"    graph us by setting: {settings}")
     if res["add_rms_norm"]:
         lines += ["", f"add_rms_norm D={D} bf16 (graph us per call, {NORMS_PER_STEP} calls replayed)",
                   f"  {'':<8}{'fused':>8}{'unfused':>9}{'eager':>8}{'speedup':>9}{'of copy':>9}{'sum ==':>8}"
