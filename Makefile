@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast soak venv protos clean bench-gpu train-gpu
+.PHONY: up test test-fast soak venv protos clean bench-gpu bench-decode train-gpu
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -59,6 +59,18 @@ bench-gpu:
 	$(GPU_ENV) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops
 	$(GPU_ENV) $(GPU_PY) -m bench.mla_decode_sweep --out $(BENCH_OUT)/mla_decode
 	$(GPU_ENV) $(GPU_PY) -m bench.streaming --out $(BENCH_OUT)/streaming --pinned-fraction 0.5
+	$(GPU_ENV) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
+
+# The decode set of bench-gpu, run on its own while decode kernels change: the Triton kernel tests on the GPU first
+# (each kernel against its eager reference, at the 48B shapes too; a failure is logged and the benchmarks still run),
+# then the whole-model decode (fused ops, PDL on and off), the small ops with their sweeps, the decode linears and the
+# trained-model parity (greedy tokens against eager).
+bench-decode:
+	mkdir -p $(BENCH_OUT)
+	-$(GPU_ENV) $(GPU_PY) -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee $(BENCH_OUT)/kernel_tests.log
+	$(GPU_ENV) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
+	$(GPU_ENV) $(GPU_PY) -m bench.small_ops --out $(BENCH_OUT)/small_ops --skip conv --sweep
+	$(GPU_ENV) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear
 	$(GPU_ENV) $(GPU_PY) -m bench.trained_parity --out $(BENCH_OUT)/trained_parity
 
 # Trains models/ from nothing (training/train.py; about six minutes on an H200) into TRAIN_OUT/<model>/, with the
