@@ -147,10 +147,10 @@ def route_rows(dev, copy: float, sweep: bool, profile: bool) -> list[dict]:
             for split in (1, 2, 3, 6, 9, 18):
                 row["sweep_graph_us"][f"split{split}"] = graph_us(
                     [lambda gw=gw, s=split: moe_route(x, gw, bias, *args, split_k=s) for gw in gates[:n_calls]])
-            for rows in (1, 2, 4, 16, 64):  # tokens per top-k program: one program for 16 serialises its arg-maxes
-                if rows <= max(t, 1) * 4:
-                    row["sweep_graph_us"][f"topk_rows{rows}"] = graph_us(
-                        [lambda gw=gw, r=rows: moe_route(x, gw, bias, *args, topk_rows=r) for gw in gates[:n_calls]])
+            for per in (1, 2, 4, 16, 64):  # tokens per top-k program: one program for 16 serialises its arg-maxes
+                if per <= max(t, 1) * 4:
+                    row["sweep_graph_us"][f"topk_rows{per}"] = graph_us(
+                        [lambda gw=gw, r=per: moe_route(x, gw, bias, *args, topk_rows=r) for gw in gates[:n_calls]])
         if profile and t in (1, 4096):
             row["ours_profile"] = kernel_profile(lambda: moe_route(x, gate, bias, *args), top=6)
             print("\n".join(format_profile(f"moe_route T={t}", row["ours_profile"])), flush=True)

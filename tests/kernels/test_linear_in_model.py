@@ -10,16 +10,19 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shard_svc.ops import select_ops
 from tests.engine.conftest import k3_config, linear_config
-from tests.kernels.conftest import DEVICE
+from tests.kernels.conftest import DEVICE, ON_GPU
 from tests.kernels.test_linear import linear_module
 from tests.kernels.test_mla_moe_in_model import generate as run_prompts
 
 def generate(raw: dict, triton_linear: bool, paths: list[tuple[bool, bool]] | None = None):
-    """paths: filled with (`uses_skinny`, x contiguous) of every linear call (triton_linear only)."""
-    ops = select_ops(DEVICE, "eager")
+    """paths: filled with (`uses_skinny`, x contiguous) of every linear call (triton_linear only). On the GPU the
+    decode graphs are captured, so the ops around the linear are the (graph-safe) Triton ones, F.linear the
+    reference's linear."""
+    ops = dataclasses.replace(select_ops(DEVICE, "triton" if ON_GPU else "eager"), linear=F.linear)
     if triton_linear:
         mod = linear_module()
 

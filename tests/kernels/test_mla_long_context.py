@@ -14,6 +14,8 @@ import torch
 from shard_svc.ops.mla import eager
 from shard_svc.ops.mla.long_context import math_attend, prefill_sequence
 from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
+
+FP32_TOL = 3e-3 if ON_GPU else 1e-5  # the GPU's fp32 dots are TF32
 from tests.kernels.test_mla_prefill import make_prefill_batch, prefill_module
 
 ATTENDS = {"math": math_attend}
@@ -46,7 +48,7 @@ def test_one_sequence_matches_eager(case, attend):
     out = prefill_sequence(q_nope, q_pe, cache, w_kv_b, tables[0], ctx, scale, ATTENDS[attend], workspace)
     ref = eager.mla_attention(q_nope, q_pe, cache, w_kv_b, tables, ctx_lens, cu, scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert_close(f"{case} {attend}", out, ref, 1e-5 if dtype == torch.float32 else 2e-2)
+    assert_close(f"{case} {attend}", out, ref, FP32_TOL if dtype == torch.float32 else 2e-2)
 
 
 def test_the_dispatch_sends_long_sequences_to_the_library_and_keeps_the_rest_packed():
@@ -63,7 +65,7 @@ def test_the_dispatch_sends_long_sequences_to_the_library_and_keeps_the_rest_pac
     args = make_prefill_batch([40, 30, 0, 0], [1, 30, 8, 25], 3, 16, 8, 16, 32, 4, torch.float32, seed=5)
     out = mod.mla_prefill(*args, 0.25, block_m=16, block_n=16, workspace_tokens=16, long_attend=recording,
                           long_pairs=600)
-    assert_close("dispatch", out, eager.mla_attention(*args, 0.25), 1e-5)
+    assert_close("dispatch", out, eager.mla_attention(*args, 0.25), FP32_TOL)
     # the 30-token chunk at context 30: 16 + 14 context keys, then itself
     assert calls == [(30, 16, False), (30, 14, False), (30, 30, True)]
 
@@ -72,7 +74,7 @@ def test_without_a_library_every_sequence_stays_in_the_kernel():
     mod = prefill_module()
     args = make_prefill_batch([40, 0], [3, 25], 2, 16, 8, 16, 32, 4, torch.float32, seed=6)
     assert_close("no library", mod.mla_prefill(*args, 0.25, block_m=16, block_n=16, long_pairs=1),
-                 eager.mla_attention(*args, 0.25), 1e-5)
+                 eager.mla_attention(*args, 0.25), FP32_TOL)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN needs the GPU")
@@ -136,4 +138,5 @@ def test_chunked_prompts_through_an_engine_match_eager():
     assert calls and all(keys <= 8 for _, keys, causal in calls if not causal)  # the library saw bounded parts
     for a, b in zip(*runs, strict=True):
         assert a.output == b.output and a.finish_reason == b.finish_reason == "length"
-        assert_close(f"prompt logits {a.request_id}", torch.cat(b.prompt_logits), torch.cat(a.prompt_logits), 1e-4)
+        assert_close(f"prompt logits {a.request_id}", torch.cat(b.prompt_logits), torch.cat(a.prompt_logits),
+                     2e-3 if ON_GPU else 1e-4)

@@ -37,6 +37,9 @@ if ON_GPU:
                                                          torch.bfloat16, 128, 32768)
 
 
+FP32_TOL = 3e-3 if ON_GPU else 1e-5  # the GPU's fp32 dots are TF32
+
+
 def prefill_module():
     return kernel_module("mla_prefill", "_mla_prefill_kernel", shares_from=("jit_helpers",))
 
@@ -75,7 +78,7 @@ def test_mla_prefill_matches_eager(case):
                           workspace_tokens=workspace)
     ref = eager.mla_attention(*args, scale)
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert_close(f"mla_prefill {case}", out, ref, 2e-2 if dtype != torch.float32 else 1e-5)
+    assert_close(f"mla_prefill {case}", out, ref, 2e-2 if dtype != torch.float32 else FP32_TOL)
 
 
 @pytest.mark.parametrize("workspace", [1, 5, 16, 61])
@@ -85,7 +88,7 @@ def test_segmented_passes_agree_with_one_launch(workspace):
     args = make_prefill_batch([9, 0, 23], [12, 20, 3], 2, 16, 8, 16, 32, 4, torch.float32, seed=3)
     one = mod.mla_prefill(*args, 0.3, block_m=16, block_n=16)
     assert_close(f"workspace {workspace}", mod.mla_prefill(*args, 0.3, block_m=16, block_n=16,
-                                                           workspace_tokens=workspace), one, 1e-5)
+                                                           workspace_tokens=workspace), one, FP32_TOL)
 
 
 def test_segments_cut_the_packed_keys_and_skip_sequences_without_queries():
