@@ -34,7 +34,7 @@ from shard_svc.config import ModelConfig
 from training.corpus import CORPUS_FILE, load_corpus
 from training.data import DialogueSampler, ProseSampler, pack_dialogues, token_stream
 from training.dialogues import make_dialogues
-from training.evaluate import held_out_perplexity, samples, unigram_perplexity
+from training.evaluate import Lexicon, english_check, held_out_perplexity, samples, unigram_perplexity
 from training.loop import PhaseReport, Schedule, Trainer
 from training.models import BASE_VOCAB, MODELS, PAD, init_model, kimi_k3_config, round_experts_to_mxfp4
 from training.tokenizer import train_tokenizer
@@ -58,7 +58,7 @@ class Recipe:
 
 RECIPES = {
     "kimi-linear-austen": Recipe(batch=64, lr=2e-3, pretrain_s=90.0, sft_fraction=0.15),
-    "kimi-k3-austen": Recipe(batch=64, lr=1.5e-3, pretrain_s=170.0, sft_fraction=0.15),
+    "kimi-k3-austen": Recipe(batch=64, lr=1.5e-3, pretrain_s=240.0, sft_fraction=0.15, max_epochs=12.0),
 }
 
 
@@ -99,6 +99,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     held_stream = token_stream(corpus.held_out, tokenizer)[:args.held_out_tokens]
     dialogues = make_dialogues(NUM_DIALOGUES, corpus.train_by_novel, tokenizer, args.seed)
     packed = pack_dialogues(dialogues, args.seq_len, PAD)
+    lexicon = Lexicon.of(corpus.train + corpus.held_out)
     summary: dict[str, Any] = {
         "seed": args.seed, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "cuda_graphs": args.cuda_graphs,
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log.info("data ready", extra={k: summary[k] for k in ("corpus", "tokenizer", "dialogues")})
     for name in args.models:
         summary["models"][name] = train_one(name, args, device, dtype, tokenizer, tok_dir, train_stream, held_stream,
-                                            packed)
+                                            packed, lexicon)
         summary["seconds"] = round(time.perf_counter() - start, 1)
         # After each model, so a later model's failure leaves the earlier ones' report with their checkpoints.
         (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -123,7 +124,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train_one(name: str, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, tokenizer, tok_dir: Path,
-              train_stream: torch.Tensor, held_stream: torch.Tensor, packed) -> dict[str, Any]:
+              train_stream: torch.Tensor, held_stream: torch.Tensor, packed,
+              lexicon: Lexicon) -> dict[str, Any]:
     recipe = RECIPES[name]
     raw = kimi_k3_config(args.k3_layers) if name == "kimi-k3-austen" else MODELS[name]()
     cfg = ModelConfig.from_dict(raw, source=name)
@@ -160,6 +162,7 @@ def train_one(name: str, args: argparse.Namespace, device: torch.device, dtype: 
         "pretrain": asdict(pre), "sft": asdict(sft),
         "held_out": held_out_perplexity(model, held_stream, args.seq_len, batch, KDA_CHUNK),
         "samples": samples(model, tokenizer, args.sample_tokens, PAD, KDA_CHUNK),
+        "english": english_check(model, tokenizer, lexicon, PAD, KDA_CHUNK),
     }
     out = args.out / name
     out.mkdir()

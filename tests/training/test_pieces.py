@@ -22,6 +22,7 @@ from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
 from training.corpus import CORPUS_FILE, NOVELS, load_corpus
 from training.data import pack_dialogues
 from training.dialogues import make_dialogues, tokenize_dialogue
+from training.evaluate import Lexicon
 from training.models import round_experts_to_mxfp4
 from training.mxfp4 import mxfp4_round
 from training.rdata import read_lazy_load
@@ -49,6 +50,14 @@ def _xdr_strings(values: list[str]) -> bytes:
         raw = v.encode()
         out += struct.pack(">ii", 9 | (1 << 15), len(raw)) + raw  # CHARSXP, UTF-8 flag
     return out
+
+
+def test_the_lexicon_counts_corpus_words_and_word_pairs():
+    lexicon = Lexicon.of(["It is a truth universally acknowledged, that a single man", "Mr. Darcy's pride."])
+    assert lexicon.english("It is a single man") == (1.0, 1.0)
+    assert lexicon.english("a truth Darcy's") == (1.0, 0.5)  # case-blind; "truth darcy's" is no corpus pair
+    assert lexicon.english("a truthxq, man man") == (0.75, 0.0)
+    assert lexicon.english(" ,.;") == (0.0, 0.0)
 
 
 def test_rdata_reads_a_lazy_load_database():
