@@ -6,7 +6,8 @@ own rounding noise at the serving dtype), `kernels-bf16` (the Triton ops and, on
 shard serves), and `kernels-fp32` (the same fast paths in float32, where a correct kernel differs from the
 reference by rounding only, so replies should match token for token). For each variant against the reference:
 - held-out: WINDOWS windows of SEQ tokens of the corpus's held-out paragraphs, teacher-forced through prefill;
-  top-1 agreement of the next-token argmax, and the variant's perplexity next to the reference's;
+  top-1 agreement of the next-token argmax, with the reference and with the eager path at the variant's own dtype
+  (what the kernels alone change), and the variant's perplexity next to the reference's;
 - greedy: the chat prompts decoded for --tokens tokens; how many replies are identical and the mean length of the
   common prefix.
 
@@ -52,6 +53,7 @@ class VariantResult:
     variant: str
     perplexity: float
     top1_agreement: float  # held-out positions whose argmax equals the reference's
+    top1_same_dtype: float  # ... equals the eager path's at this variant's dtype: the kernels' own share
     identical_replies: int
     mean_common_prefix: float  # greedy tokens before the first difference from the reference, per reply
     cuda_graphs: bool
@@ -100,10 +102,13 @@ def measure(path: Path, device: torch.device, tokens: int) -> list[VariantResult
     results = []
     for name, (logits, replies, graphs) in outputs.items():
         nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1).to(logits.device))
-        agree = (logits[:, :-1].argmax(-1) == ref_logits[:, :-1].argmax(-1)).float().mean()
+        top1 = logits[:, :-1].argmax(-1)
+        agree = (top1 == ref_logits[:, :-1].argmax(-1)).float().mean()
+        eager = outputs["eager-" + name.split("-")[1]][0]
+        agree_dtype = (top1 == eager[:, :-1].argmax(-1)).float().mean()
         prefixes = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
                     for r, g in zip(ref_replies, replies)]
-        results.append(VariantResult(name, math.exp(float(nll)), float(agree), sum(r == g for r, g in
+        results.append(VariantResult(name, math.exp(float(nll)), float(agree), float(agree_dtype), sum(r == g for r, g in
                                      zip(ref_replies, replies)), sum(prefixes) / len(prefixes), graphs))
     return results
 
@@ -119,13 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
               "seq": SEQ, "windows": WINDOWS, "chats": len(CHATS), "tokens": args.tokens, "models": {}}
-    header = f"{'model':<22} {'variant':<20} {'ppl':>8} {'top-1 agree':>12} {'identical':>10} {'common prefix':>14}"
+    header = (f"{'model':<22} {'variant':<20} {'ppl':>8} {'top-1 agree':>12} {'vs eager, same dtype':>21} "
+              f"{'identical':>10} {'common prefix':>14}")
     lines = [header]
     for path in args.models:
         results = measure(path, device, args.tokens)
         report["models"][path.name] = [asdict(r) for r in results]
         lines += [f"{path.name:<22} {r.variant + ('+graphs' if r.cuda_graphs else ''):<20} {r.perplexity:>8.3f} "
-                  f"{r.top1_agreement:>12.4f} {r.identical_replies:>6}/{len(CHATS):<3} {r.mean_common_prefix:>14.1f}"
+                  f"{r.top1_agreement:>12.4f} {r.top1_same_dtype:>21.4f} {r.identical_replies:>6}/{len(CHATS):<3} {r.mean_common_prefix:>14.1f}"
                   for r in results]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trained_parity.json").write_text(json.dumps(report, indent=1))
