@@ -50,7 +50,6 @@ def cases_2(ck) -> list[Case]:
 def cases_4(ck) -> list[Case]:
     return [
         Case("linear tp2 ep4 (two attention groups, 6 experts over 4)", 2, 4, raw=linear_config(), **SCENARIO),
-        Case("k3-26 tp2 ep4", 2, 4, raw=k3_config(26), **SCENARIO),
         Case("checkpoint k3-26 tp4 ep4", 4, 4, checkpoint=ck["k3-26"], **DEEP_SCENARIO),
         Case("checkpoint linear tp4 ep2 (experts split in width)", 4, 2, checkpoint=ck["linear"], **CKPT_SCENARIO),
     ]
