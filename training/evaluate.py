@@ -127,10 +127,9 @@ class Lexicon:
 
 def english_check(model: KimiForCausalLM, tokenizer: LoadedTokenizer, lexicon: Lexicon, pad: int,
                   chunk: int) -> dict[str, str | int | float]:
-    """ENGLISH_PROMPT's greedy completion of ENGLISH_TOKENS tokens (EOS stops it) and its shares of corpus words and
-    corpus word pairs."""
-    out = greedy(model, [tokenizer.encode(ENGLISH_PROMPT)], ENGLISH_TOKENS, set(tokenizer.eos_token_ids), pad,
-                 chunk)[0]
+    """ENGLISH_PROMPT's greedy completion of ENGLISH_TOKENS tokens (EOS ignored: the bar is that many tokens) and its
+    shares of corpus words and corpus word pairs."""
+    out = greedy(model, [tokenizer.encode(ENGLISH_PROMPT)], ENGLISH_TOKENS, set(), pad, chunk)[0]
     text = tokenizer.decode(out)
     words, pairs = lexicon.english(text)
     return {"prompt": ENGLISH_PROMPT, "tokens": len(out), "output": text, "words": len(_WORD.findall(text)),
