@@ -108,8 +108,10 @@ def measure(path: Path, device: torch.device, tokens: int) -> list[VariantResult
         agree_dtype = (top1 == eager[:, :-1].argmax(-1)).float().mean()
         prefixes = [next((j for j, (a, b) in enumerate(zip(r, g)) if a != b), len(r))
                     for r, g in zip(ref_replies, replies)]
-        results.append(VariantResult(name, math.exp(float(nll)), float(agree), float(agree_dtype), sum(r == g for r, g in
-                                     zip(ref_replies, replies)), sum(prefixes) / len(prefixes), graphs))
+        results.append(VariantResult(
+            name, math.exp(float(nll)), top1_agreement=float(agree), top1_same_dtype=float(agree_dtype),
+            identical_replies=sum(r == g for r, g in zip(ref_replies, replies)),
+            mean_common_prefix=sum(prefixes) / len(prefixes), cuda_graphs=graphs))
     return results
 
 
@@ -131,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         results = measure(path, device, args.tokens)
         report["models"][path.name] = [asdict(r) for r in results]
         lines += [f"{path.name:<22} {r.variant + ('+graphs' if r.cuda_graphs else ''):<20} {r.perplexity:>8.3f} "
-                  f"{r.top1_agreement:>12.4f} {r.top1_same_dtype:>21.4f} {r.identical_replies:>6}/{len(CHATS):<3} {r.mean_common_prefix:>14.1f}"
+                  f"{r.top1_agreement:>12.4f} {r.top1_same_dtype:>21.4f} {r.identical_replies:>6}/{len(CHATS):<3} "
+                  f"{r.mean_common_prefix:>14.1f}"
                   for r in results]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trained_parity.json").write_text(json.dumps(report, indent=1))

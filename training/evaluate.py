@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -95,7 +95,6 @@ def samples(model: KimiForCausalLM, tokenizer: LoadedTokenizer, max_tokens: int,
     kinds = ["completion"] * len(COMPLETION_PROMPTS) + ["chat"] * len(CHAT_PROMPTS)
     shown = COMPLETION_PROMPTS + CHAT_PROMPTS
     return [{"kind": k, "prompt": p, "output": tokenizer.decode(o)} for k, p, o in zip(kinds, shown, outs)]
-
 
 
 @dataclass(frozen=True)
