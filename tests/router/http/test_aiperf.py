@@ -46,4 +46,8 @@ def test_aiperf_streams_a_chat_benchmark_without_errors(http_stack, tmp_path):
         metrics = {name: m["value"] for name, m in r["metrics"].items()}
         assert metrics["usage_completion_tokens"] == OUTPUT_TOKENS, metrics
         assert metrics["http_req_chunks_received"] > 1, metrics  # streamed, not one body (a piece may hold tokens)
-        assert metrics["time_to_first_token"] < metrics["request_latency"], metrics
+        # The response's first bytes come well before its end. Its first *text* may not: the random model's tokens
+        # can be byte pieces that complete no character until the stream's final flush (seen on CI: TTFT ==
+        # latency with 16 tokens streamed), so text timing is bounded, not required to be early.
+        assert metrics["http_req_waiting"] < metrics["request_latency"], metrics
+        assert metrics["time_to_first_token"] <= metrics["request_latency"], metrics
