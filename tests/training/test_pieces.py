@@ -54,10 +54,12 @@ def _xdr_strings(values: list[str]) -> bytes:
 
 def test_the_lexicon_counts_corpus_words_and_word_pairs():
     lexicon = Lexicon.of(["It is a truth universally acknowledged, that a single man", "Mr. Darcy's pride."])
-    assert lexicon.english("It is a single man") == (1.0, 1.0)
-    assert lexicon.english("a truth Darcy's") == (1.0, 0.5)  # case-blind; "truth darcy's" is no corpus pair
-    assert lexicon.english("a truthxq, man man") == (0.75, 0.0)
-    assert lexicon.english(" ,.;") == (0.0, 0.0)
+    assert lexicon.english("It is a single man") == (1.0, 1.0, 1.0)
+    assert lexicon.english("a truth Darcy's") == (1.0, 0.5, 1.0)  # case-blind; "truth darcy's" is no corpus pair
+    assert lexicon.english("a truthxq, man man") == (0.75, 0.0, 1.0)
+    assert lexicon.english("a single a single a single") == (1.0, 0.6, 0.4)  # ("a", "single") thrice of 5 pairs
+    assert lexicon.english("pride") == (1.0, 0.0, 0.0)
+    assert lexicon.english(" ,.;") == (0.0, 0.0, 0.0)
 
 
 def test_rdata_reads_a_lazy_load_database():
