@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from shard_svc.checkpoint.mxfp4 import E2M1_MAGNITUDES, E8M0_BIAS, GROUP
+from shard_svc.checkpoint.mxfp4 import E8M0_BIAS, GROUP
+
+
+def e2m1_grid(device: torch.device) -> torch.Tensor:
+    """E2M1_MAGNITUDES (0, 0.5, 1, 1.5, 2, 3, 4, 6), built by device ops from the 3-bit codes: a tensor made from host
+    data would copy from the host inside the training pass, which a captured CUDA graph cannot hold."""
+    code = torch.arange(8, dtype=torch.float32, device=device)
+    exponent, mantissa = torch.div(code, 2, rounding_mode="floor"), code % 2
+    return torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))
 
 
 def mxfp4_round(weight: torch.Tensor) -> torch.Tensor:
@@ -17,7 +25,7 @@ def mxfp4_round(weight: torch.Tensor) -> torch.Tensor:
     exponent = torch.ceil(torch.log2(amax.clamp_min(torch.finfo(torch.float32).tiny) / 6.0))
     exponent = exponent + (amax > 6.0 * torch.exp2(exponent)).float()
     scale = torch.exp2(exponent.clamp(-E8M0_BIAS, E8M0_BIAS))
-    grid = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float32, device=weight.device)
+    grid = e2m1_grid(weight.device)
     scaled = groups / scale
     magnitude = grid[(scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)]
     return (torch.where(scaled < 0, -magnitude, magnitude) * scale).reshape(weight.shape)

@@ -1,6 +1,6 @@
-"""The captured training pass (training/graphed.py): a training forward and backward make no host sync, for both
-model families (what lets them be captured as a CUDA graph); a CPU batch is refused by name; on a GPU, steps replayed
-from the graph give the losses of eager steps."""
+"""The captured training pass (training/graphed.py): a training forward and backward make no host sync and copy no
+host data, for both model families (what lets them be captured as a CUDA graph); a CPU batch is refused by name; on a
+GPU, steps replayed from the graph give the losses of eager steps."""
 
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ from training.models import init_model
 
 CONFIGS = {"linear": linear_config(), "k3-13-mxfp4": k3_config(13, routed_expert_hidden_size=32,
                                                                moe_intermediate_size=32)}
-# ops whose result the host must wait for (a value read back, or an output sized by the data)
+# ops whose result the host must wait for (a value read back, or an output sized by the data), and host data made a
+# tensor (`torch.tensor(values, device=...)`: a copy from pageable host memory, which stream capture refuses)
 HOST_SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "unique", "_unique2",
-              "unique_consecutive", "masked_select", "bincount", "repeat_interleave", "tolist"}
+              "unique_consecutive", "masked_select", "bincount", "repeat_interleave", "tolist", "lift_fresh",
+              "lift_fresh_copy"}
 
 
 class HostSyncs(TorchDispatchMode):

@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard_svc.checkpoint.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from shard_svc.checkpoint.mxfp4 import E2M1_MAGNITUDES, dequantize_mxfp4, quantize_mxfp4
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 from tests.engine.conftest import k3_config, linear_config, random_model
-from training.mxfp4 import fake_quantize_mxfp4, mxfp4_round
+from training.mxfp4 import e2m1_grid, fake_quantize_mxfp4, mxfp4_round
 from training.ops import chunked_kda, training_context, training_ops
 
 F64 = torch.float64
@@ -58,6 +58,10 @@ def test_chunk_size_does_not_change_kda():
     beta = torch.rand(b, length, h, generator=gen, dtype=F64)
     outs = [chunked_kda(q, kk, v, g, beta, c) for c in (8, 32, 64)]
     assert torch.allclose(outs[0], outs[1], atol=1e-12) and torch.allclose(outs[0], outs[2], atol=1e-12)
+
+
+def test_the_device_built_e2m1_grid_is_the_checkpoints():
+    assert e2m1_grid(torch.device("cpu")).tolist() == list(E2M1_MAGNITUDES)
 
 
 def test_mxfp4_round_equals_quantize_then_dequantize():
