@@ -9,6 +9,7 @@ import collections
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from shard_svc.config import ModelConfig
 from tests.engine.conftest import k3_config, linear_config
@@ -38,6 +39,22 @@ class HostSyncs(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class HostTensors(TorchDispatchMode):
+    """Ops given or giving a host tensor (more than a scalar) while the model is elsewhere: on a GPU each would be a
+    copy between host and device inside the pass (an index built with torch.arange and no device, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
+        if any(t.device.type == "cpu" for t in tensors):
+            self.seen[func.__name__] += 1
+        return out
+
+
 def trainer_and_batch(name: str, device: str, cuda_graphs: bool = False) -> tuple[Trainer, Batch]:
     cfg = ModelConfig.from_dict(CONFIGS[name])
     model = init_model(cfg, torch.float32, torch.device("cpu"), seed=0).to(device)
@@ -56,6 +73,17 @@ def test_a_training_pass_makes_no_host_sync(name):
         assert not syncs.seen, f"{name}: host syncs in the pass: {dict(syncs.seen)}"
         float(trainer.loss(batch))  # the detector sees a value read back
     assert syncs.seen["_local_scalar_dense"] + syncs.seen["item"] >= 1
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_training_pass_on_the_meta_device_touches_no_host_tensor(name):
+    trainer, batch = trainer_and_batch(name, "meta")
+    found = HostTensors()
+    with found:
+        trainer.loss(batch).backward()
+        assert not found.seen, f"{name}: host tensors in the pass: {dict(found.seen)}"
+        batch.inputs[torch.arange(1)]  # the detector sees a host index
+    assert found.seen
 
 
 def test_a_cpu_batch_is_refused_by_name():
