@@ -22,7 +22,7 @@ from openai import OpenAI
 
 from kimiserve.ports import free_port
 from kimiserve.v1 import common_pb2, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
-from launcher.up import start_stack, stop_stack
+from launcher.up import start_stack
 from tests.services.conftest import Stack
 from tests.services.helpers import generate, sampling, scrape, total
 

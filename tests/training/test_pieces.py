@@ -8,7 +8,6 @@ import hashlib
 import json
 import struct
 import zlib
-from pathlib import Path
 
 import pytest
 import torch

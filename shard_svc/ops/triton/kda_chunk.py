@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import TritonKernelError, check, check_index, interpreting, pow2_at_least
-from shard_svc.ops.triton.kda_gate import kda_gate_log2, l2_rnorm
+from shard_svc.ops.triton.kda_gate import kda_gate_log2
 
 CHUNK = 64  # BT: rows per chunk
 # Chunks a caller may ask for (`chunk=`): FlashKDA runs 16-row chunks, which moves work from the intra kernel (its
