@@ -10,11 +10,13 @@ Every field of OpenAI's chat/completions and completions references falls in one
   refused at any other, since honouring it would change the reply and ignoring it would be a silent wrong answer.
 
 Anything else is refused with a BodyError naming the field: the OpenAI fields in REFUSED (with the reason), and
-unknown ones. A field set to null counts as absent (openai_body._present).
+unknown ones. A field set to null counts as absent (openai_body._present). /v1/responses has tables of its own
+(RESPONSES_*, applied by router/openai_responses.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from kimiserve.text import clip
@@ -79,6 +81,45 @@ REFUSED: dict[str, str] = {
 }
 
 
+# /v1/responses: its own bookkeeping fields and its own refusals (router/openai_responses.py honours the rest).
+RESPONSES_IGNORED: dict[str, tuple[type, str]] = {
+    **{k: IGNORED[k] for k in ("user", "safety_identifier", "metadata", "service_tier", "prompt_cache_key",
+                               "prompt_cache_retention", "prompt_cache_options")},
+    "store": (bool, "keeping the response for later retrieval; nothing is stored here (the response says store: "
+                    "false)"),
+}
+
+RESPONSES_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
+    "parallel_tool_calls": (True,),
+    "truncation": ("disabled",),  # OpenAI's default: a prompt over the context is refused, never cut
+    "include": ([],),  # no extra output data
+    "background": (False,),  # the response is computed while the request waits (or streams)
+}
+
+RESPONSES_REFUSED: dict[str, str] = {
+    "previous_response_id": "responses are not stored here: send the conversation's items in input",
+    "conversation": "conversations are not stored here: send the conversation's items in input",
+    "prompt": "no stored prompt templates here",
+    "reasoning": "the model's reasoning cannot be steered",
+    "max_tool_calls": "a cap on tool calls is not enforced",
+    "top_logprobs": "/v1/responses has no logprobs here: use /v1/chat/completions",
+    "moderation": REFUSED["moderation"],
+}
+
+
+@dataclass(frozen=True)
+class Rules:
+    """One endpoint's fields beyond those it honours: accepted and ignored, accepted at no-op values, refused."""
+
+    ignored: dict[str, tuple[type, str]]
+    no_op_values: dict[str, tuple[Any, ...]]
+    refused: dict[str, str]
+
+
+CHAT_RULES = Rules(IGNORED, NO_OP_VALUES, REFUSED)  # /v1/chat/completions and /v1/completions
+RESPONSES_RULES = Rules(RESPONSES_IGNORED, RESPONSES_NO_OP_VALUES, RESPONSES_REFUSED)
+
+
 class FieldError(ValueError):
     """A body field this server refuses; `field` names it."""
 
@@ -92,31 +133,31 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def check(body: dict[str, Any], honoured: set[str]) -> None:
+def check(body: dict[str, Any], honoured: set[str], rules: Rules = CHAT_RULES) -> None:
     """Raises FieldError naming every refused field of `body` (the first, in sorted order, as `field`)."""
     refused: list[str] = []  # as the message shows them: the name, or name=value for a value refused
-    rules: list[str] = []
+    reasons: list[str] = []
     for key in sorted(body):
         value = body[key]
         if key in honoured:
             continue
-        if key in IGNORED:
-            kind, why = IGNORED[key]
+        if key in rules.ignored:
+            kind, why = rules.ignored[key]
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
                 raise FieldError(f"{key} must be a {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
                                  f"and ignored: {why})", key)
             continue
-        if key in NO_OP_VALUES:
-            if any(_same(value, ok) for ok in NO_OP_VALUES[key]):
+        if key in rules.no_op_values:
+            if any(_same(value, ok) for ok in rules.no_op_values[key]):
                 continue
             refused.append(f"{key}={clip(value)}")
-            rules.append(f"{key} is accepted only as {' or '.join(repr(v) for v in NO_OP_VALUES[key])}, as any "
-                         "other value would change the reply")
+            reasons.append(f"{key} is accepted only as {' or '.join(repr(v) for v in rules.no_op_values[key])}, as "
+                           "any other value would change the reply")
             continue
         refused.append(clip(key, quote=False))
-        if key in REFUSED:
-            rules.append(f"{key}: {REFUSED[key]}")
+        if key in rules.refused:
+            reasons.append(f"{key}: {rules.refused[key]}")
     if refused:
-        detail = f" ({'; '.join(rules)})" if rules else ""
+        detail = f" ({'; '.join(reasons)})" if reasons else ""
         raise FieldError(f"unsupported body field(s) {refused}{detail}", refused[0].split("=")[0])
 

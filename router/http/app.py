@@ -19,7 +19,7 @@ from kimiserve.limits import JsonTooDeep, loads_json
 from kimiserve.tenants import http_tenant
 from kimiserve.text import encodable_json
 from router.generation import Generation
-from router.http import chat, completions, schemas
+from router.http import chat, completions, responses, schemas
 from router.http.batches import Batches
 from router.errors import error_body
 from router.http.errors import HttpError, describe
@@ -76,7 +76,7 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
         return body
 
     def generation_route(path: str, endpoint) -> None:
-        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py: METHOD and handle)."""
+        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py, responses.py: METHOD and handle)."""
 
         async def route(request: Request) -> Response:
             async def work():
@@ -88,6 +88,7 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
 
     generation_route("/v1/chat/completions", chat)
     generation_route("/v1/completions", completions)
+    generation_route("/v1/responses", responses)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

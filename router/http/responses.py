@@ -1,0 +1,193 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat flow (router/openai_responses.py translates the body).
+
+A reply becomes output items in the order the model wrote them: a `reasoning` item (a reply opening with
+<think>...</think>), a `message` item with one output_text part, a `function_call` item per tool call. Streamed, each
+item is opened, filled by deltas and closed with OpenAI's typed events (`response.created`, `...output_item.added`,
+`...output_text.delta`, ..., `response.completed` or `response.incomplete` when max_output_tokens cut it), each with
+its sequence_number; a failure after the stream began is a `response.failed` event. The whole response is built by
+the same state machine with its events dropped, so both answers hold the same items.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from fastapi.responses import JSONResponse
+
+from kimiserve.kimi_chat import ToolCall
+from kimiserve.tenants import Tenant
+from router import flow, openai_responses
+from router.generation import Generation
+from router.http import replies
+from router.http.streaming import EventStream, unless_disconnected
+from router.openai_responses import Echo
+
+METHOD = "HttpResponses"  # the metrics' method label
+
+
+async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, receive):
+    req, opts = openai_responses.responses_request(body)
+    prompt = await flow.chat_prompt(gen, req)
+    merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], 1, tenant)
+    head = Head(id=f"resp_{request_id}", created_at=int(time.time()), model=gen.model_info().model_name,
+                echo=opts.echo)
+    if not opts.stream:
+        async def whole() -> JSONResponse:
+            items = Items(head, request_id)
+            async for _, piece in merged:
+                items.piece(piece)
+            return JSONResponse(items.final)
+        return await unless_disconnected(receive, whole())
+    # As for chat: a request refused up front is an HTTP error, not a failure event inside a 200 stream.
+    first = await unless_disconnected(receive, merged.__anext__())
+    return EventStream(_events(Items(head, request_id), first[1], merged), request_id)
+
+
+async def _events(items: Items, first: flow.Piece, rest: AsyncIterator) -> AsyncIterator[str]:
+    from router.http.errors import describe
+
+    try:
+        yield items.event("response.created", response=items.snapshot("in_progress"))
+        yield items.event("response.in_progress", response=items.snapshot("in_progress"))
+        for out in items.piece(first):
+            yield out
+        async for _, p in rest:
+            for out in items.piece(p):
+                yield out
+    except Exception as e:  # noqa: BLE001 - after the 200 has gone out, a failure is an event in the stream
+        error = describe(e, items.request_id)[1]["error"]
+        failed = items.snapshot("failed") | {"error": {"code": error["code"], "message": error["message"]}}
+        yield items.event("response.failed", response=failed)
+    finally:
+        await rest.aclose()
+
+
+@dataclass(frozen=True)
+class Head:
+    id: str
+    created_at: int
+    model: str
+    echo: Echo
+
+
+class Items:
+    """The output items of one reply, fed piece by piece; each call returns the SSE events it makes."""
+
+    def __init__(self, head: Head, request_id: str):
+        self.head, self.request_id = head, request_id
+        self.reply = flow.Reply()
+        self.output: list[dict[str, Any]] = []  # closed items
+        self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
+        self.open_text = ""
+        self.calls = 0
+        self.reasoning_tokens = 0
+        self.sequence = 0
+        self.final: dict[str, Any] | None = None  # the whole response, once the reply ended
+
+    def event(self, kind: str, **fields: Any) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+    def piece(self, p: flow.Piece) -> list[str]:
+        self.reply.add(p)
+        out: list[str] = []
+        if p.reasoning:
+            # Tokens of the pieces that carried reasoning: the piece where the answer starts counts whole.
+            self.reasoning_tokens += len(p.token_ids)
+            out += self._text("reasoning", p.reasoning)
+        if p.text:
+            out += self._text("message", p.text)
+        for call in p.tool_calls:
+            out += self._close("completed") + self._function_call(call)
+        if p.final:
+            out += self._finish()
+        return out
+
+    def snapshot(self, status: str) -> dict[str, Any]:
+        e = self.head.echo
+        return {"id": self.head.id, "object": "response", "created_at": self.head.created_at, "status": status,
+                "error": None, "incomplete_details": None, "instructions": e.instructions,
+                "max_output_tokens": e.max_output_tokens, "model": self.head.model, "output": list(self.output),
+                "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None, "store": False,
+                "background": False, "temperature": e.temperature, "top_p": e.top_p,
+                "text": {"format": e.text_format, "verbosity": "medium"}, "tool_choice": e.tool_choice,
+                "tools": e.tools, "truncation": "disabled", "metadata": e.metadata, "usage": None}
+
+    def _finish(self) -> list[str]:
+        reason = replies.finish_reason(self.reply, self.request_id)  # raises for a failed or cancelled sequence
+        status = "incomplete" if reason == "length" else "completed"
+        out = self._close(status)
+        if not any(item["type"] in ("message", "function_call") for item in self.output):
+            out += self._open("message") + self._close(status)  # a reply with no text still has its message
+        u = replies.usage([self.reply], 1)
+        usage = {"input_tokens": u.prompt_tokens,
+                 "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+                 "output_tokens": u.completion_tokens,
+                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}, "total_tokens": u.total_tokens}
+        self.final = self.snapshot(status) | {"usage": usage}
+        if status == "incomplete":
+            self.final["incomplete_details"] = {"reason": "max_output_tokens"}
+        return out + [self.event(f"response.{status}", response=self.final)]
+
+    def _text(self, kind: str, text: str) -> list[str]:
+        out: list[str] = []
+        if self.open is None or self.open["type"] != kind:
+            out += self._close("completed") + self._open(kind)
+        self.open_text += text
+        if kind == "message":
+            out.append(self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+        else:
+            out.append(self.event("response.reasoning_text.delta", **self._where(), delta=text))
+        return out
+
+    def _open(self, kind: str) -> list[str]:
+        if kind == "message":
+            self.open = {"id": f"msg_{self.request_id}", "type": "message", "status": "in_progress",
+                         "role": "assistant", "content": []}
+        else:
+            self.open = {"id": f"rs_{self.request_id}", "type": "reasoning", "status": "in_progress", "summary": [],
+                         "content": []}
+        self.open_text = ""
+        return [self.event("response.output_item.added", output_index=len(self.output), item=dict(self.open)),
+                self.event("response.content_part.added", **self._where(), part=self._part(""))]
+
+    def _close(self, status: str) -> list[str]:
+        if self.open is None:
+            return []
+        part = self._part(self.open_text)
+        if self.open["type"] == "message":
+            done = self.event("response.output_text.done", **self._where(), text=self.open_text, logprobs=[])
+        else:
+            done = self.event("response.reasoning_text.done", **self._where(), text=self.open_text)
+        item = self.open | {"status": status, "content": [part]}
+        out = [done, self.event("response.content_part.done", **self._where(), part=part),
+               self.event("response.output_item.done", output_index=len(self.output), item=item)]
+        self.output.append(item)
+        self.open = None
+        return out
+
+    def _function_call(self, call: ToolCall) -> list[str]:
+        item = {"id": f"fc_{self.request_id}_{self.calls}", "type": "function_call", "status": "in_progress",
+                "call_id": call.id, "name": call.name, "arguments": ""}
+        self.calls += 1
+        where = {"item_id": item["id"], "output_index": len(self.output)}
+        done = item | {"status": "completed", "arguments": call.arguments}
+        out = [self.event("response.output_item.added", output_index=len(self.output), item=item),
+               self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
+               self.event("response.function_call_arguments.done", **where, name=call.name,
+                          arguments=call.arguments),
+               self.event("response.output_item.done", output_index=len(self.output), item=done)]
+        self.output.append(done)
+        return out
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
+
+    def _part(self, text: str) -> dict[str, Any]:
+        if self.open is not None and self.open["type"] == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

@@ -1,0 +1,210 @@
+"""OpenAI Responses request bodies (/v1/responses) -> the chat flow's request. Pure Python, no I/O.
+
+A Responses request is a chat request in other words: `instructions` is a system message, `input` a string (one user
+message) or a list of items (messages; the model's `function_call`s and the client's `function_call_output`s, which
+the chat form carries as an assistant message's tool calls and tool messages), `max_output_tokens` is max_tokens,
+`text.format` the response_format, and tools are flat (`{"type": "function", "name", "parameters"}`). So the body is
+rewritten into a chat body and goes through openai_body.chat_request, the one translation every chat request takes,
+after the Responses shapes are checked here, each problem a BodyError naming the Responses field. Which top-level
+fields are honoured, ignored or refused: router/openai_fields.py (RESPONSES_*).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kimiserve.v1 import router_pb2
+from router import openai_body, openai_fields
+from router.openai_body import BodyError
+
+HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
+            "text", "stream", "stream_options"} | set(openai_fields.EXTENSIONS)
+MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
+TEXT_PARTS = {"input_text", "output_text"}  # a text part from the client, or one of the model's earlier replies
+
+
+@dataclass(frozen=True)
+class Echo:
+    """What the response object repeats of its request (OpenAI's response carries these fields)."""
+
+    instructions: str | None
+    max_output_tokens: int | None
+    temperature: float
+    top_p: float
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    text_format: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ResponsesOptions:
+    stream: bool
+    echo: Echo
+
+
+def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, ResponsesOptions]:
+    body = {k: v for k, v in body.items() if v is not None}  # null counts as absent, as for chat
+    try:
+        openai_fields.check(body, HONOURED, openai_fields.RESPONSES_RULES)
+    except openai_fields.FieldError as e:
+        raise BodyError(str(e), e.field) from None
+    chat: dict[str, Any] = {k: body[k] for k in {"model", "temperature", "top_p", "stream"}
+                            | set(openai_fields.EXTENSIONS) if k in body}
+    chat["messages"] = _instructions(body) + _messages(body.get("input"))
+    if "max_output_tokens" in body:
+        chat["max_tokens"] = _max_output_tokens(body["max_output_tokens"])
+    text_format = _text(body.get("text", {}))
+    chat["response_format"] = _response_format(text_format)
+    tools = body.get("tools", [])
+    if not isinstance(tools, list):
+        raise BodyError(f"tools must be a list, got {_describe(tools)}", "tools")
+    chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+    choice = body.get("tool_choice", "auto")
+    chat["tool_choice"] = _tool_choice(choice)
+    raw_options = body.get("stream_options", {})
+    if not isinstance(raw_options, dict) or set(raw_options) - {"include_obfuscation"}:
+        raise BodyError(f"stream_options may hold ['include_obfuscation'], got {_describe(raw_options)}",
+                        "stream_options")
+    req, options = openai_body.chat_request(chat)
+    metadata = body.get("metadata", {})
+    echo = Echo(instructions=body.get("instructions"), max_output_tokens=chat.get("max_tokens"),
+                temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
+                tools=[_flat_tool(t) for t in chat["tools"]], tool_choice=choice, text_format=text_format,
+                metadata=metadata)
+    return req, ResponsesOptions(stream=options.stream, echo=echo)
+
+
+def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
+    instructions = body.get("instructions")
+    if instructions is None:
+        return []
+    if not isinstance(instructions, str):
+        raise BodyError(f"instructions must be a string, got {_describe(instructions)}", "instructions")
+    return [{"role": "system", "content": instructions}]
+
+
+def _messages(items: Any) -> list[dict[str, Any]]:
+    """`input` as chat messages: consecutive function calls join the assistant turn before them (a reply that said
+    something and called tools is one turn, as the model wrote it)."""
+    if isinstance(items, str) and items:
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BodyError(f"input must be a non-empty string or a non-empty list of items, got {_describe(items)}",
+                        "input")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise BodyError(f"{param} must be an object, got {_describe(item)}", param)
+        kind = item.get("type", "message")
+        if kind == "message":
+            messages.append(_message(item, param))
+        elif kind == "function_call":
+            call = {"id": _field(item, "call_id", param), "type": "function",
+                    "function": {"name": _field(item, "name", param), "arguments": _field(item, "arguments", param)}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", param),
+                             "content": _text_content(item.get("output"), f"{param}.output")})
+        else:
+            raise BodyError(f"{param} is a {_describe(kind)} item; input takes message, function_call and "
+                            "function_call_output items (nothing is stored here to refer to, and earlier reasoning "
+                            "is not sent back to the model)", f"{param}.type")
+    return messages
+
+
+def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
+    unknown = sorted(set(item) - {"type", "role", "content", "id", "status"})
+    if unknown:
+        raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
+    role = item.get("role")
+    if role not in MESSAGE_ROLES:
+        raise BodyError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {_describe(role)}", f"{param}.role")
+    return {"role": role, "content": _text_content(item.get("content"), f"{param}.content")}
+
+
+def _text_content(content: Any, param: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
+                raise BodyError(f"{param}[{j}] must be an input_text or output_text part (text is all this model "
+                                f"reads), got {_describe(part)}", f"{param}[{j}]")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise BodyError(f"{param} must be a string or a list of text parts, got {_describe(content)}", param)
+
+
+def _field(item: dict[str, Any], key: str, param: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str) or (key != "arguments" and not v):
+        raise BodyError(f"{param}.{key} must be a{'' if key == 'arguments' else ' non-empty'} string, got "
+                        f"{_describe(v)}", f"{param}.{key}")
+    return v
+
+
+def _max_output_tokens(v: Any) -> int:
+    if not (isinstance(v, int) and not isinstance(v, bool)) or v < 1:
+        raise BodyError(f"max_output_tokens must be a positive integer, got {_describe(v)}", "max_output_tokens")
+    return v
+
+
+def _text(text: Any) -> dict[str, Any]:
+    """`text`'s format ({"type": "text"} when absent); its verbosity only at OpenAI's default."""
+    if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
+        raise BodyError(f"text may hold format and verbosity, got {_describe(text)}", "text")
+    if text.get("verbosity", "medium") != "medium":
+        raise BodyError(f"text.verbosity is accepted only as 'medium', as any other value would change the reply, "
+                        f"got {_describe(text['verbosity'])}", "text.verbosity")
+    return text.get("format", {"type": "text"})
+
+
+def _response_format(fmt: Any) -> dict[str, Any]:
+    """text.format (flat: {"type": "json_schema", "name", "schema", "strict"}) -> chat's response_format."""
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object") and set(fmt) == {"type"}:
+        return fmt
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict) and set(fmt) <= {"type", "name", "schema",
+                                                                                      "strict"}:
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    raise BodyError("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
+                    "\"json_schema\", \"name\", \"schema\": {...}, \"strict\"}, got " + _describe(fmt), "text.format")
+
+
+def _tool(t: Any, i: int) -> dict[str, Any]:
+    """A flat function tool -> chat's {"type": "function", "function": {...}}."""
+    param = f"tools[{i}]"
+    if not isinstance(t, dict) or t.get("type") != "function":
+        raise BodyError(f"{param} must be a function tool (the only kind this server runs: no built-in tools), got "
+                        f"{_describe(t)}", param)
+    unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
+    if unknown:
+        raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
+    return {"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
+
+
+def _flat_tool(t: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", **t["function"]}
+
+
+def _tool_choice(v: Any) -> Any:
+    if v in ("auto", "none", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "name"}:
+        return {"type": "function", "function": {"name": v["name"]}}
+    raise BodyError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}, got "
+                    + _describe(v), "tool_choice")
+
+
+def _describe(v: Any) -> str:
+    text = json.dumps(v)
+    return text if len(text) <= 60 else text[:57] + "..."
