@@ -3,15 +3,18 @@ the concatenated stream of the single request."""
 
 from __future__ import annotations
 
+import json
+
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import flow
-from router.batch.parse import CHAT, GENERATE
+from router.batch.parse import CHAT, GENERATE, RESPONSES
 from router.errors import InvalidArgument, RouterError
 from router.generation import Generation
+from router.openai_responses import responses_request
 
 FINISHED_OK = (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)
-KINDS = {GENERATE: ("BatchGenerate", router_pb2.GenerateRequest), CHAT: ("BatchChat", router_pb2.ChatRequest)}
+METHODS = {GENERATE: "BatchGenerate", CHAT: "BatchChat", RESPONSES: "BatchResponses"}  # the metrics' method label
 
 
 class RequestFailed(Exception):
@@ -28,14 +31,20 @@ class BatchExecutor:
 
     async def run(self, kind: str, payload: bytes, request_id: str, tenant: Tenant) -> router_pb2.BatchResponse:
         """Runs as `tenant` (the batch's). Raises RouterError (as Generate / Chat would answer) or RequestFailed."""
-        if kind not in KINDS:
+        if kind not in METHODS:
             raise RouterError(f"request {request_id!r} has unknown kind {kind!r}")
-        method, message = KINDS[kind]
-        req = message.FromString(payload)
-        choices = flow.request(self.gen, method, request_id, req, tenant)
+        req = _request(kind, payload)
+        choices = flow.request(self.gen, METHODS[kind], request_id, req, tenant)
         if req.n > 1:  # refused when the batch is validated (router/batch/parse.py); a result holds one choice
             raise InvalidArgument(f"request {request_id!r}: n={req.n}, but a batch request runs one choice", "n")
         return _finish(await flow.collect(piece async for _, piece in choices), request_id)
+
+
+def _request(kind: str, payload: bytes) -> router_pb2.GenerateRequest | router_pb2.ChatRequest:
+    """The stored request (router/batch/parse.py ParsedRequest.payload): a Responses line is kept as its body."""
+    if kind == RESPONSES:
+        return responses_request(json.loads(payload))[0]
+    return (router_pb2.GenerateRequest if kind == GENERATE else router_pb2.ChatRequest).FromString(payload)
 
 
 def _finish(reply: flow.Reply, request_id: str) -> router_pb2.BatchResponse:

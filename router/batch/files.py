@@ -143,5 +143,10 @@ class FileStore:
         return BatchInput(*row) if row else None
 
     def request_kinds(self, batch_id: str) -> dict[str, str]:
-        """custom_id -> request kind ('chat', 'generate', 'invalid') of a validated batch."""
+        """custom_id -> request kind ('chat', 'generate', 'responses', 'invalid') of a validated batch."""
         return dict(self._db.execute("SELECT custom_id, kind FROM requests WHERE batch_id = ?", (batch_id,)))
+
+    def request_payloads(self, batch_id: str, kind: str) -> dict[str, bytes]:
+        """custom_id -> stored request (router/batch/parse.py ParsedRequest.payload) of `kind` in a batch."""
+        return dict(self._db.execute("SELECT custom_id, payload FROM requests WHERE batch_id = ? AND kind = ?",
+                                     (batch_id, kind)))

@@ -17,14 +17,15 @@ from kimiserve.limits import JsonTooDeep, loads_json
 from kimiserve.text import encodable_json
 from kimiserve.v1 import router_pb2
 from kimiserve.text import clip
-from router import openai_body
+from router import openai_body, openai_responses
 from router.openai_body import BodyError  # a request's method, url or body is unusable: it fails alone
 
 MAX_REQUESTS = 50_000
 MAX_ISSUES = 20
 MAX_METADATA_PAIRS = 16
-CHAT_URL, COMPLETIONS_URL = "/v1/chat/completions", "/v1/completions"
-GENERATE, CHAT, INVALID = "generate", "chat", "invalid"
+CHAT_URL, COMPLETIONS_URL, RESPONSES_URL = "/v1/chat/completions", "/v1/completions", "/v1/responses"
+URLS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
+GENERATE, CHAT, RESPONSES, INVALID = "generate", "chat", "responses", "invalid"
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ class ParsedRequest:
     idx: int  # 0-based position among the batch's requests
     custom_id: str
     line: int
-    kind: str  # GENERATE | CHAT | INVALID
-    payload: bytes = b""  # serialized GenerateRequest / ChatRequest
+    kind: str  # GENERATE | CHAT | RESPONSES | INVALID
+    # serialized GenerateRequest / ChatRequest; RESPONSES: the Responses body as canonical JSON (its response repeats
+    # fields of the body that the ChatRequest it becomes no longer tells apart, such as instructions)
+    payload: bytes = b""
     error: tuple[str, str] | None = None  # (code, message) for INVALID
     param: str | None = None  # with error: the request field at fault, where one is
 
@@ -78,7 +81,7 @@ def parse_jsonl(text: str) -> ParsedInput:
             continue
         try:
             kind, payload = _line_request(obj)
-            req = ParsedRequest(len(out.requests), custom_id, line_no, kind, payload.SerializeToString())
+            req = ParsedRequest(len(out.requests), custom_id, line_no, kind, payload)
         except BodyError as e:
             req = ParsedRequest(len(out.requests), custom_id, line_no, INVALID,
                                 error=("invalid_request", f"custom_id {clip(custom_id)} (line {line_no}): {e}"),
@@ -88,7 +91,7 @@ def parse_jsonl(text: str) -> ParsedInput:
     return out
 
 
-def _line_request(obj: dict[str, Any]) -> tuple[str, router_pb2.GenerateRequest | router_pb2.ChatRequest]:
+def _line_request(obj: dict[str, Any]) -> tuple[str, bytes]:
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})
     if unknown:
         raise BodyError(f"unknown line field(s) {unknown}")
@@ -98,9 +101,14 @@ def _line_request(obj: dict[str, Any]) -> tuple[str, router_pb2.GenerateRequest 
     url, body = obj.get("url"), obj.get("body")
     if not isinstance(body, dict):
         raise BodyError(f"body must be a JSON object, got {type(body).__name__}")
+    if url == RESPONSES_URL:
+        if openai_responses.responses_request(body)[1].stream:
+            raise BodyError("unsupported body field(s) ['stream=True'] in a batch request")
+        return RESPONSES, json.dumps(body, sort_keys=True, ensure_ascii=False).encode()
     if url in (CHAT_URL, COMPLETIONS_URL):
-        return _body_request(url, body)
-    raise BodyError(f"unknown url {clip(url)}; expected {CHAT_URL!r} or {COMPLETIONS_URL!r}")
+        kind, req = _body_request(url, body)
+        return kind, req.SerializeToString()
+    raise BodyError(f"unknown url {clip(url)}; expected one of {list(URLS)}")
 
 
 # ---- bodies (router/openai_body.py, shared with the HTTP API) -----------------------------------------------------

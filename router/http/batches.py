@@ -18,13 +18,14 @@ from kimiserve.v1 import router_pb2
 from router.batch import states
 from router.batch.errors import BatchNotFound
 from router.batch.files import BatchInput, FileNotFound, FileStore, StoredFile
-from router.batch.parse import CHAT, CHAT_URL, COMPLETIONS_URL
+from router.batch.parse import CHAT, RESPONSES, URLS
 from router.batch.runner import BatchRunner
 from router.batch.store import BatchRow
 from router.errors import InvalidArgument, PermissionDenied, error_body, http_status
 from router.flow import Reply
-from router.http import replies, schemas
+from router.http import replies, responses, schemas
 from router.openai_body import BodyError
+from router.openai_responses import Echo, responses_request
 
 NON_HTTP_ERRORS = ("batch_cancelled", "batch_expired")  # OpenAI's `error` field: failures that are not an HTTP answer
 OUTPUT, ERRORS = "output", "errors"
@@ -121,9 +122,8 @@ class Batches:
     # ---- batches ----------------------------------------------------------------------------------------------
     def create(self, body: dict, tenant: Tenant) -> schemas.BatchObject:
         file_id, endpoint, window = body.get("input_file_id"), body.get("endpoint"), body.get("completion_window")
-        if endpoint not in (CHAT_URL, COMPLETIONS_URL):
-            raise InvalidArgument(f"endpoint must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {clip(endpoint)}",
-                                  "endpoint")
+        if endpoint not in URLS:
+            raise InvalidArgument(f"endpoint must be one of {list(URLS)}, got {clip(endpoint)}", "endpoint")
         match = _WINDOW.match(window) if isinstance(window, str) else None
         if match is None:
             raise InvalidArgument(f"completion_window must be hours like '24h', got {clip(window)}",
@@ -174,6 +174,9 @@ class Batches:
     # ---- output files -----------------------------------------------------------------------------------------
     def _render(self, row: BatchRow, which: str) -> bytes:
         kinds = self.files.request_kinds(row.id)
+        # A Responses line's response repeats fields of its body (instructions, tools, ...): parsed again here.
+        echoes = {custom_id: responses_request(json.loads(body))[1].echo
+                  for custom_id, body in self.files.request_payloads(row.id, RESPONSES).items()}
         lines = []
         for result in _results(self.runner, row.id):
             ok = result.WhichOneof("outcome") == "response"
@@ -183,7 +186,8 @@ class Batches:
                     "error": None}
             if ok:
                 line["response"] = {"status_code": 200, "request_id": result.request_id,
-                                    "body": self._body(kinds.get(result.custom_id), result, row)}
+                                    "body": self._body(kinds.get(result.custom_id), result, row,
+                                                       echoes.get(result.custom_id))}
             elif result.error.code in NON_HTTP_ERRORS:
                 line["error"] = {"code": result.error.code, "message": result.error.message}
             else:
@@ -193,11 +197,15 @@ class Batches:
             lines.append(json.dumps(line, ensure_ascii=False))
         return "".join(line + "\n" for line in lines).encode("utf-8")
 
-    def _body(self, kind: str | None, result: router_pb2.BatchResult, row: BatchRow) -> dict:
+    def _body(self, kind: str | None, result: router_pb2.BatchResult, row: BatchRow, echo: Echo | None) -> dict:
         r = result.response
         reply = Reply(token_ids=list(r.token_ids), text=r.text, reasoning=r.reasoning_text,
                       tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls],
                       finish_reason=r.finish_reason, usage=r.usage)
+        if kind == RESPONSES:
+            return responses.finished_response(
+                responses.Head(f"resp_{result.request_id}", _s(row.created_at_ms), self.model(), echo), reply,
+                result.request_id)
         head = dict(created=_s(row.created_at_ms), model=self.model(), request_id=result.request_id)
         if kind == CHAT:
             return replies.chat_completion(f"chatcmpl-{result.request_id}", replies=[reply], logprobs=False,

@@ -65,6 +65,13 @@ async def _events(items: Items, first: flow.Piece, rest: AsyncIterator) -> Async
         await rest.aclose()
 
 
+def finished_response(head: Head, reply: flow.Reply, request_id: str) -> dict[str, Any]:
+    """The response object of a reply that ended (a batch result): what the endpoint answers for it."""
+    items = Items(head, request_id)
+    items.piece(reply)
+    return items.final
+
+
 @dataclass(frozen=True)
 class Head:
     id: str
@@ -83,7 +90,6 @@ class Items:
         self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
         self.open_text = ""
         self.calls = 0
-        self.reasoning_tokens = 0
         self.sequence = 0
         self.final: dict[str, Any] | None = None  # the whole response, once the reply ended
 
@@ -96,8 +102,6 @@ class Items:
         self.reply.add(p)
         out: list[str] = []
         if p.reasoning:
-            # Tokens of the pieces that carried reasoning: the piece where the answer starts counts whole.
-            self.reasoning_tokens += len(p.token_ids)
             out += self._text("reasoning", p.reasoning)
         if p.text:
             out += self._text("message", p.text)
@@ -127,7 +131,10 @@ class Items:
         usage = {"input_tokens": u.prompt_tokens,
                  "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
                  "output_tokens": u.completion_tokens,
-                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens}, "total_tokens": u.total_tokens}
+                 # The shard counts tokens, not which part of the reply each went to: a reply that reasoned has
+                 # no exact count of its reasoning tokens, so none is claimed.
+                 "output_tokens_details": {"reasoning_tokens": None if self.reply.reasoning else 0},
+                 "total_tokens": u.total_tokens}
         self.final = self.snapshot(status) | {"usage": usage}
         if status == "incomplete":
             self.final["incomplete_details"] = {"reason": "max_output_tokens"}

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from kimiserve.v1 import common_pb2, router_pb2
-from router.batch.parse import CHAT, GENERATE, INVALID, parse_inline, parse_jsonl
+from router.batch.parse import CHAT, GENERATE, INVALID, RESPONSES, parse_inline, parse_jsonl
+from router.openai_responses import responses_request
 
 
 def line(custom_id, url="/v1/completions", body=None, **extra):
@@ -42,8 +43,23 @@ def test_completion_and_chat_lines_become_requests():
     assert list(router_pb2.GenerateRequest.FromString(c.payload).prompt_token_ids.ids) == [1, 2, 3]
 
 
+def test_a_responses_line_is_kept_as_its_body_and_read_as_a_chat_request():
+    body = {"input": [{"role": "user", "content": "x"}], "instructions": "be brief", "max_output_tokens": 2,
+            "tools": [{"type": "function", "name": "f"}], "store": True}
+    [r] = parse_jsonl(line("r", "/v1/responses", body)).requests
+    assert r.kind == RESPONSES and json.loads(r.payload) == body
+    chat, options = responses_request(json.loads(r.payload))
+    assert [(m.role, m.content) for m in chat.messages] == [("system", "be brief"), ("user", "x")]
+    assert chat.sampling.max_tokens == 2 and json.loads(chat.tools[0].json)["function"]["name"] == "f"
+    assert options.echo.instructions == "be brief" and not options.stream
+
+
 @pytest.mark.parametrize("body_line, fragment", [
-    (line("x", "/v1/embeddings"), "unknown url '/v1/embeddings'"),
+    (line("x", "/v1/embeddings"), "unknown url '/v1/embeddings'; expected one of ['/v1/chat/completions', "
+                                   "'/v1/completions', '/v1/responses']"),
+    (line("x", "/v1/responses", {"input": "hi", "stream": True}), "unsupported body field(s) ['stream=True']"),
+    (line("x", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}), "responses are not stored"),
+    (line("x", "/v1/responses", {"input": []}), "input must be a non-empty string"),
     (line("x", method="GET"), "method must be POST"),
     (line("x", body={"prompt": ""}), "prompt must be a non-empty string"),
     (line("x", body={"prompt": ["a", "b"]}), "one prompt per request"),
