@@ -37,31 +37,34 @@ if "torch" in sys.modules:
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# The longest test files, longest first (serial wall seconds on the idle 2-core machine, 2026-12-03). `make test`
-# hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder); starting
-# these first keeps the run from ending on one worker still busy with a long file while the other idles.
+# The longest test files, longest first (serial wall seconds, measured in a two-worker `make test`, 2026-12-05).
+# `make test` hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder);
+# starting these first keeps the run from ending on one worker still busy with a long file while the other idles.
 LONGEST_FIRST = (
-    "tests/reliability/test_failover.py",  # 60 (2026-12-05)
-    "tests/parallel/test_group_parity.py",  # 48
-    "tests/deploy/test_stack.py",  # 47
-    "tests/reliability/test_faults.py",  # 45
-    "tests/test_cli_generate.py",  # 44
-    "tests/services/test_generation.py",  # 44
-    "tests/router/http/test_chat.py",  # 44
-    "tests/parallel/test_cli.py",  # 42
-    "tests/router/http/test_openai_compat.py",  # 41
-    "tests/deploy/test_image_package.py",  # 33
-    "tests/kernels/test_sm90_compile.py",  # 30 (2026-12-05)
-    "tests/services/test_resilience.py",  # 33
-    "tests/test_cli.py",  # 31
-    "tests/trained/test_parity.py",  # 31
-    "tests/services/test_choices_and_tools.py",  # 30
-    "tests/reliability/test_up.py",  # 29
-    "tests/services/test_sampling_surface.py",  # 23
-    "tests/reliability/test_bad_inputs.py",  # 21
-    "tests/parallel/test_serving.py",  # 20
-    "tests/kernels/test_short_conv.py",  # 19
-    "tests/router/http/test_aiperf.py",  # 25 (2026-12-05)
+    "tests/reliability/test_up.py",  # 68
+    "tests/kernels/test_sm90_compile.py",  # 55
+    "tests/reliability/test_failover.py",  # 54
+    "tests/parallel/test_group_parity.py",  # 52
+    "tests/router/http/test_chat.py",  # 52
+    "tests/reliability/test_faults.py",  # 50
+    "tests/services/test_choices_and_tools.py",  # 46
+    "tests/trained/test_parity.py",  # 34
+    "tests/services/test_generation.py",  # 31
+    "tests/router/http/test_openai_compat.py",  # 30
+    "tests/services/test_resilience.py",  # 28
+    "tests/test_cli.py",  # 27
+    "tests/services/test_router_replicas.py",  # 26
+    "tests/test_cli_generate.py",  # 25
+    "tests/deploy/test_stack.py",  # 24
+    "tests/deploy/test_image_package.py",  # 21
+    "tests/parallel/test_cli.py",  # 21
+    "tests/router/http/test_aiperf.py",  # 21
+    "tests/reliability/test_bad_inputs.py",  # 20
+    "tests/services/test_sampling_surface.py",  # 20
+    "tests/services/test_fair_prefill.py",  # 19
+    "tests/parallel/test_serving.py",  # 16
+    "tests/router/http/test_responses.py",  # 16
+    "tests/services/test_internal_auth.py",  # 16
 )
 
 
