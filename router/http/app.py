@@ -76,7 +76,7 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
         return body
 
     def generation_route(path: str, endpoint) -> None:
-        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py, responses.py: METHOD and handle)."""
+        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py, responses.py: METHOD, handle)."""
 
         async def route(request: Request) -> Response:
             async def work():
