@@ -61,12 +61,12 @@ DEFAULT_OPTIONS = Options()
 
 
 def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
-    body = _present(body)
+    body = present(body)
     _check_fields(body, {"model", "messages", "tools", "tool_choice", "top_logprobs"} | SAMPLING_FIELDS | OPTION_FIELDS
                   | set(openai_fields.EXTENSIONS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BodyError(f"messages must be a non-empty list, got {_describe(messages)}", "messages")
+        raise BodyError(f"messages must be a non-empty list, got {describe(messages)}", "messages")
     req = router_pb2.ChatRequest(model=_str(body, "model"), sampling=sampling_params(body),
                                  cache_salt=_str(body, "cache_salt"))
     req.messages.extend(_message(m, i) for i, m in enumerate(messages))
@@ -85,7 +85,7 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
 
 def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateRequest], Options]:
     """One GenerateRequest per prompt (a string, a list of strings, token ids, or a list of token-id lists)."""
-    body = _present(body)
+    body = present(body)
     _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS)
                   | set(openai_fields.COMPLETIONS_EXTENSIONS))
     sampling = sampling_params(body)
@@ -130,16 +130,16 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
                     for p in prompt)):
         return list(prompt)
     raise BodyError("prompt must be a non-empty string, a list of token ids, or a list of at most "
-                    f"{MAX_PROMPTS} non-empty strings or token-id lists, got {_describe(prompt)}", "prompt")
+                    f"{MAX_PROMPTS} non-empty strings or token-id lists, got {describe(prompt)}", "prompt")
 
 
 def _options(body: dict[str, Any], **kw) -> Options:
     n = _int(body.get("n", 1), "n", 1, MAX_N)
     stream = _bool(body, "stream")
     raw = body.get("stream_options", {})
-    stream_options = _present(raw) if isinstance(raw, dict) else None
+    stream_options = present(raw) if isinstance(raw, dict) else None
     if stream_options is None or set(stream_options) - STREAM_OPTIONS:
-        raise BodyError(f"stream_options may hold {sorted(STREAM_OPTIONS)}, got {_describe(raw)}", "stream_options")
+        raise BodyError(f"stream_options may hold {sorted(STREAM_OPTIONS)}, got {describe(raw)}", "stream_options")
     # include_obfuscation pads OpenAI's chunks against size side channels: no padding is sent, the text is the same.
     _bool(stream_options, "include_obfuscation")
     # Without stream, stream_options changes nothing: a whole response always carries usage.
@@ -156,14 +156,14 @@ def _tool_choice(v: Any) -> router_pb2.ToolChoice:
     if isinstance(fn, dict) and isinstance(fn.get("name"), str) and fn["name"]:
         return ToolChoice(mode=ToolChoice.MODE_FUNCTION, function_name=fn["name"])
     raise BodyError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": "
-                    f"{{\"name\": ...}}}}, got {_describe(v)}", "tool_choice")
+                    f"{{\"name\": ...}}}}, got {describe(v)}", "tool_choice")
 
 
 def _message(m: Any, i: int) -> common_pb2.ChatMessage:
     param = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise BodyError(f"{param} must be an object, got {_describe(m)}", param)
-    m = _present(m)
+        raise BodyError(f"{param} must be an object, got {describe(m)}", param)
+    m = present(m)
     unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
@@ -202,15 +202,15 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams()
     if "max_tokens" in body and "max_completion_tokens" in body and not (
             _is_int(body["max_tokens"]) and body["max_tokens"] == body["max_completion_tokens"]):
-        raise BodyError(f"max_tokens ({_describe(body['max_tokens'])}) and max_completion_tokens "
-                        f"({_describe(body['max_completion_tokens'])}) differ; give one of them", "max_tokens")
+        raise BodyError(f"max_tokens ({describe(body['max_tokens'])}) and max_completion_tokens "
+                        f"({describe(body['max_completion_tokens'])}) differ; give one of them", "max_tokens")
     name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
     if name in body:
         s.max_tokens = _int(body[name], name, -(1 << 31), (1 << 31) - 1)
     for name in ("temperature", "top_p"):
         if name in body:
             if not _is_number(body[name]):
-                raise BodyError(f"{name} must be a number, got {_describe(body[name])}", name)
+                raise BodyError(f"{name} must be a number, got {describe(body[name])}", name)
             setattr(s, name, float(body[name]))
     if "top_k" in body:
         s.top_k = _int(body["top_k"], "top_k", -(1 << 31), (1 << 31) - 1)
@@ -221,17 +221,17 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-        raise BodyError(f"stop must be a string or a list of strings, got {_describe(stop)}", "stop")
+        raise BodyError(f"stop must be a string or a list of strings, got {describe(stop)}", "stop")
     s.stop.extend(stop)
     ids = body.get("stop_token_ids", [])
     if not isinstance(ids, list):
-        raise BodyError(f"stop_token_ids must be a list of token ids, got {_describe(ids)}", "stop_token_ids")
+        raise BodyError(f"stop_token_ids must be a list of token ids, got {describe(ids)}", "stop_token_ids")
     s.stop_token_ids.extend(_int(t, "stop_token_ids[]", 0, (1 << 32) - 1) for t in ids)
     s.ignore_eos = _bool(body, "ignore_eos")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # ranges: checked when it runs
         if name in body:
             if not _is_number(body[name]):
-                raise BodyError(f"{name} must be a number, got {_describe(body[name])}", name)
+                raise BodyError(f"{name} must be a number, got {describe(body[name])}", name)
             setattr(s, name, float(body[name]))
     if "response_format" in body:
         _response_format(body["response_format"], s)
@@ -255,12 +255,12 @@ def _response_format(v: Any, s: common_pb2.SamplingParams) -> None:
         return
     raise BodyError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
                     "\"json_schema\", \"json_schema\": {\"name\", \"schema\": {...}, \"strict\"}}, got "
-                    f"{_describe(v)}", "response_format")
+                    f"{describe(v)}", "response_format")
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
 
-def _present(d: dict[str, Any]) -> dict[str, Any]:
+def present(d: dict[str, Any]) -> dict[str, Any]:
     """A field set to null is treated as absent (clients serialise unset optionals that way)."""
     return {k: v for k, v in d.items() if v is not None}
 
@@ -282,24 +282,25 @@ def _is_number(v: Any) -> bool:
 
 def _int(v: Any, name: str, lo: int, hi: int) -> int:
     if not _is_int(v) or not lo <= v <= hi:
-        raise BodyError(f"{name} must be an integer in [{lo}, {hi}], got {_describe(v)}", name.rstrip("[]"))
+        raise BodyError(f"{name} must be an integer in [{lo}, {hi}], got {describe(v)}", name.rstrip("[]"))
     return v
 
 
 def _bool(d: dict[str, Any], key: str) -> bool:
     v = d.get(key, False)
     if not isinstance(v, bool):
-        raise BodyError(f"{key} must be true or false, got {_describe(v)}", key)
+        raise BodyError(f"{key} must be true or false, got {describe(v)}", key)
     return v
 
 
 def _str(d: dict[str, Any], key: str, name: str | None = None) -> str:
     v = d.get(key, "")
     if not isinstance(v, str):
-        raise BodyError(f"{name or key} must be a string, got {_describe(v)}", name or key)
+        raise BodyError(f"{name or key} must be a string, got {describe(v)}", name or key)
     return v
 
 
-def _describe(v: Any) -> str:
+def describe(v: Any) -> str:
+    """A client's value as an error message shows it: its JSON, cut to 60 characters."""
     text = json.dumps(v) if not isinstance(v, (bytes, set)) else repr(v)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -10,7 +10,7 @@ Every field of OpenAI's chat/completions and completions references falls in one
   refused at any other, since honouring it would change the reply and ignoring it would be a silent wrong answer.
 
 Anything else is refused with a BodyError naming the field: the OpenAI fields in REFUSED (with the reason), and
-unknown ones. A field set to null counts as absent (openai_body._present). /v1/responses has tables of its own
+unknown ones. A field set to null counts as absent (openai_body.present). /v1/responses has tables of its own
 (RESPONSES_*, applied by router/openai_responses.py).
 """
 

@@ -11,13 +11,12 @@ fields are honoured, ignored or refused: router/openai_fields.py (RESPONSES_*).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from kimiserve.v1 import router_pb2
 from router import openai_body, openai_fields
-from router.openai_body import BodyError
+from router.openai_body import BodyError, describe, present
 
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
             "text", "stream", "stream_options"} | set(openai_fields.EXTENSIONS)
@@ -46,7 +45,7 @@ class ResponsesOptions:
 
 
 def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, ResponsesOptions]:
-    body = {k: v for k, v in body.items() if v is not None}  # null counts as absent, as for chat
+    body = present(body)
     try:
         openai_fields.check(body, HONOURED, openai_fields.RESPONSES_RULES)
     except openai_fields.FieldError as e:
@@ -60,13 +59,13 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
     chat["response_format"] = _response_format(text_format)
     tools = body.get("tools", [])
     if not isinstance(tools, list):
-        raise BodyError(f"tools must be a list, got {_describe(tools)}", "tools")
+        raise BodyError(f"tools must be a list, got {describe(tools)}", "tools")
     chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
     choice = body.get("tool_choice", "auto")
     chat["tool_choice"] = _tool_choice(choice)
     raw_options = body.get("stream_options", {})
     if not isinstance(raw_options, dict) or set(raw_options) - {"include_obfuscation"}:
-        raise BodyError(f"stream_options may hold ['include_obfuscation'], got {_describe(raw_options)}",
+        raise BodyError(f"stream_options may hold ['include_obfuscation'], got {describe(raw_options)}",
                         "stream_options")
     req, options = openai_body.chat_request(chat)
     metadata = body.get("metadata", {})
@@ -82,7 +81,7 @@ def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
     if instructions is None:
         return []
     if not isinstance(instructions, str):
-        raise BodyError(f"instructions must be a string, got {_describe(instructions)}", "instructions")
+        raise BodyError(f"instructions must be a string, got {describe(instructions)}", "instructions")
     return [{"role": "system", "content": instructions}]
 
 
@@ -92,13 +91,13 @@ def _messages(items: Any) -> list[dict[str, Any]]:
     if isinstance(items, str) and items:
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise BodyError(f"input must be a non-empty string or a non-empty list of items, got {_describe(items)}",
+        raise BodyError(f"input must be a non-empty string or a non-empty list of items, got {describe(items)}",
                         "input")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         param = f"input[{i}]"
         if not isinstance(item, dict):
-            raise BodyError(f"{param} must be an object, got {_describe(item)}", param)
+            raise BodyError(f"{param} must be an object, got {describe(item)}", param)
         kind = item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, param))
@@ -114,7 +113,7 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", param),
                              "content": _text_content(item.get("output"), f"{param}.output")})
         else:
-            raise BodyError(f"{param} is a {_describe(kind)} item; input takes message, function_call and "
+            raise BodyError(f"{param} is a {describe(kind)} item; input takes message, function_call and "
                             "function_call_output items (nothing is stored here to refer to, and earlier reasoning "
                             "is not sent back to the model)", f"{param}.type")
     return messages
@@ -126,7 +125,7 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
     role = item.get("role")
     if role not in MESSAGE_ROLES:
-        raise BodyError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {_describe(role)}", f"{param}.role")
+        raise BodyError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {describe(role)}", f"{param}.role")
     return {"role": role, "content": _text_content(item.get("content"), f"{param}.content")}
 
 
@@ -138,33 +137,33 @@ def _text_content(content: Any, param: str) -> str:
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") in TEXT_PARTS and isinstance(part.get("text"), str)):
                 raise BodyError(f"{param}[{j}] must be an input_text or output_text part (text is all this model "
-                                f"reads), got {_describe(part)}", f"{param}[{j}]")
+                                f"reads), got {describe(part)}", f"{param}[{j}]")
             texts.append(part["text"])
         return "".join(texts)
-    raise BodyError(f"{param} must be a string or a list of text parts, got {_describe(content)}", param)
+    raise BodyError(f"{param} must be a string or a list of text parts, got {describe(content)}", param)
 
 
 def _field(item: dict[str, Any], key: str, param: str) -> str:
     v = item.get(key)
     if not isinstance(v, str) or (key != "arguments" and not v):
         raise BodyError(f"{param}.{key} must be a{'' if key == 'arguments' else ' non-empty'} string, got "
-                        f"{_describe(v)}", f"{param}.{key}")
+                        f"{describe(v)}", f"{param}.{key}")
     return v
 
 
 def _max_output_tokens(v: Any) -> int:
     if not (isinstance(v, int) and not isinstance(v, bool)) or v < 1:
-        raise BodyError(f"max_output_tokens must be a positive integer, got {_describe(v)}", "max_output_tokens")
+        raise BodyError(f"max_output_tokens must be a positive integer, got {describe(v)}", "max_output_tokens")
     return v
 
 
 def _text(text: Any) -> dict[str, Any]:
     """`text`'s format ({"type": "text"} when absent); its verbosity only at OpenAI's default."""
     if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
-        raise BodyError(f"text may hold format and verbosity, got {_describe(text)}", "text")
+        raise BodyError(f"text may hold format and verbosity, got {describe(text)}", "text")
     if text.get("verbosity", "medium") != "medium":
         raise BodyError(f"text.verbosity is accepted only as 'medium', as any other value would change the reply, "
-                        f"got {_describe(text['verbosity'])}", "text.verbosity")
+                        f"got {describe(text['verbosity'])}", "text.verbosity")
     return text.get("format", {"type": "text"})
 
 
@@ -177,7 +176,7 @@ def _response_format(fmt: Any) -> dict[str, Any]:
                                                                                       "strict"}:
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     raise BodyError("text.format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
-                    "\"json_schema\", \"name\", \"schema\": {...}, \"strict\"}, got " + _describe(fmt), "text.format")
+                    "\"json_schema\", \"name\", \"schema\": {...}, \"strict\"}, got " + describe(fmt), "text.format")
 
 
 def _tool(t: Any, i: int) -> dict[str, Any]:
@@ -185,7 +184,7 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
     param = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type") != "function":
         raise BodyError(f"{param} must be a function tool (the only kind this server runs: no built-in tools), got "
-                        f"{_describe(t)}", param)
+                        f"{describe(t)}", param)
     unknown = sorted(set(t) - {"type", "name", "description", "parameters", "strict"})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
@@ -202,9 +201,5 @@ def _tool_choice(v: Any) -> Any:
     if isinstance(v, dict) and v.get("type") == "function" and set(v) == {"type", "name"}:
         return {"type": "function", "function": {"name": v["name"]}}
     raise BodyError("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}, got "
-                    + _describe(v), "tool_choice")
+                    + describe(v), "tool_choice")
 
-
-def _describe(v: Any) -> str:
-    text = json.dumps(v)
-    return text if len(text) <= 60 else text[:57] + "..."

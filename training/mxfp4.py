@@ -5,14 +5,18 @@ smaller), computed on the weight's device with no host sync; tests check the two
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from shard_svc.checkpoint.mxfp4 import E8M0_BIAS, GROUP
 
 
+@functools.cache
 def e2m1_grid(device: torch.device) -> torch.Tensor:
     """E2M1_MAGNITUDES (0, 0.5, 1, 1.5, 2, 3, 4, 6), built by device ops from the 3-bit codes: a tensor made from host
-    data would copy from the host inside the training pass, which a captured CUDA graph cannot hold."""
+    data would copy from the host inside the training pass, which a captured CUDA graph cannot hold. Built once per
+    device (each MoE layer's every expert weight reads it, every step)."""
     code = torch.arange(8, dtype=torch.float32, device=device)
     exponent, mantissa = torch.div(code, 2, rounding_mode="floor"), code % 2
     return torch.where(exponent == 0, mantissa * 0.5, torch.exp2(exponent - 1) * (1 + mantissa * 0.5))

@@ -5,6 +5,7 @@ GPU, steps replayed from the graph give the losses of eager steps."""
 from __future__ import annotations
 
 import collections
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -27,32 +28,32 @@ HOST_SYNCS = {"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero", "
               "lift_fresh_copy"}
 
 
-class HostSyncs(TorchDispatchMode):
-    def __init__(self):
+class OpsSeen(TorchDispatchMode):
+    """Counts, by name, the ops of a pass that `flagged` picks out."""
+
+    def __init__(self, flagged: Callable[[Any, tuple, dict, Any], bool]):
         super().__init__()
+        self.flagged = flagged
         self.seen: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in HOST_SYNCS:
-            self.seen[name] += 1
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.flagged(func, args, kwargs, out):
+            self.seen[func.__name__.split(".")[0]] += 1
+        return out
 
 
-class HostTensors(TorchDispatchMode):
+def host_syncs() -> OpsSeen:
+    return OpsSeen(lambda func, args, kwargs, out: func.__name__.split(".")[0] in HOST_SYNCS)
+
+
+def host_tensors() -> OpsSeen:
     """Ops given or giving a host tensor (more than a scalar) while the model is elsewhere: on a GPU each would be a
     copy between host and device inside the pass (an index built with torch.arange and no device, say)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor) and t.dim() > 0]
-        if any(t.device.type == "cpu" for t in tensors):
-            self.seen[func.__name__] += 1
-        return out
+    return OpsSeen(lambda func, args, kwargs, out: any(
+        isinstance(t, torch.Tensor) and t.dim() > 0 and t.device.type == "cpu"
+        for t in tree_flatten((args, kwargs, out))[0]))
 
 
 def trainer_and_batch(name: str, device: str, cuda_graphs: bool = False) -> tuple[Trainer, Batch]:
@@ -67,7 +68,7 @@ def trainer_and_batch(name: str, device: str, cuda_graphs: bool = False) -> tupl
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_training_pass_makes_no_host_sync(name):
     trainer, batch = trainer_and_batch(name, "cpu")
-    syncs = HostSyncs()
+    syncs = host_syncs()
     with syncs:
         trainer.loss(batch).backward()
         assert not syncs.seen, f"{name}: host syncs in the pass: {dict(syncs.seen)}"
@@ -78,7 +79,7 @@ def test_a_training_pass_makes_no_host_sync(name):
 @pytest.mark.parametrize("name", CONFIGS)
 def test_a_training_pass_on_the_meta_device_touches_no_host_tensor(name):
     trainer, batch = trainer_and_batch(name, "meta")
-    found = HostTensors()
+    found = host_tensors()
     with found:
         trainer.loss(batch).backward()
         assert not found.seen, f"{name}: host tensors in the pass: {dict(found.seen)}"
