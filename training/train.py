@@ -58,7 +58,7 @@ class Recipe:
 
 RECIPES = {
     "kimi-linear-austen": Recipe(batch=64, lr=2e-3, pretrain_s=90.0, sft_fraction=0.15),
-    "kimi-k3-austen": Recipe(batch=64, lr=1.5e-3, pretrain_s=240.0, sft_fraction=0.15, max_epochs=12.0),
+    "kimi-k3-austen": Recipe(batch=64, lr=1.5e-3, pretrain_s=420.0, sft_fraction=0.15, max_epochs=12.0),
 }
 
 
