@@ -24,9 +24,9 @@ from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
 
 MODELS_DIR = Path(os.environ.get("KIMISERVE_TRAINED_MODELS", Path(__file__).resolve().parents[2] / "models"))
 LINEAR = "kimi-linear-austen"
+K3 = "kimi-k3-austen"
 CHATS = ["Hello", "Who wrote Emma?", "Tell me a story."]
-# Greedy tokens and chat prompts per model. A trained K3 joins these when one is committed (issue 29); its 93-layer
-# eager reference decodes at about 1 s of CPU per step here, so it would get 16 tokens.
+# Greedy tokens and chat prompts of the reference runs, per model.
 TOKENS = {LINEAR: 128}
 PROMPTS = {LINEAR: 3}
 CPU = torch.device("cpu")
@@ -48,7 +48,7 @@ def chat_ids(path: Path) -> list[list[int]]:
     tok = load_tokenizer(path)
     template = BuiltinKimiTemplate()
     return [tok.encode(template.render([ChatMessage("user", c)], (), add_generation_prompt=True))
-            for c in CHATS[:PROMPTS[path.name]]]
+            for c in CHATS[:PROMPTS.get(path.name, 1)]]
 
 
 @dataclass
@@ -75,7 +75,8 @@ def generate(engine: Engine, prompts: list[list[int]], tokens: int) -> Run:
 def engine_for(path: Path, ops: Ops | None = None, kv_metrics=None, **config) -> Engine:
     """The checkpoint in float32 on the CPU, eager unless `ops`; `config` overrides the engine's pool sizes."""
     cfg, model = load_model(path, dtype=torch.float32)
-    kw = dict(num_state_slots=PROMPTS[path.name], num_kv_blocks=64, kv_block_size=BLOCK, prefill_token_budget=512)
+    kw = dict(num_state_slots=PROMPTS.get(path.name, 1), num_kv_blocks=64, kv_block_size=BLOCK,
+              prefill_token_budget=512)
     return Engine(cfg, model, ops or select_ops(CPU, "eager"), CPU, EngineConfig(**{**kw, **config}),
                   kv_metrics=kv_metrics)
 

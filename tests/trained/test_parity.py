@@ -1,11 +1,8 @@
-"""Every fast or distributed path gives the eager reference's greedy tokens (TOKENS of them for each chat prompt: 128
-for Kimi-Linear) on the trained models: weight streaming through the native ring, host KV offload under a KV cache too
-small for the batch, and a TP=2 shard group. The Triton kernels run in Triton's CPU interpreter, which executes each kernel launch in
-Python (about 2 s of CPU per Kimi-Linear decode step): there the check is the prefill kernels' argmax at every prompt
-position (teacher-forced greedy tokens) plus the first TRITON_DECODE_TOKENS decoded tokens, on Kimi-Linear.
-
-No trained K3 is committed yet (its training run did not beat the unigram baseline): K3 joins MODELS, TOKENS and
-PROMPTS when one is (issue 29). Until then these cases do not exist rather than skip on every run."""
+"""Every fast or distributed path gives the eager reference's greedy tokens (TOKENS of them for each chat prompt) on the
+trained models: weight streaming through the native ring, host KV offload under a KV cache too small for the batch,
+and a TP=2 shard group. The Triton kernels run in Triton's CPU interpreter, which executes each kernel launch in
+Python (about 2 s of CPU per Kimi-Linear decode step, ~25 s per 93-layer K3 one): there the check is a short prompt's
+logits at every position and its first TRITON_DECODE_TOKENS greedy tokens, on both trained models."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
+from kimiserve.tokenizer_files.loading import load_tokenizer
 from shard_svc.config import ModelConfig
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
@@ -26,11 +24,19 @@ from shard_svc.weight_streaming.host_loader import load_streamed
 # Imported at collection, before anything imports Triton compiled: decorates the kernels for Triton's CPU interpreter
 # (tests/kernels/conftest.py); Triton cannot be imported a second time in one process.
 import tests.kernels.conftest  # noqa: F401
-from tests.trained.conftest import (BLOCK, CPU, LINEAR, PROMPTS, TOKENS, assert_same_tokens, chat_ids,
+from tests.trained.conftest import (BLOCK, CPU, K3, LINEAR, PROMPTS, TOKENS, assert_same_tokens, chat_ids,
                                     engine_for, generate, model_dir)
 
+# The exact paths (streaming, offload, TP) are checked on random 93-layer K3s elsewhere (tests/engine, tests/parallel);
+# the trained K3 is here for the kernels. Its 92 layers of top-k routing turn a rounding anywhere into other tokens
+# over long inputs (README, Trained models), but on a 5-token prompt in fp32 the kernels hold its logits to 1.2e-6.
 MODELS = [LINEAR]
-TRITON_DECODE_TOKENS = 4
+KERNEL_MODELS = [LINEAR, K3]
+# Under the interpreter a pass costs by its launches, not its tokens: the 93-layer K3's ~1,400 take ~25 s a pass, so
+# it gets a short prompt and one decode step (the first token comes from the prefill pass).
+INTERPRETER_PROMPT = "Once upon a time"
+TRITON_DECODE_TOKENS = {LINEAR: 4, K3: 2}
+LOGITS_TOL = 1e-5
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -81,19 +87,25 @@ def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
     assert got == ref, f"TP=2 differs from the reference at token {first}"
 
 
-def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(reference, monkeypatch):
+@pytest.mark.parametrize("name", KERNEL_MODELS)
+def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(name, monkeypatch):
+    """The interpreter computes in float32 as eager does, so beyond the greedy tokens the logits must agree to
+    float32 sums (~4e-7 of the largest on Kimi-Linear, 1.2e-6 on K3): a kernel that is wrong anywhere in the model moves them."""
     from tests.kernels.test_linear import linear_module
     from tests.kernels.test_mla_decode import mla_module
     from tests.kernels.test_moe_experts import moe_module
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     moe_module(), mla_module(), linear_module()  # decorated in interpreter mode (tests/kernels/conftest.py)
-    path = model_dir(LINEAR)
+    path = model_dir(name)
     ops = select_ops(CPU, "triton")
     assert dict(ops.backends)["kda_prefill"] == "triton" and dict(ops.backends)["mla_decode"] == "triton"
-    ref = reference(LINEAR)
-    got = generate(engine_for(path, ops, num_state_slots=1), chat_ids(path)[:1], TRITON_DECODE_TOKENS)
+    prompt = load_tokenizer(path).encode(INTERPRETER_PROMPT)
+    tokens = TRITON_DECODE_TOKENS[name]
+    ref = generate(engine_for(path, num_state_slots=1), [prompt], tokens)
+    got = generate(engine_for(path, ops, num_state_slots=1), [prompt], tokens)
     assert got.prompt_logits[0].argmax(-1).tolist() == ref.prompt_logits[0].argmax(-1).tolist(), \
         "Triton prefill: another argmax at some prompt position"
-    assert got.finish_reasons == ["length"], f"Triton run: {got.errors}"
-    assert got.tokens[0] == ref.tokens[0][:TRITON_DECODE_TOKENS], "Triton decode: other greedy tokens"
+    err = float((got.prompt_logits[0] - ref.prompt_logits[0]).abs().max() / ref.prompt_logits[0].abs().max())
+    assert err <= LOGITS_TOL, f"Triton prefill: prompt logits differ by {err:.2e} of the largest"
+    assert_same_tokens(ref, got, "Triton decode", logits_tol=LOGITS_TOL)
