@@ -1,8 +1,8 @@
 """Every Triton kernel of the project compiles for sm_90 (tests/kernels/sm90.py): the launches of a tiny bf16
 model's prefill and decode through the Triton backend, of the paths a tiny model does not take (histogram align,
 split-K, split MLA decode, segmented MLA prefill, MXFP4 experts), and, recorded without running them, of the
-Kimi-Linear-48B decode shapes (its linears, norms, activation, MoE with the shared expert, MLA at its head dims) and
-of its KDA prefill in 16- and 32-row chunks."""
+Kimi-Linear-48B decode shapes (its linears, norms, activation, MoE with the shared expert, MLA at its head dims), of
+its KDA prefill in 16- and 32-row chunks, and of the product kernels for an fp32 model (exact fp32 products)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from tests.kernels.test_moe_experts import make_inputs, moe_module
 from tests.kernels.test_moe_w4a16 import make_inputs as w4_inputs, w4_module
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "shard_svc" / "ops" / "triton"
-BF16 = torch.bfloat16
+BF16, F32 = torch.bfloat16, torch.float32
 D, E, K, I_MOE, I_DENSE = 2304, 256, 8, 1024, 9216  # Kimi-Linear-48B
 
 
@@ -110,6 +110,23 @@ def kda_prefill_48b_launches() -> None:
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk)
 
 
+def fp32_launches() -> None:
+    """Recorded only: the kernels with matrix products, for a model computing in fp32, where their products are exact
+    fp32 ("ieee", `common.dot_precision`) rather than the tensor cores' TF32."""
+    from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
+
+    kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
+    (q, k, v, f, bl, a_log, dt_bias), slots = kda_inputs([40, 9], 2, 32, 32, F32, "plain")
+    kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, torch.zeros(7, 2, 32, 32), slots, torch.tensor([0, 40, 49]))
+    mla_module().mla_decode(*make_decode_batch([37, 5], 2, 16, 8, 16, 32, 4, F32), 0.1)
+    prefill_module().mla_prefill(*make_prefill_batch([40, 0], [9, 30], 2, 16, 8, 16, 32, 4, F32), 0.1)
+    x, weights, ids, packed, _ = w4_inputs(5, 64, 64, 4, 2, F32)
+    w4_module().moe_experts_w4a16(x, weights, ids, packed, "silu", (1.0, 1.0))
+    x, weights, ids, w1, w3, w2 = make_inputs(5, 64, 32, 6, 3, F32)
+    moe_module().moe_experts(x, weights, ids, w1, w3, w2, "situ", (4.0, 25.0))
+    linear_module().skinny_linear(torch.randn(2, 256), torch.randn(32, 256))
+
+
 @pytest.mark.slow  # ~1 minute: out of `make test-fast`
 @pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -119,6 +136,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     with recorded_launches(execute=False) as specs_48b:
         decode_48b_launches()
         kda_prefill_48b_launches()
+        fp32_launches()
     results = compile_all(specs + specs_48b, str(tmp_path))
     assert len(results) == len(specs) + len(specs_48b)
     failed = [f"{r['name']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]

@@ -29,6 +29,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """`tl.dot`'s input precision for a model computing in `dtype`. Triton multiplies fp32 operands as TF32 by default
+    (~5e-4 rounding), which the eager fp32 reference does not; a 93-layer top-k MoE turns that into other tokens
+    (README, Trained models). So fp32 products are exact fp32 ("ieee"); at bf16 the operands are exact in TF32
+    anyway, and the kernels that widen bf16 to fp32 operands keep the tensor cores."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_capable(device_index: int) -> bool:
     """Hopper or later, and a Triton with the PDL launch option and grid dependency control (logged once when this

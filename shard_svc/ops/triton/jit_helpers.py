@@ -44,17 +44,17 @@ def situ_glu(g, u, beta, beta_lin):
 
 
 @triton.jit
-def online_softmax_step(s, m_i, l_i, acc, v):
+def online_softmax_step(s, m_i, l_i, acc, v, PRECISION: tl.constexpr):
     """One key tile of a streaming softmax(s) @ v in base 2. s [BQ, BN]: the tile's scores times scale * LOG2E,
     -inf where a key is not seen; m_i, l_i [BQ]: the running max and sum of exp2; acc [BQ, V]: the unnormalised
-    output; v [BN, V]: the tile's values (the probabilities are cast to v's dtype for the dot).
+    output; v [BN, V]: the tile's values (the probabilities are cast to v's dtype for the dot, at PRECISION).
     A row that has seen no key yet and sees none in this tile keeps m = -inf, l = 0 and acc = 0 (not NaN).
     Returns the updated (m_i, l_i, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
 
 
 @triton.jit

@@ -20,7 +20,8 @@ first row r of the second half of the smallest power-of-two block (64, 32, ..., 
 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
 on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
 over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
-Products run in tf32 (fp32 operands), as fla's intra-chunk kernels.
+Products run in tf32 (fp32 operands), as fla's intra-chunk kernels; in exact fp32 when the model computes in fp32
+(`common.dot_precision`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, check_index, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import (TritonKernelError, check, check_index, dot_precision, interpreting,
+                                         pow2_at_least)
 from shard_svc.ops.triton.kda_gate import kda_gate_log2
 
 CHUNK = 64  # BT: rows per chunk
@@ -97,7 +99,7 @@ def _kda_chunk_intra_kernel(
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -151,15 +153,17 @@ def _kda_chunk_intra_kernel(
             e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
             k_f = tl.trans(tl.where(second, 0.0, b_k * e))
             same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
-            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f), 0.0)
-            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f), 0.0)
+            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
+            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
         # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
         for lvl in tl.static_range(NEAR_LEVELS):
             e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
             k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
             same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
-            d_qk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
-            d_kk += tl.where(same, tl.dot(tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS]), k_f), 0.0)
+            q3 = tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS])
+            k3 = tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS])
+            d_qk += tl.where(same, tl.dot(q3, k_f, input_precision=PRECISION), 0.0)
+            d_kk += tl.where(same, tl.dot(k3, k_f, input_precision=PRECISION), 0.0)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
@@ -179,12 +183,14 @@ def _kda_chunk_intra_kernel(
     for lvl in tl.static_range(NEAR_LEVELS):
         span = 2 << lvl
         quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
-        x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3))
+        x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3, input_precision=PRECISION),
+                         input_precision=PRECISION)
     b_x = _block_diag(x3, NB, BC, BT)
     for lvl in tl.static_range(FAR_LEVELS):
         span = BC * (2 << lvl)
         quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
-        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x))
+        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
+                           input_precision=PRECISION)
 
     # Pass 2 over channel slices (inputs again, from L2): q 2^G, k 2^(G_last - G), 2^G_last and w.
     base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
@@ -198,7 +204,8 @@ def _kda_chunk_intra_kernel(
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
         tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
         tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
-        tl.store(w + off, tl.dot(b_x, b_k * (b_beta[:, None] * b_eg)).to(w.dtype.element_ty), mask=m)
+        b_w = tl.dot(b_x, b_k * (b_beta[:, None] * b_eg), input_precision=PRECISION)
+        tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m)
         tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
     for i_v in range(0, BV // BKS):
         o_vs = i_v * BKS + tl.arange(0, BKS)
@@ -209,7 +216,7 @@ def _kda_chunk_intra_kernel(
         b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
                       other=0.0).to(tl.float32)
         tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
-                 tl.dot(b_x, b_v * b_beta[:, None]).to(u.dtype.element_ty), mask=m_v)
+                 tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION).to(u.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -217,7 +224,7 @@ def _kda_chunk_state_kernel(
     w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets,
     stride_s_slot, stride_s_h, stride_s_k,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -269,10 +276,11 @@ def _kda_chunk_state_kernel(
         b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
         b_sb = b_s.to(dt)
-        b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb)).to(dt)  # [BT, BV]
-        b_o = tl.dot(b_qg.to(dt), b_sb) + tl.dot(b_a.to(dt), b_vn)
+        b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
+        b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
+               + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
         tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn)
+        b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
 
     tl.store(p_s, b_s, mask=m_s)
 
@@ -341,7 +349,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
-            num_warps=intra_warps,
+            PRECISION=dot_precision(v.dtype), num_warps=intra_warps,
         )
 
     def state():
@@ -349,6 +357,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
+            PRECISION=dot_precision(v.dtype),
             # 3 stages of bf16 tiles fit in shared memory (fastest on the H200); fp32 tiles only fit 1
             num_warps=state_warps, num_stages=state_stages or (3 if inter != torch.float32 else 1),
         )

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision, interpreting, pdl_args, pow2_at_least
 from shard_svc.ops.triton.jit_helpers import dot_k_loop, pdl_prologue, round_to
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
@@ -182,7 +182,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | 
     _skinny_kernel[(triton.cdiv(n, cfg.block_n), splits)](
         x, weight, out, m, n, k, k_split, x.stride(0), x.stride(1), weight.stride(0), out.stride(-2), stride_os,
         BM=BLOCK_M, BN=cfg.block_n, BK=cfg.block_k, EVEN_K=even_k, DOT_FP32=interpreting(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", RNE=rne and splits == 1,
+        PRECISION=dot_precision(x.dtype), RNE=rne and splits == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x.device))
     if splits > 1:
         br = min(REDUCE_BLOCK, pow2_at_least(n, 128))

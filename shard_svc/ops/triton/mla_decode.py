@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.common import (TritonKernelError, check_mla_layer, dot_precision, interpreting, pdl_args,
+                                         pow2_at_least)
 from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step, pdl_prologue
 
 MAX_SPLITS = 64
@@ -36,6 +37,7 @@ def _mla_decode_kernel(
     KV_LORA: tl.constexpr, ROPE: tl.constexpr, KV_PAD: tl.constexpr, ROPE_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
@@ -75,9 +77,10 @@ def _mla_decode_kernel(
                        other=0.0)
         if DOT_FP32:
             b_kc, b_kp = b_kc.to(tl.float32), b_kp.to(tl.float32)
-        s = tl.dot(b_ql, tl.trans(b_kc)) + tl.dot(b_qp, tl.trans(b_kp))  # [BH, BN]
+        s = (tl.dot(b_ql, tl.trans(b_kc), input_precision=PRECISION)
+             + tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION))  # [BH, BN]
         s = tl.where(m_t[None, :], s * scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_kc)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_kc, PRECISION)
 
     # An empty split (start >= length) leaves l_i = 0: output 0 and weight -inf for the merge.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -158,7 +161,8 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
         kv_cache.stride(1), block_tables.stride(0), o_part.stride(0), o_part.stride(1), o_part.stride(2),
         scale * LOG2E,
         KV_LORA=kv_lora, ROPE=rope, KV_PAD=kv_pad, ROPE_PAD=rope_pad, BLOCK_SIZE=block_size, BH=bh, BN=block_n,
-        NUM_SPLITS=splits, DOT_FP32=interpreting(), num_warps=8 if kv_pad * bh >= 16384 else 4,
+        NUM_SPLITS=splits, DOT_FP32=interpreting(), PRECISION=dot_precision(q_nope.dtype),
+        num_warps=8 if kv_pad * bh >= 16384 else 4,
         num_stages=num_stages, **pdl_args(q_nope.device))
     if splits > 1:
         o_lat = torch.empty(t, nh, kv_lora, dtype=out_dtype, device=q_nope.device)

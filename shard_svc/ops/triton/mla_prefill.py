@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.mla.long_context import Attend, prefill_sequence
-from shard_svc.ops.triton.common import TritonKernelError, check_mla_layer, interpreting, pow2_at_least
+from shard_svc.ops.triton.common import (TritonKernelError, check_mla_layer, dot_precision, interpreting,
+                                         pow2_at_least)
 from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 
 # Keys expanded at once per pass: ~560 MiB of workspace at the 48B shape, the same for every pass however long the
@@ -53,7 +54,7 @@ BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
 
 @triton.jit
 def _key_tile(b_qn, b_qp, kv, k_pe, krow, m_n, o_dn, o_dr, o_dv, m_dn, m_dr, m_dv, head, stride_kv, stride_kp,
-              NOPE: tl.constexpr, DOT_FP32: tl.constexpr):
+              NOPE: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """Scores [BM, BN] (unscaled) and values [BN, V_P] of the keys at workspace rows krow (m_n: rows that exist)."""
     b_kn = tl.load(kv + krow[:, None] * stride_kv + head + o_dn[None, :], mask=m_n[:, None] & m_dn[None, :],
                    other=0.0)
@@ -62,7 +63,8 @@ def _key_tile(b_qn, b_qp, kv, k_pe, krow, m_n, o_dn, o_dr, o_dv, m_dn, m_dr, m_d
                   other=0.0)
     if DOT_FP32:  # the interpreter multiplies bf16 dot operands wrongly
         b_kn, b_kp, b_v = b_kn.to(tl.float32), b_kp.to(tl.float32), b_v.to(tl.float32)
-    return tl.dot(b_qn, tl.trans(b_kn)) + tl.dot(b_qp, tl.trans(b_kp)), b_v
+    return (tl.dot(b_qn, tl.trans(b_kn), input_precision=PRECISION)
+            + tl.dot(b_qp, tl.trans(b_kp), input_precision=PRECISION)), b_v
 
 
 @triton.jit
@@ -72,7 +74,7 @@ def _mla_prefill_kernel(
     scale_log2,
     NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr,
     V_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, FIELDS: tl.constexpr, MERGE: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
 ):
     i_blk = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -114,15 +116,15 @@ def _mla_prefill_kernel(
     every = o_n < BN
     for n0 in range(k_lo, k_open, BN):
         s, b_v = _key_tile(b_qn, b_qp, kv, k_pe, kv_row + (n0 - k_lo) + o_n, every, o_dn, o_dr, o_dv, m_dn, m_dr,
-                           m_dv, head, stride_kv, stride_kp, NOPE, DOT_FP32)
-        m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, b_v)
+                           m_dv, head, stride_kv, stride_kp, NOPE, DOT_FP32, PRECISION)
+        m_i, l_i, acc = online_softmax_step(s * scale_log2, m_i, l_i, acc, b_v, PRECISION)
     for n0 in range(k_open, k_end, BN):
         keys = n0 + o_n
         m_n = keys < k_end
         s, b_v = _key_tile(b_qn, b_qp, kv, k_pe, kv_row + (n0 - k_lo) + o_n, m_n, o_dn, o_dr, o_dv, m_dn, m_dr,
-                           m_dv, head, stride_kv, stride_kp, NOPE, DOT_FP32)
+                           m_dv, head, stride_kv, stride_kp, NOPE, DOT_FP32, PRECISION)
         s = tl.where(m_n[None, :] & (keys[None, :] <= pos_q[:, None]), s * scale_log2, float("-inf"))
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_v)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, b_v, PRECISION)
 
     p_o = out + rows[:, None] * stride_o_t + i_h * stride_o_h + o_dv[None, :]
     m_o = m_m[:, None] & m_dv[None, :]
@@ -258,7 +260,8 @@ def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nop
             target.stride(0), target.stride(1), lse.stride(0), scale * LOG2E,
             NOPE=nope, ROPE=rope, V=v_dim, NOPE_P=pow2_at_least(nope, 16), ROPE_P=pow2_at_least(rope, 16),
             V_P=pow2_at_least(v_dim, 16), BM=block_m, BN=block_n, FIELDS=BLOCK_FIELDS, MERGE=merge,
-            DOT_FP32=interpreting(), num_warps=8 if block_m >= 128 else 4, num_stages=num_stages)
+            DOT_FP32=interpreting(), PRECISION=dot_precision(q_nope.dtype), num_warps=8 if block_m >= 128 else 4,
+            num_stages=num_stages)
     if merge:
         out.copy_(target)  # the library's sequences' rows too: they are written after this
 

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision, interpreting, pdl_args, pow2_at_least
 from shard_svc.ops.triton.jit_helpers import dot_k_loop, pdl_prologue, round_to, situ_glu
 
 CHUNK_PAIRS = 65536  # pairs per pass: bounds the h / y intermediates (8,192 tokens at top-8)
@@ -432,7 +432,7 @@ def moe_pass(x, weights, ids, w1, w3, w2, activation, situ_betas, out, small_ali
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
     dot_fp32 = interpreting()
     rne = interpreting() and x.dtype == torch.bfloat16
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    precision = dot_precision(x.dtype)
     group_m = 8 if bm >= 64 else 1
     _moe_gate_up_kernel[(layout.max_blocks * triton.cdiv(inter, up.block_n),)](
         x, w1, w3, sw1, sw3, h, layout.sorted_ids, layout.expert_ids, layout.num_padded,

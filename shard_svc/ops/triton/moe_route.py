@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision, interpreting, pdl_args, pow2_at_least
 from shard_svc.ops.triton.jit_helpers import pdl_prologue
 
 
@@ -126,7 +126,7 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch
     _router_logits_kernel[(triton.cdiv(t, bt), triton.cdiv(e, be), split)](
         x, gate_weight, logits, t, d, e, k_span, x.stride(0), gate_weight.stride(0), logits.stride(1),
         logits.stride(0), BT=bt, BE=be, BK=bk, DOT_FP32=interpreting(),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, num_stages=3, **pdl_args(x.device))
+        PRECISION=dot_precision(x.dtype), num_warps=4, num_stages=3, **pdl_args(x.device))
     e_pad = pow2_at_least(e, 16)
     bt2 = topk_rows or min(pow2_at_least(t), max(1, min(64, 4096 // e_pad)))  # rows per program: at most the batch
     _router_topk_kernel[(triton.cdiv(t, bt2),)](

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, interpreting
+from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision, interpreting
 from shard_svc.ops.triton.jit_helpers import round_to
 from shard_svc.ops.triton.moe import (
     ACTIVATIONS, CHUNK_PAIRS, SMALL_ALIGN_MAX, GemmConfig, block_m_for, check_routing, combine, expert_block,
@@ -61,7 +61,7 @@ def _moe_gate_up_w4_kernel(
     n_pairs, num_m, D, I, stride_x, stride_qe, stride_qn, stride_se, stride_sn, stride_h,
     beta, beta_lin,
     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
+    ACT: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(I, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
@@ -88,11 +88,11 @@ def _moe_gate_up_w4_kernel(
         a_even = tl.load(p_a, mask=m_a, other=0.0).to(dt)
         a_odd = tl.load(p_a + 1, mask=m_a, other=0.0).to(dt)
         w_even, w_odd = _w4_tiles(w1q + q_off, w1s + s_row + grp, m_b, dt)
-        acc1 = tl.dot(a_even, w_even, acc1)
-        acc1 = tl.dot(a_odd, w_odd, acc1)
+        acc1 = tl.dot(a_even, w_even, acc1, input_precision=PRECISION)
+        acc1 = tl.dot(a_odd, w_odd, acc1, input_precision=PRECISION)
         w_even, w_odd = _w4_tiles(w3q + q_off, w3s + s_row + grp, m_b, dt)
-        acc3 = tl.dot(a_even, w_even, acc3)
-        acc3 = tl.dot(a_odd, w_odd, acc3)
+        acc3 = tl.dot(a_even, w_even, acc3, input_precision=PRECISION)
+        acc3 = tl.dot(a_odd, w_odd, acc3, input_precision=PRECISION)
         p_a += BK
         q_off += BKH
     store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT, RNE)
@@ -103,7 +103,7 @@ def _moe_down_w4_kernel(
     h, w2q, w2s, y, sorted_ids, expert_ids, num_padded,
     n_pairs, num_m, D, I, stride_h, stride_qe, stride_qn, stride_se, stride_sn, stride_y,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, RNE: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, RNE: tl.constexpr,
 ):
     pid_m, pid_n = tile_ids(num_m, tl.cdiv(D, BN), GROUP_M)
     if pid_m * BM >= tl.load(num_padded):
@@ -128,8 +128,8 @@ def _moe_down_w4_kernel(
             a_odd = tl.load(p_a + 1, mask=m_j[None, :], other=0.0).to(dt)
             m_b = m_j[:, None] & m_n[None, :]
         w_even, w_odd = _w4_tiles(w2q + q_off, w2s + s_row + grp, m_b, dt)
-        acc = tl.dot(a_even, w_even, acc)
-        acc = tl.dot(a_odd, w_odd, acc)
+        acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
+        acc = tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
         p_a += BK
         q_off += BKH
     p_y = y + pair[:, None].to(tl.int64) * stride_y + o_n[None, :]
@@ -188,7 +188,7 @@ def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_m
         down = GemmConfig(64, down.block_k, down.num_warps, down.num_stages)
     h = torch.empty(layout.max_blocks * bm, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    dot_fp32 = interpreting()
+    dot_fp32, precision = interpreting(), dot_precision(x.dtype)
     rne = interpreting() and x.dtype == torch.bfloat16
     group_m = 8 if bm >= 64 else 1
     _moe_gate_up_w4_kernel[(layout.max_blocks * triton.cdiv(inter, up.block_n),)](
@@ -196,12 +196,13 @@ def _w4_pass(x, weights, ids, packed, activation, situ_betas, out, small_align_m
         n, layout.max_blocks, d, inter, x.stride(0), w1q.stride(0), w1q.stride(1), w1s.stride(0), w1s.stride(1),
         h.stride(0), float(situ_betas[0]), float(situ_betas[1]),
         TOP_K=k, BM=bm, BN=up.block_n, BK=up.block_k, GROUP_M=group_m, ACT=ACTIVATIONS[activation],
-        EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, RNE=rne, num_warps=up.num_warps, num_stages=up.num_stages)
+        EVEN_K=d % up.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne, num_warps=up.num_warps,
+        num_stages=up.num_stages)
     _moe_down_w4_kernel[(layout.max_blocks * triton.cdiv(d, down.block_n),)](
         h, w2q, w2s, y, layout.sorted_ids, layout.expert_ids, layout.num_padded,
         n, layout.max_blocks, d, inter, h.stride(0), w2q.stride(0), w2q.stride(1), w2s.stride(0), w2s.stride(1),
         y.stride(0), BM=bm, BN=down.block_n, BK=down.block_k, GROUP_M=group_m,
-        EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, RNE=rne,
+        EVEN_K=inter % down.block_k == 0, DOT_FP32=dot_fp32, PRECISION=precision, RNE=rne,
         num_warps=down.num_warps, num_stages=down.num_stages)
     combine(y, weights, ids, out, num_experts, rne)
 
