@@ -37,7 +37,7 @@ if "torch" in sys.modules:
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-# The longest test files, longest first (serial wall seconds, measured in a two-worker `make test`, 2026-12-05).
+# The longest test files, longest first (serial wall seconds, measured in `make test`, 2026-12-05).
 # `make test` hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder);
 # starting these first keeps the run from ending on one worker still busy with a long file while the other idles.
 LONGEST_FIRST = (

@@ -90,7 +90,8 @@ def test_tp2_shard_group_gives_the_reference_tokens(name, reference):
 @pytest.mark.parametrize("name", KERNEL_MODELS)
 def test_triton_kernels_in_the_interpreter_give_the_reference_tokens(name, monkeypatch):
     """The interpreter computes in float32 as eager does, so beyond the greedy tokens the logits must agree to
-    float32 sums (~4e-7 of the largest on Kimi-Linear, 1.2e-6 on K3): a kernel that is wrong anywhere in the model moves them."""
+    float32 sums (~4e-7 of the largest on Kimi-Linear, 1.2e-6 on K3): a kernel that is wrong anywhere in the model
+    moves them."""
     from tests.kernels.test_linear import linear_module
     from tests.kernels.test_mla_decode import mla_module
     from tests.kernels.test_moe_experts import moe_module
