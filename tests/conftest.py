@@ -38,8 +38,8 @@ if "torch" in sys.modules:
 
 
 # The longest test files, longest first (serial wall seconds, measured in `make test`, 2026-12-05).
-# `make test` hands whole files to two xdist workers in collection order (--dist loadfile --no-loadscope-reorder);
-# starting these first keeps the run from ending on one worker still busy with a long file while the other idles.
+# `make test` hands whole files to its xdist workers in collection order (--dist loadfile --no-loadscope-reorder);
+# starting these first keeps the run from ending on one worker still busy with a long file while the others idle.
 LONGEST_FIRST = (
     "tests/trained/test_parity.py",  # 100 (the trained 93-layer K3 under the interpreter)
     "tests/kernels/test_sm90_compile.py",  # 70
