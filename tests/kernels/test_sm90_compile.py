@@ -181,3 +181,20 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter(monkeypatch):
     assert pdl_args(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert pdl_args(torch.device("cuda", 0)) == {"PDL": False, "launch_pdl": False}
+
+
+def test_every_matrix_product_names_its_precision():
+    """Triton multiplies fp32 operands as TF32 unless told otherwise, which an fp32 model's eager reference does not
+    (README, Trained models): every `tl.dot` passes `input_precision=PRECISION`, a constexpr its launch sets from
+    `common.dot_precision`."""
+    unnamed = []
+    for path in KERNEL_DIR.glob("*.py"):
+        for call in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "dot"
+                    and isinstance(call.func.value, ast.Name) and call.func.value.id == "tl"):
+                precision = [k.value for k in call.keywords if k.arg == "input_precision"]
+                if not (precision and isinstance(precision[0], ast.Name) and precision[0].id == "PRECISION"):
+                    unnamed.append(f"{path.name}:{call.lineno}")
+    assert not unnamed, f"tl.dot without input_precision=PRECISION: {unnamed}"
+    launches = "".join(p.read_text() for p in KERNEL_DIR.glob("*.py"))
+    assert launches.count("tl.dot(") >= 25 and "dot_precision(" in launches
