@@ -29,15 +29,46 @@ def check_free(host: str, port: int, what: str) -> None:
                             f"Choose another with --port") from None
 
 
+class _Range:
+    """Ports handed out in turn from [lo, hi) (see `use_range`); None: the kernel picks (bind to port 0)."""
+    span: tuple[int, int] | None = None
+    cursor = 0
+
+
+def use_range(lo: int, hi: int) -> None:
+    """Hand out this process's free ports from [lo, hi), in turn, instead of the kernel's ephemeral ports. A port chosen
+    by binding port 0 is closed again until the child meant for it binds it, and meanwhile it can become the source
+    port of any outgoing connection on the machine (they draw from the same ephemeral range) or another process's
+    choice: the child then dies with "Address already in use". The test suite gives each xdist worker its own slice
+    below the ephemeral range (tests/conftest.py), where neither can happen; processes it starts pick as before."""
+    _Range.span, _Range.cursor = (lo, hi), 0
+
+
+def _bind_next(host: str) -> socket.socket:
+    if _Range.span is None:
+        s = socket.socket()
+        s.bind((host, 0))
+        return s
+    lo, hi = _Range.span
+    for _ in range(hi - lo):
+        port = lo + _Range.cursor % (hi - lo)
+        _Range.cursor += 1
+        s = socket.socket()
+        try:
+            s.bind((host, port))
+            return s
+        except OSError:
+            s.close()
+    raise PortInUse(f"no free port on {host} in {lo}-{hi - 1}")
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """`count` distinct free ports. All sockets stay open until every port is chosen, so the OS cannot hand the
     same port out twice within one call."""
     socks = []
     try:
         for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
+            socks.append(_bind_next(host))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from kimiserve.ports import use_range
+
 # torch reads it when first imported, in this process (after this file: no plugin here imports torch) and in every
 # child. A run that sets it itself keeps its own value.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -35,6 +37,13 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="kimiserve-tests-cache-")
 atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 if "torch" in sys.modules:
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+# Ports for the servers a test starts come from this worker's own slice of 20000-32767, below the kernel's ephemeral
+# range (32768-60999): no other worker picks them and no outgoing connection takes one before its server binds it
+# (kimiserve/ports.py::use_range). Seen with kernel-picked ports: a router's metrics port taken meanwhile.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:])
+_SLICE = (32768 - 20000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+use_range(20000 + _WORKER * _SLICE, 20000 + (_WORKER + 1) * _SLICE)
 
 
 # The longest test files, longest first (serial wall seconds, measured in `make test`, 2026-12-05).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,17 +18,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from kimiserve.ports import free_port
 from kimiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from tests.tokenizer.texts import MIXED_TEXT
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GEN_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
