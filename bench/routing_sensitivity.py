@@ -25,7 +25,7 @@ from bench.trained_parity import REPO, held_out_windows, run
 from shard_svc.checkpoint.loader import load_model
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
-from shard_svc.ops.moe.eager import moe_route
+from shard_svc.ops.moe.eager import chosen_weights, moe_route, router_scores
 from shard_svc.ops.precision import upcast
 
 log = logging.getLogger("bench.routing_sensitivity")
@@ -44,19 +44,15 @@ class Routing:
         self.pinned, self.calls = False, 0
 
     def __call__(self, x, gate_weight, bias, top_k, renormalize, scaling):
+        if self.pinned:
+            ids = self.recorded[self.calls]
+            self.calls += 1
+            return chosen_weights(router_scores(x, gate_weight), ids, renormalize, scaling), ids
         weights, ids = moe_route(x, gate_weight, bias, top_k, renormalize, scaling)
-        if not self.pinned:
-            scores = torch.sigmoid(upcast(x) @ upcast(gate_weight).t()) + upcast(bias)
-            top = scores.topk(top_k + 1, -1).values
-            self.recorded.append(ids)
-            self.margins.append((top[:, top_k - 1] - top[:, top_k]).flatten())
-            return weights, ids
-        ids = self.recorded[self.calls]
-        self.calls += 1
-        weights = torch.sigmoid(upcast(x) @ upcast(gate_weight).t()).gather(1, ids)
-        if renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * scaling, ids
+        top = (router_scores(x, gate_weight) + upcast(bias)).topk(top_k + 1, -1).values
+        self.recorded.append(ids)
+        self.margins.append((top[:, top_k - 1] - top[:, top_k]).flatten())
+        return weights, ids
 
 
 def perturbed(forward, eps: float, generator: torch.Generator):

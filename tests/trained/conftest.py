@@ -60,11 +60,11 @@ class Run:
     errors: list[str | None]
 
 
-def generate(engine: Engine, prompts: list[list[int]], tokens: int) -> Run:
-    """Greedy, EOS ignored, all prompts in one batch: a working engine gives exactly `tokens` tokens per sequence and
-    finishes each with "length"; a failed pass shows as finish_reason "error" and a short output."""
+def generate(engine: Engine, prompts: list[list[int]], tokens: int, ignore_eos: bool = True) -> Run:
+    """Greedy, all prompts in one batch: with EOS ignored (the default) a working engine gives exactly `tokens` tokens
+    per sequence and finishes each with "length"; a failed pass shows as finish_reason "error" and a short output."""
     seqs = [engine.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                          ignore_eos=True), keep_prompt_logits=True)
+                                                          ignore_eos=ignore_eos), keep_prompt_logits=True)
             for i, p in enumerate(prompts)]
     while engine.has_work():
         engine.step()

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kimiserve.tokenizer_files.loading import load_tokenizer
-from shard_svc.engine.sampling import SamplingParams
-from tests.trained.conftest import K3, LINEAR, chat_ids, engine_for, model_dir
+from tests.trained.conftest import K3, LINEAR, chat_ids, engine_for, generate, model_dir
 from training.corpus import load_corpus
 from training.evaluate import ENGLISH_PROMPT, ENGLISH_TOKENS, Lexicon
 
@@ -25,13 +24,9 @@ def lexicon() -> Lexicon:
 
 def greedy_text(name: str, prompt: list[int], tokens: int, ignore_eos: bool) -> str:
     path = model_dir(name)
-    engine = engine_for(path, num_state_slots=1)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=ignore_eos)
-    seq = engine.add_request("english", prompt, params)
-    while engine.has_work():
-        engine.step()
-    assert seq.error is None, seq.error
-    return load_tokenizer(path).decode(seq.output)
+    run = generate(engine_for(path, num_state_slots=1), [prompt], tokens, ignore_eos=ignore_eos)
+    assert run.errors == [None], run.errors
+    return load_tokenizer(path).decode(run.tokens[0])
 
 
 @pytest.mark.parametrize("name", [LINEAR, K3])

@@ -20,12 +20,22 @@ def moe_route(
 
     The bias only chooses experts; the weights are the chosen ones' unbiased sigmoid scores (docs/models.md#routing).
     """
-    scores = torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
+    scores = router_scores(x, gate_weight)
     ids = torch.topk(scores + upcast(correction_bias), top_k, dim=-1, sorted=True).indices
+    return chosen_weights(scores, ids, renormalize, scaling), ids
+
+
+def router_scores(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Unbiased sigmoid scores [T, E] in fp32."""
+    return torch.sigmoid(upcast(x) @ upcast(gate_weight).t())
+
+
+def chosen_weights(scores: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
+    """The chosen experts' weights [T, k] from their unbiased scores."""
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scaling, ids
+    return weights * scaling
 
 
 def moe_experts(
