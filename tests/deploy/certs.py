@@ -45,11 +45,13 @@ class Ca:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
         sans = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-        cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=1))
-                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(self.cert.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1)))
+        if sans:  # a client certificate names no host; cryptography 51 refuses an empty SubjectAlternativeName
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        cert = (builder
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
