@@ -5,16 +5,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast soak venv protos clean bench-gpu bench-decode train-gpu
+.PHONY: up test test-fast soak venv lock protos clean bench-gpu bench-decode train-gpu
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	# torch first: a bare `torch` requirement would pull a multi-GB CUDA build; 2.13.0 is the local CPU wheel.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# constraints.txt anew: the newest versions pyproject.toml's ranges allow, resolved in a throwaway venv. Review the
+# diff and run `make test` before committing it.
+LOCK_VENV ?= /tmp/kimiserve-lock-venv
+lock:
+	rm -rf $(LOCK_VENV)
+	python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LOCK_VENV)/bin/python -m pip install -q -e '.[test]'
+	head -n 5 constraints.txt > constraints.txt.new
+	$(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v '^torch==' >> constraints.txt.new
+	mv constraints.txt.new constraints.txt
+	rm -rf $(LOCK_VENV)
 
 up: $(STAMP)
 	$(VENV)/bin/kimiserve up
