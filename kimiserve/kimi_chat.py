@@ -79,9 +79,13 @@ class ReplySplitter:
         self._raw = ""
         self._reasoning_shown = 0
         self._content_shown = 0
+        self._tokens_before_close = 0  # tokens fed while no THINK_END had arrived
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        """(reasoning delta, content delta) that are safe to show now."""
+    def feed(self, delta: str, tokens: int = 0) -> tuple[str, str]:
+        """(reasoning delta, content delta) that are safe to show now; `tokens`: how many generated tokens made
+        `delta` (for reasoning_tokens)."""
+        if THINK_END not in self._raw:  # the token that completes THINK_END still belongs to the block
+            self._tokens_before_close += tokens
         self._raw += delta
         if THINK_BEGIN.startswith(self._raw):  # undecided: the reply may yet open a thinking block
             return "", ""
@@ -97,6 +101,11 @@ class ReplySplitter:
         content, calls = parse_tool_calls(rest)
         r, c = self._take(reasoning, content)
         return r, c, calls
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """How many of the tokens fed so far made the leading thinking block, markers included (0: no block)."""
+        return self._tokens_before_close if self._raw.startswith(THINK_BEGIN) else 0
 
     def _take(self, reasoning: str, content: str) -> tuple[str, str]:
         r, c = reasoning[self._reasoning_shown:], content[self._content_shown:]

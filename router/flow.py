@@ -121,10 +121,15 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
     async for piece in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
                                hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info), cache_salt=prompt.cache_salt,
                                message_ends=prompt.message_ends):
-        piece.reasoning, piece.text = splitter.feed(piece.text)
+        piece.reasoning, piece.text = splitter.feed(piece.text, len(piece.token_ids))
         if piece.final:
             r, c, piece.tool_calls = splitter.finish()
             piece.reasoning, piece.text = piece.reasoning + r, piece.text + c
+            if piece.usage is not None:
+                piece.usage = common_pb2.Usage(prompt_tokens=piece.usage.prompt_tokens,
+                                               completion_tokens=piece.usage.completion_tokens,
+                                               cached_prompt_tokens=piece.usage.cached_prompt_tokens,
+                                               reasoning_tokens=splitter.reasoning_tokens)
             if piece.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
                 tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id)
         yield piece
@@ -187,11 +192,13 @@ async def choices(gen: Generation, method: str, request_id: str,
 
 def total_usage(usages: list[common_pb2.Usage | None], per_prompt: int) -> common_pb2.Usage:
     """A request's usage from its choices' (in choice-index order): each prompt counted once (choices
-    i*per_prompt .. share it; its first choice's cache hits are the prompt's), completion tokens summed."""
+    i*per_prompt .. share it; its first choice's cache hits are the prompt's), completion and reasoning tokens
+    summed."""
     firsts = [u for u in usages[::per_prompt] if u is not None]
     return common_pb2.Usage(prompt_tokens=sum(u.prompt_tokens for u in firsts),
                             completion_tokens=sum(u.completion_tokens for u in usages if u is not None),
-                            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts))
+                            cached_prompt_tokens=sum(u.cached_prompt_tokens for u in firsts),
+                            reasoning_tokens=sum(u.reasoning_tokens for u in usages if u is not None))
 
 
 _DONE = object()

@@ -44,7 +44,9 @@ def usage(replies: list[Piece], per_prompt: int) -> schemas.Usage:
     u = total_usage([r.usage for r in replies], per_prompt)
     return schemas.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
                          total_tokens=u.prompt_tokens + u.completion_tokens,
-                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens))
+                         prompt_tokens_details=schemas.PromptTokensDetails(cached_tokens=u.cached_prompt_tokens),
+                         completion_tokens_details=schemas.CompletionTokensDetails(
+                             reasoning_tokens=u.reasoning_tokens))
 
 
 def usage_so_far(p: Piece, prompt_tokens: int, generated: int) -> schemas.Usage:

@@ -131,9 +131,7 @@ class Items:
         usage = {"input_tokens": u.prompt_tokens,
                  "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
                  "output_tokens": u.completion_tokens,
-                 # The shard counts tokens, not which part of the reply each went to: a reply that reasoned has
-                 # no exact count of its reasoning tokens, so none is claimed.
-                 "output_tokens_details": {"reasoning_tokens": None if self.reply.reasoning else 0},
+                 "output_tokens_details": {"reasoning_tokens": u.completion_tokens_details.reasoning_tokens},
                  "total_tokens": u.total_tokens}
         self.final = self.snapshot(status) | {"usage": usage}
         if status == "incomplete":

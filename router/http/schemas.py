@@ -14,11 +14,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens restored from the shard's prefix cache instead of prefilled
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # chat: the reply's leading <think> block, markers included (common.proto Usage)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    # On a request's whole usage; None on continuous_usage_stats' running counts, which cannot split them yet.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):

@@ -65,3 +65,20 @@ def test_streamed_split_equals_the_whole_reply_parsed(deltas) -> None:
 def test_no_marker_text_is_streamed_early() -> None:
     *_, steps = stream(["<think>", "plan </", "think>", "ok <|tool_calls", "_section_begin|>"])
     assert steps == [("", ""), ("plan ", ""), ("", ""), ("", "ok "), ("", "")]
+
+
+@pytest.mark.parametrize("tokens, expected", [
+    (["<think>", "a", " plan", "</think>", "Sure", "."], 4),  # the markers are tokens of their own
+    (["<", "think>a", " plan</", "think>", "Sure"], 4),  # spelled out: the token that closes the block is in it
+    (["<", "think>plan</think>Sure"], 2),  # one token both closes the block and starts the content
+    (["<think>", "cut", " off"], 3),  # never closed (max_tokens): the whole reply
+    (["<", "b>bold"], 0),  # looked like a block opening, was not
+    (["Sure", " <think>", "x", "</think>"], 0),  # a block that does not lead is content
+    (["<think>", "x", "</think>", "", ""], 3),  # hidden tokens (end of turn) after the block add no text
+])
+def test_reasoning_tokens_are_the_tokens_up_to_the_end_of_the_leading_block(tokens, expected) -> None:
+    s = ReplySplitter()
+    for t in tokens:
+        s.feed(t, tokens=1)
+    s.finish()
+    assert s.reasoning_tokens == expected

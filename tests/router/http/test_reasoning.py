@@ -1,0 +1,91 @@
+"""A reply that thinks, end to end: a scripted checkpoint (tests/scripted_model.py) answers every chat with
+<think>, two tokens, </think>, one token and end-of-turn, so what each API must report is known before it runs:
+reasoning and content split apart, and usage counting the thinking block's tokens (markers included) as
+reasoning_tokens, in chat (whole, streamed, n > 1), Responses, gRPC Chat and a reply cut inside the block."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from openai import OpenAI
+from tokenizers import Tokenizer
+
+from kimiserve.ports import free_port
+from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
+from launcher.up import start_stack, stop_stack
+from tests.scripted_model import write_scripted_model
+
+WORDS = (300, 301, 302)  # ordinary tokens of the tiny tokenizer: two thought, one said
+USER = [{"role": "user", "content": "Hello"}]
+# <think> A B </think> C <|im_end|>: six tokens, the first four the thinking block.
+REPLY_TOKENS, THINKING_TOKENS = 6, 4
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory):
+    model = tmp_path_factory.mktemp("scripted") / "thinker"
+    # A chat prompt ends with <|im_middle|> (the assistant's turn opens); from there the reply is fixed.
+    write_scripted_model(model, ["<|im_middle|>", "<think>", *WORDS[:2], "</think>", WORDS[2], "<|im_end|>"])
+    http_port = free_port()
+    children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
+                           router_args=("--http-port", str(http_port)))
+    channel = grpc.insecure_channel({c.name: c for c in children}["router"].address)
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    yield {"openai": OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60),
+           "grpc": router_pb2_grpc.RouterStub(channel), "model": model.name,
+           "thought": tok.decode(list(WORDS[:2])), "said": tok.decode([WORDS[2]])}
+    channel.close()
+    stop_stack(children, grace_s=20)
+
+
+def test_chat_splits_the_thinking_and_counts_its_tokens(thinking):
+    r = thinking["openai"].chat.completions.create(model="", messages=USER, max_tokens=16, temperature=0)
+    [choice] = r.choices
+    assert (choice.message.reasoning_content, choice.message.content, choice.finish_reason) == (
+        thinking["thought"], thinking["said"], "stop")
+    assert r.usage.completion_tokens == REPLY_TOKENS
+    assert r.usage.completion_tokens_details.reasoning_tokens == THINKING_TOKENS
+
+
+def test_streamed_chat_and_n_choices_count_the_same(thinking):
+    chunks = list(thinking["openai"].chat.completions.create(
+        model="", messages=USER, max_tokens=16, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True}))
+    reasoning = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            reasoning[c.index] += getattr(c.delta, "reasoning_content", None) or ""
+    assert reasoning == {0: thinking["thought"], 1: thinking["thought"]}
+    usage = chunks[-1].usage
+    assert (usage.completion_tokens, usage.completion_tokens_details.reasoning_tokens) == (
+        2 * REPLY_TOKENS, 2 * THINKING_TOKENS)
+
+
+def test_a_reply_cut_inside_the_block_is_all_reasoning(thinking):
+    r = thinking["openai"].chat.completions.create(model="", messages=USER, max_tokens=3, temperature=0)
+    assert (r.choices[0].finish_reason, r.choices[0].message.content) == ("length", "")  # as OpenAI answers it
+    assert r.usage.completion_tokens == r.usage.completion_tokens_details.reasoning_tokens == 3
+
+
+def test_responses_report_the_reasoning_item_and_its_tokens(thinking):
+    r = thinking["openai"].responses.create(model=thinking["model"], input="Hello", max_output_tokens=16,
+                                            temperature=0)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == thinking["thought"] and r.output_text == thinking["said"]
+    assert (r.usage.output_tokens, r.usage.output_tokens_details.reasoning_tokens) == (REPLY_TOKENS,
+                                                                                       THINKING_TOKENS)
+
+
+def test_grpc_chat_usage_counts_reasoning_tokens(thinking):
+    req = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="user", content="Hello")],
+                                 sampling=common_pb2.SamplingParams(max_tokens=16, temperature=0))
+    got = list(thinking["grpc"].Chat(req, timeout=60))
+    assert "".join(c.reasoning_text for c in got) == thinking["thought"]
+    assert "".join(c.text for c in got) == thinking["said"]
+    assert (got[-1].usage.completion_tokens, got[-1].usage.reasoning_tokens) == (REPLY_TOKENS, THINKING_TOKENS)
+
+
+def test_a_completion_has_no_reasoning_tokens(thinking):
+    said = thinking["openai"].completions.create(model="", prompt=[WORDS[2]], max_tokens=4, temperature=0)
+    assert said.usage.completion_tokens == 1  # <|im_end|> follows the last word
+    assert said.usage.completion_tokens_details.reasoning_tokens == 0
