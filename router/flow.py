@@ -45,6 +45,7 @@ class Reply(Piece):
         self.token_texts += p.token_texts
         self.text += p.text
         self.reasoning += p.reasoning
+        self.reasoning_tokens = p.reasoning_tokens
         self.tool_calls += p.tool_calls
         self.prompt_logprobs = self.prompt_logprobs or p.prompt_logprobs
         if p.final:
@@ -122,6 +123,7 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
                                hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info), cache_salt=prompt.cache_salt,
                                message_ends=prompt.message_ends):
         piece.reasoning, piece.text = splitter.feed(piece.text, len(piece.token_ids))
+        piece.reasoning_tokens = splitter.reasoning_tokens
         if piece.final:
             r, c, piece.tool_calls = splitter.finish()
             piece.reasoning, piece.text = piece.reasoning + r, piece.text + c
@@ -129,7 +131,7 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
                 piece.usage = common_pb2.Usage(prompt_tokens=piece.usage.prompt_tokens,
                                                completion_tokens=piece.usage.completion_tokens,
                                                cached_prompt_tokens=piece.usage.cached_prompt_tokens,
-                                               reasoning_tokens=splitter.reasoning_tokens)
+                                               reasoning_tokens=piece.reasoning_tokens)
             if piece.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
                 tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id)
         yield piece

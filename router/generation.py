@@ -83,6 +83,7 @@ class Piece:
     token_texts: list[str] = field(default_factory=list)
     text: str = ""  # completion text, or chat content, since the previous piece
     reasoning: str = ""  # chat: <think> text since the previous piece
+    reasoning_tokens: int = 0  # chat: of the sequence's tokens so far, how many made its leading <think> block
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat, last piece only
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: common_pb2.Usage | None = None

@@ -47,7 +47,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     logprobs: bool = False  # the chosen tokens' log-probabilities
-    top_logprobs: int = 0  # alternatives per token (none available yet: only 0 is accepted)
+    top_logprobs: int = 0  # alternatives per token (0-20)
     echo: bool = False  # completions: the prompt text before the completion
     score_only: bool = False  # completions' max_tokens 0 with echo: the scored prompt and no completion
     prompt_logprobs: int | None = None  # completions: vLLM's prompt_logprobs (alternatives per prompt position)

@@ -92,7 +92,6 @@ RESPONSES_IGNORED: dict[str, tuple[type, str]] = {
 RESPONSES_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True,),
     "truncation": ("disabled",),  # OpenAI's default: a prompt over the context is refused, never cut
-    "include": ([],),  # no extra output data
     "background": (False,),  # the response is computed while the request waits (or streams)
 }
 
@@ -102,7 +101,6 @@ RESPONSES_REFUSED: dict[str, str] = {
     "prompt": "no stored prompt templates here",
     "reasoning": "the model's reasoning cannot be steered",
     "max_tool_calls": "a cap on tool calls is not enforced",
-    "top_logprobs": "/v1/responses has no logprobs here: use /v1/chat/completions",
     "moderation": REFUSED["moderation"],
 }
 

@@ -19,7 +19,8 @@ from router import openai_body, openai_fields
 from router.openai_body import BodyError, describe, present
 
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-            "text", "stream", "stream_options"} | set(openai_fields.EXTENSIONS)
+            "text", "stream", "stream_options", "include", "top_logprobs"} | set(openai_fields.EXTENSIONS)
+LOGPROBS = "message.output_text.logprobs"  # the one `include` value: each output_text's tokens with logprobs
 MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}  # a text part from the client, or one of the model's earlier replies
 
@@ -42,6 +43,7 @@ class Echo:
 class ResponsesOptions:
     stream: bool
     echo: Echo
+    logprobs: bool = False  # include names LOGPROBS
 
 
 def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, ResponsesOptions]:
@@ -67,13 +69,28 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
     if not isinstance(raw_options, dict) or set(raw_options) - {"include_obfuscation"}:
         raise BodyError(f"stream_options may hold ['include_obfuscation'], got {describe(raw_options)}",
                         "stream_options")
+    chat.update(_logprobs(body))
     req, options = openai_body.chat_request(chat)
     metadata = body.get("metadata", {})
     echo = Echo(instructions=body.get("instructions"), max_output_tokens=chat.get("max_tokens"),
                 temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                 tools=[_flat_tool(t) for t in chat["tools"]], tool_choice=choice, text_format=text_format,
                 metadata=metadata)
-    return req, ResponsesOptions(stream=options.stream, echo=echo)
+    return req, ResponsesOptions(stream=options.stream, echo=echo, logprobs=options.logprobs)
+
+
+def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
+    """`include` and `top_logprobs` as the chat body's logprobs fields."""
+    include = body.get("include", [])
+    if not isinstance(include, list) or any(v != LOGPROBS for v in include):
+        raise BodyError(f"include may hold only {LOGPROBS!r} (no stored, encrypted or tool output here), got "
+                        f"{describe(include)}", "include")
+    top = body.get("top_logprobs", 0)
+    if LOGPROBS not in include:
+        if top:
+            raise BodyError(f"top_logprobs needs include: [{LOGPROBS!r}]", "top_logprobs")
+        return {}
+    return {"logprobs": True, "top_logprobs": top}
 
 
 def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:

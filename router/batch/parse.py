@@ -102,8 +102,10 @@ def _line_request(obj: dict[str, Any]) -> tuple[str, bytes]:
     if not isinstance(body, dict):
         raise BodyError(f"body must be a JSON object, got {type(body).__name__}")
     if url == RESPONSES_URL:
-        if openai_responses.responses_request(body)[1].stream:
-            raise BodyError("unsupported body field(s) ['stream=True'] in a batch request")
+        opts = openai_responses.responses_request(body)[1]
+        refused = ["stream=True"] * opts.stream + [f"include={openai_responses.LOGPROBS}"] * opts.logprobs
+        if refused:  # as for chat lines: a result is stored whole, without logprobs
+            raise BodyError(f"unsupported body field(s) {refused} in a batch request")
         return RESPONSES, json.dumps(body, sort_keys=True, ensure_ascii=False).encode()
     if url in (CHAT_URL, COMPLETIONS_URL):
         kind, req = _body_request(url, body)

@@ -34,28 +34,39 @@ async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, r
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], 1, tenant)
     head = Head(id=f"resp_{request_id}", created_at=int(time.time()), model=gen.model_info().model_name,
                 echo=opts.echo)
+    names = _Names(gen, opts.logprobs)
     if not opts.stream:
         async def whole() -> JSONResponse:
-            items = Items(head, request_id)
+            items = Items(head, request_id, opts.logprobs)
             async for _, piece in merged:
-                items.piece(piece)
+                items.piece(piece, await names.of(piece))
             return JSONResponse(items.final)
         return await unless_disconnected(receive, whole())
     # As for chat: a request refused up front is an HTTP error, not a failure event inside a 200 stream.
     first = await unless_disconnected(receive, merged.__anext__())
-    return EventStream(_events(Items(head, request_id), first[1], merged), request_id)
+    return EventStream(_events(Items(head, request_id, opts.logprobs), names, first[1], merged), request_id)
 
 
-async def _events(items: Items, first: flow.Piece, rest: AsyncIterator) -> AsyncIterator[str]:
+class _Names:
+    """The tokenizer's bytes of each piece's tokens and candidates, fetched only when logprobs are asked for."""
+
+    def __init__(self, gen: Generation, logprobs: bool):
+        self.gen, self.logprobs = gen, logprobs
+
+    async def of(self, p: flow.Piece) -> dict[int, bytes]:
+        return await replies.token_bytes(self.gen, [p]) if self.logprobs and p.token_ids else {}
+
+
+async def _events(items: Items, names: _Names, first: flow.Piece, rest: AsyncIterator) -> AsyncIterator[str]:
     from router.http.errors import describe
 
     try:
         yield items.event("response.created", response=items.snapshot("in_progress"))
         yield items.event("response.in_progress", response=items.snapshot("in_progress"))
-        for out in items.piece(first):
+        for out in items.piece(first, await names.of(first)):
             yield out
         async for _, p in rest:
-            for out in items.piece(p):
+            for out in items.piece(p, await names.of(p)):
                 yield out
     except Exception as e:  # noqa: BLE001 - after the 200 has gone out, a failure is an event in the stream
         error = describe(e, items.request_id)[1]["error"]
@@ -68,7 +79,7 @@ async def _events(items: Items, first: flow.Piece, rest: AsyncIterator) -> Async
 def finished_response(head: Head, reply: flow.Reply, request_id: str) -> dict[str, Any]:
     """The response object of a reply that ended (a batch result): what the endpoint answers for it."""
     items = Items(head, request_id)
-    items.piece(reply)
+    items.piece(reply, {})
     return items.final
 
 
@@ -81,10 +92,17 @@ class Head:
 
 
 class Items:
-    """The output items of one reply, fed piece by piece; each call returns the SSE events it makes."""
+    """The output items of one reply, fed piece by piece; each call returns the SSE events it makes.
 
-    def __init__(self, head: Head, request_id: str):
-        self.head, self.request_id = head, request_id
+    With logprobs, the message's output_text carries an entry for every token after the thinking block (as chat's
+    logprobs do: tool-call markers and the end of turn included). Each text delta carries the entries of the tokens
+    that arrived since the previous one (a token whose text is held back waits for the next delta), and closing the
+    message sends the rest in a delta with no text, so the deltas' entries add up to the part's."""
+
+    def __init__(self, head: Head, request_id: str, logprobs: bool = False):
+        self.head, self.request_id, self.logprobs = head, request_id, logprobs
+        self.entries: list[dict[str, Any]] = []  # a logprob entry per token of the reply
+        self.entries_sent = 0  # how many of them text deltas have carried (or the thinking block held)
         self.reply = flow.Reply()
         self.output: list[dict[str, Any]] = []  # closed items
         self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
@@ -98,8 +116,11 @@ class Items:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
-    def piece(self, p: flow.Piece) -> list[str]:
+    def piece(self, p: flow.Piece, names: dict[int, bytes]) -> list[str]:
+        """`names`: the bytes of p's tokens and candidates (replies.token_bytes), when logprobs are asked for."""
         self.reply.add(p)
+        if self.logprobs:
+            self.entries += _entries(p, names)
         out: list[str] = []
         if p.reasoning:
             out += self._text("reasoning", p.reasoning)
@@ -144,7 +165,8 @@ class Items:
             out += self._close("completed") + self._open(kind)
         self.open_text += text
         if kind == "message":
-            out.append(self.event("response.output_text.delta", **self._where(), delta=text, logprobs=[]))
+            out.append(self.event("response.output_text.delta", **self._where(), delta=text,
+                                  logprobs=self._unsent()))
         else:
             out.append(self.event("response.reasoning_text.delta", **self._where(), delta=text))
         return out
@@ -163,14 +185,18 @@ class Items:
     def _close(self, status: str) -> list[str]:
         if self.open is None:
             return []
-        part = self._part(self.open_text)
+        part = self._part(self.open_text, self.entries[self.reply.reasoning_tokens:])
+        out = []
         if self.open["type"] == "message":
-            done = self.event("response.output_text.done", **self._where(), text=self.open_text, logprobs=[])
+            if rest := self._unsent():
+                out.append(self.event("response.output_text.delta", **self._where(), delta="", logprobs=rest))
+            out.append(self.event("response.output_text.done", **self._where(), text=self.open_text,
+                                  logprobs=part["logprobs"]))
         else:
-            done = self.event("response.reasoning_text.done", **self._where(), text=self.open_text)
+            out.append(self.event("response.reasoning_text.done", **self._where(), text=self.open_text))
         item = self.open | {"status": status, "content": [part]}
-        out = [done, self.event("response.content_part.done", **self._where(), part=part),
-               self.event("response.output_item.done", output_index=len(self.output), item=item)]
+        out += [self.event("response.content_part.done", **self._where(), part=part),
+                self.event("response.output_item.done", output_index=len(self.output), item=item)]
         self.output.append(item)
         self.open = None
         return out
@@ -192,7 +218,22 @@ class Items:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
 
-    def _part(self, text: str) -> dict[str, Any]:
+    def _part(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.open is not None and self.open["type"] == "reasoning":
             return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+    def _unsent(self) -> list[dict[str, Any]]:
+        """The message's entries no delta has carried yet: those after the thinking block (whose length is known by
+        the time content is shown) and after the last delta's."""
+        start = max(self.entries_sent, self.reply.reasoning_tokens)
+        self.entries_sent = len(self.entries)
+        return self.entries[start:]
+
+
+def _entries(p: flow.Piece, names: dict[int, bytes]) -> list[dict[str, Any]]:
+    """OpenAI's Responses logprob entries of p's tokens: chat's (token named as its candidates are, bytes, logprob,
+    top_logprobs) in the Responses shape."""
+    return [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+             "top_logprobs": [{"token": c.token, "logprob": c.logprob, "bytes": c.bytes} for c in t.top_logprobs]}
+            for t in replies.chat_logprobs(p, names).content]

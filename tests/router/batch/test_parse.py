@@ -58,6 +58,8 @@ def test_a_responses_line_is_kept_as_its_body_and_read_as_a_chat_request():
     (line("x", "/v1/embeddings"), "unknown url '/v1/embeddings'; expected one of ['/v1/chat/completions', "
                                    "'/v1/completions', '/v1/responses']"),
     (line("x", "/v1/responses", {"input": "hi", "stream": True}), "unsupported body field(s) ['stream=True']"),
+    (line("x", "/v1/responses", {"input": "hi", "include": ["message.output_text.logprobs"]}),
+     "unsupported body field(s) ['include=message.output_text.logprobs']"),
     (line("x", "/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}), "responses are not stored"),
     (line("x", "/v1/responses", {"input": []}), "input must be a non-empty string"),
     (line("x", method="GET"), "method must be POST"),

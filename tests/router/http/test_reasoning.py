@@ -1,7 +1,8 @@
 """A reply that thinks, end to end: a scripted checkpoint (tests/scripted_model.py) answers every chat with
 <think>, two tokens, </think>, one token and end-of-turn, so what each API must report is known before it runs:
 reasoning and content split apart, and usage counting the thinking block's tokens (markers included) as
-reasoning_tokens, in chat (whole, streamed, n > 1), Responses, gRPC Chat and a reply cut inside the block."""
+reasoning_tokens, in chat (whole, streamed, n > 1), Responses (whose logprobs leave the block out), gRPC Chat and a
+reply cut inside the block."""
 
 from __future__ import annotations
 
@@ -74,6 +75,18 @@ def test_responses_report_the_reasoning_item_and_its_tokens(thinking):
     assert r.output[0].content[0].text == thinking["thought"] and r.output_text == thinking["said"]
     assert (r.usage.output_tokens, r.usage.output_tokens_details.reasoning_tokens) == (REPLY_TOKENS,
                                                                                        THINKING_TOKENS)
+
+
+def test_responses_logprobs_cover_the_tokens_after_the_thinking_block(thinking):
+    kw = dict(model=thinking["model"], input="Hello", max_output_tokens=16, temperature=0,
+              include=["message.output_text.logprobs"])
+    whole = thinking["openai"].responses.create(**kw)
+    [part] = whole.output[1].content
+    said = [t.token for t in part.logprobs]
+    assert said == [thinking["said"], "<|im_end|>"], said  # the last word and the end of turn, nothing thought
+    with thinking["openai"].responses.stream(**kw) as stream:
+        deltas = [t.token for e in stream if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert deltas == said
 
 
 def test_grpc_chat_usage_counts_reasoning_tokens(thinking):

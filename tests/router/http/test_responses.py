@@ -115,6 +115,25 @@ def test_text_format_json_schema_constrains_the_reply(http_stack):
     jsonschema.validate(json.loads(r.output_text), schema)
 
 
+def test_logprobs_are_the_chat_replys_in_the_responses_shape(http_stack):
+    chat = chat_reply(http_stack, [{"role": "user", "content": QUESTION}], 6, logprobs=True, top_logprobs=3)
+    kw = dict(input=QUESTION, max_output_tokens=6, include=["message.output_text.logprobs"], top_logprobs=3)
+    whole = http_stack.client.responses.create(model=http_stack.model, temperature=0, **kw)
+    [part] = whole.output[0].content
+    assert whole.output_text == chat.choices[0].message.content
+
+    def entries(logprobs) -> list[tuple]:
+        return [(t.token, t.logprob, t.bytes, [(c.token, c.logprob, c.bytes) for c in t.top_logprobs])
+                for t in logprobs]
+    expected = entries(chat.choices[0].logprobs.content)
+    assert len(expected) == chat.usage.completion_tokens and all(len(e[3]) == 3 for e in expected)
+    assert entries(part.logprobs) == expected
+    events = events_of(http_stack, "responses-logprobs", **kw)
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    [done] = [e for e in events if e.type == "response.output_text.done"]
+    assert entries(deltas) == entries(done.logprobs) == expected
+
+
 REFUSED = {
     "previous_response_id": dict(previous_response_id="resp_x"),
     "reasoning": dict(reasoning={"effort": "high"}),
@@ -125,6 +144,8 @@ REFUSED = {
     "input[0].content[0]": dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
     "input[1].type": dict(input=[{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]),
     "text.format": dict(text={"format": {"type": "json_schema", "name": "x"}}),
+    "include": dict(include=["reasoning.encrypted_content"]),
+    "top_logprobs": dict(top_logprobs=3),  # alternatives of logprobs not asked for (include)
 }
 
 
