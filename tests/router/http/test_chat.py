@@ -220,13 +220,13 @@ def test_json_schema_reply_parses_and_validates(http_stack):
 
 
 def test_penalties_pass_through_and_change_the_output(http_stack):
-    kw = dict(model="", prompt="The quick brown fox", max_tokens=16, temperature=0)
+    kw = dict(model="", prompt="The quick brown fox", max_tokens=48, temperature=0)
     penalties = dict(frequency_penalty=1.5, presence_penalty=0.5)
     extra = {"ignore_eos": True}
     penalised = http_stack.client.completions.create(**kw, **penalties, extra_body={**extra, "repetition_penalty": 1.3})
     plain = http_stack.client.completions.create(**kw, extra_body=extra)
     assert penalised.choices[0].text != plain.choices[0].text
     req = router_pb2.GenerateRequest(text="The quick brown fox", sampling=common_pb2.SamplingParams(
-        max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, **penalties))
+        max_tokens=48, temperature=0, ignore_eos=True, repetition_penalty=1.3, **penalties))
     grpc_text = "".join(c.text for c in http_stack.grpc.Generate(req, metadata=http_stack.auth, timeout=120))
     assert penalised.choices[0].text == grpc_text

@@ -19,18 +19,18 @@ def up(model, *args: str) -> subprocess.Popen:
                              str(free_port()), *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
-def test_up_refuses_a_taken_http_port(tiny_k3):
+def test_up_refuses_a_taken_http_port(tiny_linear):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        out = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--model", str(tiny_k3), "--port",
+        out = subprocess.run([sys.executable, "-m", "launcher.cli", "up", "--model", str(tiny_linear), "--port",
                               str(free_port()), "--http-port", str(port)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
     assert f"127.0.0.1:{port} is not free" in out.stderr and "--http-port 0" in out.stderr
 
 
-def test_up_serves_and_prints_the_http_api(tiny_k3):
+def test_up_serves_and_prints_the_http_api(tiny_linear):
     port = free_port()
-    proc = up(tiny_k3, "--http-port", str(port))
+    proc = up(tiny_linear, "--http-port", str(port))
     try:
         deadline = time.monotonic() + 240
         url = None
@@ -41,7 +41,7 @@ def test_up_serves_and_prints_the_http_api(tiny_k3):
                 url = line.split(" at ", 1)[1].strip()
         assert url == f"http://127.0.0.1:{port}/v1"
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "ok"
-        assert httpx.get(url + "/models", timeout=10).json()["data"][0]["id"] == tiny_k3.name
+        assert httpx.get(url + "/models", timeout=10).json()["data"][0]["id"] == tiny_linear.name
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(60)
