@@ -54,6 +54,15 @@ def _observe(rpc: str, code: grpc.StatusCode, start: float, span: tracing.Span |
     span.end()
 
 
+async def _abort(rpc: str, exc: Exception, start: float, span: tracing.Span | tracing.NoSpan,
+                 context: grpc.aio.ServicerContext) -> None:
+    """Ends the RPC with exc's status, counted first: abort sends the status to the client, which may scrape
+    /metrics the moment it has it (the count in a `finally` after abort raced that scrape)."""
+    code, message = _status_for(rpc, exc)
+    _observe(rpc, code, start, span)
+    await context.abort(code, message)  # raises (NoReturn), ending the RPC with this status
+
+
 def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]]:
     """Wrap a unary servicer method: map errors to status codes, count and time the call."""
 
@@ -68,10 +77,11 @@ def unary(rpc: str) -> Callable[[UnaryMethod[Req, Resp]], UnaryMethod[Req, Resp]
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
-                code, message = _status_for(rpc, exc)
-                await context.abort(code, message)  # raises (NoReturn), ending the RPC with this status
+                code = None  # counted by _abort, before the client can see the status
+                await _abort(rpc, exc, start, span, context)
             finally:
-                _observe(rpc, code, start, span)
+                if code is not None:
+                    _observe(rpc, code, start, span)
 
         return wrapper
 
@@ -93,10 +103,11 @@ def streaming(rpc: str) -> Callable[[StreamMethod[Req, Resp]], StreamMethod[Req,
                 code = grpc.StatusCode.CANCELLED
                 raise
             except Exception as exc:
-                code, message = _status_for(rpc, exc)
-                await context.abort(code, message)
+                code = None  # counted by _abort, before the client can see the status
+                await _abort(rpc, exc, start, span, context)
             finally:
-                _observe(rpc, code, start, span)
+                if code is not None:
+                    _observe(rpc, code, start, span)
 
         return wrapper
 
