@@ -43,7 +43,7 @@ test: $(STAMP)
 # own, and none of the tests marked slow (93-layer runs, kernels inside a whole model).
 # tests/router/http and tests/router/batch start stacks: only the router's own test files.
 FAST_TESTS := tests/router/test_*.py tests/tokenizer tests/engine tests/kernels tests/model tests/test_docs.py \
-	tests/test_protos_fresh.py tests/test_tracing_config.py
+	tests/test_protos_fresh.py tests/test_tracing_config.py tests/test_constraints.py
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(FAST_TESTS)
 
