@@ -66,6 +66,7 @@ class Prompt:
     ids: list[int]
     chat: bool = False  # read the reply as a chat reply (special tokens kept, split, tool calls parsed)
     tool_choice: router_pb2.ToolChoice = field(default_factory=router_pb2.ToolChoice)
+    parallel_tool_calls: bool = True  # ChatRequest.parallel_tool_calls: false allows at most one call
     # The response_format that enforces tool_choice while decoding (router/tool_choice.py); None: no constraint.
     constraint: common_pb2.ResponseFormat | None = None
     # The request's own prefix-cache salt (Generation.run mixes the tenant in: router/cache_salt.py) and, for chat,
@@ -93,9 +94,10 @@ async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
         req = _with_tools(req, offered)
     salt = check_request_salt(req.cache_salt)
     ids, ends = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
-    return Prompt(ids, chat=True, tool_choice=req.tool_choice,
-                  constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling), cache_salt=salt,
-                  message_ends=ends)
+    parallel = not req.HasField("parallel_tool_calls") or req.parallel_tool_calls
+    return Prompt(ids, chat=True, tool_choice=req.tool_choice, parallel_tool_calls=parallel,
+                  constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling, parallel),
+                  cache_salt=salt, message_ends=ends)
 
 
 def _with_tools(req: router_pb2.ChatRequest, tools: list[common_pb2.Tool]) -> router_pb2.ChatRequest:
@@ -133,7 +135,7 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
                                                cached_prompt_tokens=piece.usage.cached_prompt_tokens,
                                                reasoning_tokens=piece.reasoning_tokens)
             if piece.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
-                tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id)
+                tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id, prompt.parallel_tool_calls)
         yield piece
 
 

@@ -62,8 +62,8 @@ DEFAULT_OPTIONS = Options()
 
 def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
     body = present(body)
-    _check_fields(body, {"model", "messages", "tools", "tool_choice", "top_logprobs"} | SAMPLING_FIELDS | OPTION_FIELDS
-                  | set(openai_fields.EXTENSIONS))
+    _check_fields(body, {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
+                  | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"messages must be a non-empty list, got {describe(messages)}", "messages")
@@ -75,6 +75,8 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
         raise BodyError("tools must be a list of JSON objects", "tools")
     req.tools.extend(common_pb2.Tool(json=json.dumps(t)) for t in tools)
     req.tool_choice.CopyFrom(_tool_choice(body.get("tool_choice", "auto")))
+    if "parallel_tool_calls" in body:
+        req.parallel_tool_calls = _bool(body, "parallel_tool_calls")
     logprobs = _bool(body, "logprobs")
     top = _int(body.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:

@@ -62,7 +62,7 @@ _TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
 # name -> the values accepted (each changes nothing); compared by value and JSON type.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # candidates generated server-side per choice: one, the choice itself
-    "parallel_tool_calls": (True,),  # false would allow at most one tool call, which is not enforced
+    "parallel_tool_calls": (True,),  # /v1/completions has no tools (chat honours it)
     "logit_bias": ({},),  # no bias
     "modalities": (["text"],),  # text is all this server generates
     "verbosity": ("medium",),  # OpenAI's default; another level would change the reply
@@ -90,7 +90,6 @@ RESPONSES_IGNORED: dict[str, tuple[type, str]] = {
 }
 
 RESPONSES_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
-    "parallel_tool_calls": (True,),
     "truncation": ("disabled",),  # OpenAI's default: a prompt over the context is refused, never cut
     "background": (False,),  # the response is computed while the request waits (or streams)
 }

@@ -19,7 +19,8 @@ from router import openai_body, openai_fields
 from router.openai_body import BodyError, describe, present
 
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
-            "text", "stream", "stream_options", "include", "top_logprobs"} | set(openai_fields.EXTENSIONS)
+            "text", "stream", "stream_options", "include", "top_logprobs", "parallel_tool_calls"
+            } | set(openai_fields.EXTENSIONS)
 LOGPROBS = "message.output_text.logprobs"  # the one `include` value: each output_text's tokens with logprobs
 MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}  # a text part from the client, or one of the model's earlier replies
@@ -37,6 +38,7 @@ class Echo:
     tool_choice: Any
     text_format: dict[str, Any]
     metadata: dict[str, Any]
+    parallel_tool_calls: bool = True
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
         openai_fields.check(body, HONOURED, openai_fields.RESPONSES_RULES)
     except openai_fields.FieldError as e:
         raise BodyError(str(e), e.field) from None
-    chat: dict[str, Any] = {k: body[k] for k in {"model", "temperature", "top_p", "stream"}
+    chat: dict[str, Any] = {k: body[k] for k in {"model", "temperature", "top_p", "stream", "parallel_tool_calls"}
                             | set(openai_fields.EXTENSIONS) if k in body}
     chat["messages"] = _instructions(body) + _messages(body.get("input"))
     if "max_output_tokens" in body:
@@ -75,7 +77,8 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
     echo = Echo(instructions=body.get("instructions"), max_output_tokens=chat.get("max_tokens"),
                 temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                 tools=[_flat_tool(t) for t in chat["tools"]], tool_choice=choice, text_format=text_format,
-                metadata=metadata)
+                metadata=metadata,
+                parallel_tool_calls=not req.HasField("parallel_tool_calls") or req.parallel_tool_calls)
     return req, ResponsesOptions(stream=options.stream, echo=echo, logprobs=options.logprobs)
 
 

@@ -1,9 +1,10 @@
 """tool_choice: which tools a chat request declares to the model, the decoding constraint that makes the reply
 comply, and the check of the finished reply.
 
-    auto      every tool declared, no constraint
+    auto      every tool declared, no constraint (parallel_tool_calls false: text first, then at most one call)
     none      no tool declared
-    required  every tool declared; the reply is one or more calls (ResponseFormat.tool_calls, at most MAX_TOOL_CALLS)
+    required  every tool declared; the reply is one or more calls (ResponseFormat.tool_calls, at most MAX_TOOL_CALLS;
+              exactly one with parallel_tool_calls false)
     function  only the named tool declared; the reply is exactly one call to it
 
 The constraint is a response_format the shard compiles into a grammar (shard_svc/engine/grammar.py), so the model
@@ -59,18 +60,26 @@ def offered_tools(tools, choice: router_pb2.ToolChoice) -> list[common_pb2.Tool]
     return list(tools)
 
 
-def constraint(offered: list[common_pb2.Tool], choice: router_pb2.ToolChoice,
-               sampling: common_pb2.SamplingParams) -> common_pb2.ResponseFormat | None:
-    """The response_format that enforces `choice` over the offered tools (already rendered, so well-formed); None
-    when the choice constrains nothing."""
+def constraint(offered: list[common_pb2.Tool], choice: router_pb2.ToolChoice, sampling: common_pb2.SamplingParams,
+               parallel: bool = True) -> common_pb2.ResponseFormat | None:
+    """The response_format that enforces `choice` over the offered tools (already rendered, so well-formed), and
+    at most one call when not `parallel`; None when nothing needs constraining. Under AUTO the reply is text first
+    and the section optional (ToolCalls.text_first); with a response_format of its own, that format already leaves
+    no room for a tool-calls section, so at most one call holds without a second constraint."""
     if choice.mode not in CONSTRAINED:
-        return None
+        if parallel or not offered or sampling.HasField("response_format"):
+            return None
+        return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=_functions(offered), max_calls=1,
+                                                              text_first=True))
     if sampling.HasField("response_format"):
         raise InvalidArgument(f"tool_choice {_describe(choice)} and sampling.response_format both constrain the "
                               "reply; set one of them", "tool_choice")
-    functions = [ToolCalls.Function(name=tool_name(t), parameters=_parameters(t)) for t in offered]
-    max_calls = 1 if choice.mode == ToolChoice.MODE_FUNCTION else MAX_TOOL_CALLS
-    return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=functions, max_calls=max_calls))
+    max_calls = 1 if choice.mode == ToolChoice.MODE_FUNCTION or not parallel else MAX_TOOL_CALLS
+    return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=_functions(offered), max_calls=max_calls))
+
+
+def _functions(offered: list[common_pb2.Tool]) -> list[common_pb2.ResponseFormat.ToolCalls.Function]:
+    return [ToolCalls.Function(name=tool_name(t), parameters=_parameters(t)) for t in offered]
 
 
 def _parameters(tool: common_pb2.Tool) -> str:
@@ -81,9 +90,13 @@ def _parameters(tool: common_pb2.Tool) -> str:
     return json.dumps(params)
 
 
-def check_reply(choice: router_pb2.ToolChoice, calls: list[ToolCall], request_id: str) -> None:
-    """The backstop: a finished reply that broke REQUIRED / FUNCTION is refused rather than returned as if it
-    complied. Decoding enforces both, so only a stop string or stop token id cutting the reply short gets here."""
+def check_reply(choice: router_pb2.ToolChoice, calls: list[ToolCall], request_id: str, parallel: bool = True) -> None:
+    """The backstop: a finished reply that broke REQUIRED / FUNCTION or made several calls where `parallel` is off
+    is refused rather than returned as if it complied. Decoding enforces all three, so only a stop string or stop
+    token id cutting the reply short gets here."""
+    if not parallel and len(calls) > 1:
+        raise ToolChoiceNotMet(f"request {request_id!r}: parallel_tool_calls is false but the reply made {len(calls)} "
+                               "tool calls (decoding enforces at most one: this is a bug)")
     if choice.mode == ToolChoice.MODE_REQUIRED and not calls:
         raise ToolChoiceNotMet(f"request {request_id!r}: tool_choice 'required' but the reply made no complete tool "
                                "call (decoding enforces it: a stop string or stop token id must have cut it short)")

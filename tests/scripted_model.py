@@ -25,13 +25,15 @@ HEAD_SCALE = 4.0  # the successor's logit is HEAD_SCALE * sqrt(hidden) = 32; any
 
 def write_scripted_model(out: Path, chain: list[int | str], seed: int = 0) -> Path:
     """make_tiny's Kimi-Linear checkpoint and tokenizer in `out`, rewritten so that greedy decoding follows `chain`:
-    after each of its tokens comes the next. A token is an id or a special token's text ("<think>"); none may
-    repeat (each token has one successor)."""
+    after each of its tokens comes the next. A token is an id or a special token's text ("<think>"). A token may
+    come back (a loop), but always followed by the same token: the next token depends on the current one only."""
     make_tiny("kimi_linear", out, seed)
     added = {t["content"]: t["id"] for t in json.loads((out / "tokenizer.json").read_text())["added_tokens"]}
     ids = [added[t] if isinstance(t, str) else t for t in chain]
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"a scripted chain may not repeat a token, got {chain}")
+    successor: dict[int, int] = {}
+    for before, after in pairwise(ids):
+        if successor.setdefault(before, after) != after:
+            raise ValueError(f"token {before} is followed by both {successor[before]} and {after} in {chain}")
     path = out / "model.safetensors"
     tensors = load_file(path)
     for name, t in tensors.items():
@@ -42,8 +44,8 @@ def write_scripted_model(out: Path, chain: list[int | str], seed: int = 0) -> Pa
     unit = torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(seed))
     unit = unit / unit.norm(dim=1, keepdim=True)
     head = torch.zeros(vocab, hidden)
-    for before, after in pairwise(ids):
-        head[after] = HEAD_SCALE * unit[before]
+    for before, after in successor.items():  # a row sums its predecessors' directions: each one selects it
+        head[after] += HEAD_SCALE * unit[before]
     tensors["model.embed_tokens.weight"] = unit.to(embed.dtype)
     tensors["lm_head.weight"] = head.to(tensors["lm_head.weight"].dtype)
     tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])

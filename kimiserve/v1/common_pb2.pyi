@@ -79,7 +79,7 @@ class ResponseFormat(_message.Message):
         strict: bool
         def __init__(self, name: _Optional[str] = ..., schema: _Optional[str] = ..., strict: _Optional[bool] = ...) -> None: ...
     class ToolCalls(_message.Message):
-        __slots__ = ("functions", "max_calls")
+        __slots__ = ("functions", "max_calls", "text_first")
         class Function(_message.Message):
             __slots__ = ("name", "parameters")
             NAME_FIELD_NUMBER: _ClassVar[int]
@@ -89,9 +89,11 @@ class ResponseFormat(_message.Message):
             def __init__(self, name: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
         FUNCTIONS_FIELD_NUMBER: _ClassVar[int]
         MAX_CALLS_FIELD_NUMBER: _ClassVar[int]
+        TEXT_FIRST_FIELD_NUMBER: _ClassVar[int]
         functions: _containers.RepeatedCompositeFieldContainer[ResponseFormat.ToolCalls.Function]
         max_calls: int
-        def __init__(self, functions: _Optional[_Iterable[_Union[ResponseFormat.ToolCalls.Function, _Mapping]]] = ..., max_calls: _Optional[int] = ...) -> None: ...
+        text_first: bool
+        def __init__(self, functions: _Optional[_Iterable[_Union[ResponseFormat.ToolCalls.Function, _Mapping]]] = ..., max_calls: _Optional[int] = ..., text_first: _Optional[bool] = ...) -> None: ...
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]

@@ -137,8 +137,8 @@ class Items:
         return {"id": self.head.id, "object": "response", "created_at": self.head.created_at, "status": status,
                 "error": None, "incomplete_details": None, "instructions": e.instructions,
                 "max_output_tokens": e.max_output_tokens, "model": self.head.model, "output": list(self.output),
-                "parallel_tool_calls": True, "previous_response_id": None, "reasoning": None, "store": False,
-                "background": False, "temperature": e.temperature, "top_p": e.top_p,
+                "parallel_tool_calls": e.parallel_tool_calls, "previous_response_id": None, "reasoning": None,
+                "store": False, "background": False, "temperature": e.temperature, "top_p": e.top_p,
                 "text": {"format": e.text_format, "verbosity": "medium"}, "tool_choice": e.tool_choice,
                 "tools": e.tools, "truncation": "disabled", "metadata": e.metadata, "usage": None}
 

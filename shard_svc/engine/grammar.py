@@ -20,7 +20,7 @@ from pathlib import Path
 import llguidance
 import torch
 
-from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
+from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_BEGIN, THINK_END
 from kimiserve.limits import (
     MAX_JSON_DEPTH, MAX_RESPONSE_FORMAT_BYTES, MAX_TOOL_CALLS, MAX_TOOLS, MAX_TOOLS_BYTES,
     JsonTooDeep, loads_json)
@@ -51,6 +51,7 @@ class ResponseFormat:
     # tool_calls: (name, parameters JSON schema text, "" for any object) of each function that may be called
     functions: tuple[tuple[str, str], ...] = ()
     max_calls: int = 0  # tool_calls: most calls in the section (1..MAX_TOOL_CALLS)
+    text_first: bool = False  # tool_calls: free text (after an optional <think> block) first, the section optional
 
     def validate(self) -> None:
         """The checks that need no tokenizer beyond kimiserve/sampling_rules.py's (the schema's name, that a schema
@@ -93,7 +94,7 @@ def _object_schema(text: str, field: str) -> dict:
     return schema
 
 
-def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -> str:
+def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int, text_first: bool = False) -> str:
     """A Lark grammar (llguidance's dialect) of Kimi's tool-calls section with 1..max_calls calls:
 
         <|tool_calls_section_begin|> call_0 [call_1 [... call_{max_calls-1}]] <|tool_calls_section_end|>
@@ -101,8 +102,16 @@ def tool_calls_grammar(functions: tuple[tuple[str, str], ...], max_calls: int) -
 
     for every NAME of `functions`, args_NAME being JSON valid under its parameters schema (%json). Each <|...|> is
     the special token itself, never its text spelled out in ordinary tokens. The call index is in the id, so each
-    position gets its own rule; names and schemas are quoted as JSON strings, so any name is a literal."""
-    lines = [f"start: {SECTION_BEGIN} calls_0 {SECTION_END}"]
+    position gets its own rule; names and schemas are quoted as JSON strings, so any name is a literal.
+
+    text_first: the reply may first think (<think> ... </think>) and write text, and the section is optional. Text
+    is any run of ordinary tokens: llguidance gives special tokens bytes no text expression matches, so the text
+    ends exactly where a special token (the section, the end of turn) comes."""
+    if text_first:
+        lines = ["start: think? TEXT section?", f"think: {THINK_BEGIN} TEXT {THINK_END}", "TEXT: /(?s:.*)/",
+                 f"section: {SECTION_BEGIN} calls_0 {SECTION_END}"]
+    else:
+        lines = [f"start: {SECTION_BEGIN} calls_0 {SECTION_END}"]
     for i in range(max_calls):
         more = f" calls_{i + 1}?" if i + 1 < max_calls else ""
         lines.append(f"calls_{i}: call_{i}{more}")
@@ -174,7 +183,8 @@ class Grammars:
         if fmt.kind == "regex":
             grammar = llguidance.LLMatcher.grammar_from_regex(fmt.text)
         elif fmt.kind == "tool_calls":
-            grammar = llguidance.LLMatcher.grammar_from_lark(tool_calls_grammar(fmt.functions, fmt.max_calls))
+            grammar = llguidance.LLMatcher.grammar_from_lark(tool_calls_grammar(fmt.functions, fmt.max_calls,
+                                                                                fmt.text_first))
         else:
             schema = json.loads(fmt.text) if fmt.kind == "json_schema" else {"type": "object"}
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)

@@ -96,7 +96,7 @@ def _response_format_from_proto(f: common_pb2.ResponseFormat) -> ResponseFormat 
         return ResponseFormat("json_schema", f.json_schema.schema, f.json_schema.name)
     if kind == "tool_calls":
         return ResponseFormat("tool_calls", functions=tuple((fn.name, fn.parameters) for fn in f.tool_calls.functions),
-                              max_calls=f.tool_calls.max_calls)
+                              max_calls=f.tool_calls.max_calls, text_first=f.tool_calls.text_first)
     return ResponseFormat(kind, f.regex if kind == "regex" else "")
 
 

@@ -117,3 +117,36 @@ def test_json_is_compact_unless_the_schema_asks_for_free_whitespace(grammars, se
     assert matcher.consume_tokens(grammars.tokenizer.tokenize_str('{ \n "ok"'))  # the schema's own choice wins
     compact = grammars.compile(ResponseFormat("json_schema", json.dumps(schema)), "compact")
     assert not compact.consume_tokens(grammars.tokenizer.tokenize_str('{ \n "ok"'))
+
+
+def special(grammars: Grammars, text: str) -> int:
+    [token] = grammars.tokenizer.tokenize_str(text)
+    return token
+
+
+def text_first_matcher(grammars: Grammars, name: str):
+    return grammars.compile(ResponseFormat("tool_calls", functions=(("ping", json.dumps(PING)),), max_calls=1,
+                                           text_first=True), name)
+
+
+@pytest.mark.parametrize("reply", [
+    "Hello there",
+    "<think>Let me see.</think>It is sunny.",
+    f"Let me check.{SECTION_BEGIN}{CALL_BEGIN}functions.ping:0<|tool_call_argument_begin|>{{}}<|tool_call_end|>"
+    f"{SECTION_END}",
+    f"<think>A ping.</think>{SECTION_BEGIN}{CALL_BEGIN}functions.ping:0<|tool_call_argument_begin|>{{}}"
+    f"<|tool_call_end|>{SECTION_END}",
+])
+def test_text_first_takes_text_thinking_and_at_most_one_call_then_ends(grammars, reply):
+    matcher = text_first_matcher(grammars, "text-first")
+    assert matcher.consume_tokens(grammars.tokenizer.tokenize_str(reply)), matcher.get_error()
+    assert matcher.consume_token(EOS) and matcher.is_stopped()
+
+
+def test_text_first_with_one_call_allows_no_second_call_and_no_text_after_the_section(grammars):
+    matcher = text_first_matcher(grammars, "one-call")
+    one = f"{SECTION_BEGIN}{CALL_BEGIN}functions.ping:0<|tool_call_argument_begin|>{{}}<|tool_call_end|>"
+    assert matcher.consume_tokens(grammars.tokenizer.tokenize_str(one)), matcher.get_error()
+    assert allowed(grammars, matcher) == [special(grammars, SECTION_END)]  # not CALL_BEGIN: a second call
+    assert matcher.consume_token(special(grammars, SECTION_END))
+    assert allowed(grammars, matcher) == [EOS]

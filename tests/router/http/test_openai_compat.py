@@ -70,7 +70,6 @@ def test_stream_options_include_usage_false_streams_without_usage(http_stack, ba
 
 REFUSED_CHAT = {
     "logit_bias": dict(logit_bias={"1": 5}),
-    "parallel_tool_calls": dict(parallel_tool_calls=False),
     "modalities": dict(modalities=["text", "audio"]),
     "audio": dict(audio={"voice": "alloy", "format": "wav"}),
     "reasoning_effort": dict(reasoning_effort="low"),
