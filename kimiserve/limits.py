@@ -45,6 +45,9 @@ MAX_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 2.0
 # Alternatives per generated token (OpenAI's top_logprobs cap).
 MAX_TOP_LOGPROBS = 20
+# logit_bias: OpenAI's value range [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], and at most this many biased tokens a request.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
 # Ids in one tokenizer TokenBytes call (the router asks for a long scored prompt's bytes in pieces of this size).
 MAX_TOKEN_BYTES_IDS = 65_536
 # Choices one request may fan out to (OpenAI's n; each is a sequence taking a shard slot), gRPC and HTTP alike.

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from kimiserve.limits import (
-    MAX_JSON_DEPTH, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
-    JsonTooDeep, loads_json)
+    MAX_JSON_DEPTH, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY, MAX_REPETITION_PENALTY, MAX_SCHEMA_NAME_CHARS,
+    MAX_TEMPERATURE, MAX_TOP_LOGPROBS, JsonTooDeep, loads_json)
 from kimiserve.seeds import SEED_BITS
 
 SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]*")
@@ -52,6 +52,22 @@ def sampling_problems(values: Mapping[str, object]) -> list[Problem]:
         check("prompt_logprobs", lambda v: 0 <= v <= MAX_TOP_LOGPROBS, f"in [0, {MAX_TOP_LOGPROBS}]")
     if values.get("seed") is not None:  # None: unset (the shard draws one); the wire's uint64 always passes
         check("seed", lambda v: 0 <= v < 1 << SEED_BITS, f"in [0, 2^{SEED_BITS}) (a uint64)")
+    problems += logit_bias_problems(values.get("logit_bias", {}))
+    return problems
+
+
+def logit_bias_problems(bias: Mapping[int, float]) -> list[Problem]:
+    """At most MAX_LOGIT_BIAS_TOKENS entries, each value in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (NaN is outside);
+    the ids are checked against the vocabulary by token_id_problems, where it is known."""
+    problems = []
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        problems.append(Problem("logit_bias", f"logit_bias has {len(bias)} entries; at most "
+                                              f"{MAX_LOGIT_BIAS_TOKENS} are allowed"))
+    bad = {t: v for t, v in bias.items() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+    if bad:
+        first = dict(list(bad.items())[:4])
+        problems.append(Problem("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                              f"{MAX_LOGIT_BIAS:g}], got {first}"))
     return problems
 
 

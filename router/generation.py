@@ -107,7 +107,7 @@ def validate_sampling(s: common_pb2.SamplingParams) -> None:
     """Raises InvalidArgument naming every problem (kimiserve/sampling_rules.py, the shard's rules too); its param
     is the first field at fault."""
     values = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
-    values.update(top_logprobs=s.top_logprobs, logprobs=s.logprobs)
+    values.update(top_logprobs=s.top_logprobs, logprobs=s.logprobs, logit_bias=dict(s.logit_bias))
     problems = sampling_rules.sampling_problems(values)
     if s.HasField("response_format"):
         f = s.response_format

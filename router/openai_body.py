@@ -19,7 +19,7 @@ from router import openai_fields
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "response_format"}
+                   "response_format", "logit_bias"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
@@ -237,7 +237,20 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
             setattr(s, name, float(body[name]))
     if "response_format" in body:
         _response_format(body["response_format"], s)
+    _logit_bias(body.get("logit_bias", {}), s)
     return s
+
+
+def _logit_bias(v: Any, s: common_pb2.SamplingParams) -> None:
+    """OpenAI's {"token id": bias} (ids as JSON object keys, so strings) -> SamplingParams.logit_bias."""
+    if not isinstance(v, dict):
+        raise BodyError(f"logit_bias must be a JSON object of token id -> number, got {describe(v)}", "logit_bias")
+    for key, bias in v.items():
+        if not (key.isascii() and key.isdigit() and int(key) < 1 << 32):
+            raise BodyError(f"logit_bias keys must be token ids (decimal strings), got {describe(key)}", "logit_bias")
+        if not _is_number(bias):
+            raise BodyError(f"logit_bias[{key}] must be a number, got {describe(bias)}", "logit_bias")
+        s.logit_bias[int(key)] = float(bias)
 
 
 def _response_format(v: Any, s: common_pb2.SamplingParams) -> None:

@@ -63,7 +63,6 @@ _TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),  # candidates generated server-side per choice: one, the choice itself
     "parallel_tool_calls": (True,),  # /v1/completions has no tools (chat honours it)
-    "logit_bias": ({},),  # no bias
     "modalities": (["text"],),  # text is all this server generates
     "verbosity": ("medium",),  # OpenAI's default; another level would change the reply
     "functions": ([],),  # the deprecated form of tools: send `tools`

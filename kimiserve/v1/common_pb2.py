@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kimiserve/v1/common.proto\x12\x0ckimiserve.v1\"\xa7\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x35\n\x0fresponse_format\x18\x0e \x01(\x0b\x32\x1c.kimiserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"b\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.TopLogprobs\x12\r\n\x05ranks\x18\x03 \x03(\r\"\xd8\x03\n\x0eResponseFormat\x12>\n\x0bjson_object\x18\x01 \x01(\x0b\x32\'.kimiserve.v1.ResponseFormat.JsonObjectH\x00\x12>\n\x0bjson_schema\x18\x02 \x01(\x0b\x32\'.kimiserve.v1.ResponseFormat.JsonSchemaH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12<\n\ntool_calls\x18\x04 \x01(\x0b\x32&.kimiserve.v1.ResponseFormat.ToolCallsH\x00\x1a\x0c\n\nJsonObject\x1a:\n\nJsonSchema\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x1a\xa4\x01\n\tToolCalls\x12\x42\n\tfunctions\x18\x01 \x03(\x0b\x32/.kimiserve.v1.ResponseFormat.ToolCalls.Function\x12\x11\n\tmax_calls\x18\x02 \x01(\r\x12\x12\n\ntext_first\x18\x03 \x01(\x08\x1a,\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\tB\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\";\n\x0bTopLogprobs\x12,\n\ncandidates\x18\x01 \x03(\x0b\x32\x18.kimiserve.v1.TopLogprob\"q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.kimiserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"T\n\x04Tool\x12.\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x1a.kimiserve.v1.FunctionToolH\x00\x12\x0e\n\x04json\x18\x02 \x01(\tH\x00\x42\x0c\n\ndefinition\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19kimiserve/v1/common.proto\x12\x0ckimiserve.v1\"\x9a\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x1d\n\x10presence_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\r \x01(\r\x12\x35\n\x0fresponse_format\x18\x0e \x01(\x0b\x32\x1c.kimiserve.v1.ResponseFormat\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\rH\x08\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.kimiserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"b\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12/\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.TopLogprobs\x12\r\n\x05ranks\x18\x03 \x03(\r\"\xd8\x03\n\x0eResponseFormat\x12>\n\x0bjson_object\x18\x01 \x01(\x0b\x32\'.kimiserve.v1.ResponseFormat.JsonObjectH\x00\x12>\n\x0bjson_schema\x18\x02 \x01(\x0b\x32\'.kimiserve.v1.ResponseFormat.JsonSchemaH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12<\n\ntool_calls\x18\x04 \x01(\x0b\x32&.kimiserve.v1.ResponseFormat.ToolCallsH\x00\x1a\x0c\n\nJsonObject\x1a:\n\nJsonSchema\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0e\n\x06strict\x18\x03 \x01(\x08\x1a\xa4\x01\n\tToolCalls\x12\x42\n\tfunctions\x18\x01 \x03(\x0b\x32/.kimiserve.v1.ResponseFormat.ToolCalls.Function\x12\x11\n\tmax_calls\x18\x02 \x01(\r\x12\x12\n\ntext_first\x18\x03 \x01(\x08\x1a,\n\x08\x46unction\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nparameters\x18\x02 \x01(\tB\x06\n\x04kind\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\";\n\x0bTopLogprobs\x12,\n\ncandidates\x18\x01 \x03(\x0b\x32\x18.kimiserve.v1.TopLogprob\"q\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x04 \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12*\n\ntool_calls\x18\x04 \x03(\x0b\x32\x16.kimiserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"J\n\x0c\x46unctionTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"T\n\x04Tool\x12.\n\x08\x66unction\x18\x01 \x01(\x0b\x32\x1a.kimiserve.v1.FunctionToolH\x00\x12\x0e\n\x04json\x18\x02 \x01(\tH\x00\x42\x0c\n\ndefinition\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kimiserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1768
-  _globals['_FINISHREASON']._serialized_end=1917
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=1883
+  _globals['_FINISHREASON']._serialized_end=2032
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=595
-  _globals['_PROMPTLOGPROBS']._serialized_start=597
-  _globals['_PROMPTLOGPROBS']._serialized_end=695
-  _globals['_RESPONSEFORMAT']._serialized_start=698
-  _globals['_RESPONSEFORMAT']._serialized_end=1170
-  _globals['_RESPONSEFORMAT_JSONOBJECT']._serialized_start=923
-  _globals['_RESPONSEFORMAT_JSONOBJECT']._serialized_end=935
-  _globals['_RESPONSEFORMAT_JSONSCHEMA']._serialized_start=937
-  _globals['_RESPONSEFORMAT_JSONSCHEMA']._serialized_end=995
-  _globals['_RESPONSEFORMAT_TOOLCALLS']._serialized_start=998
-  _globals['_RESPONSEFORMAT_TOOLCALLS']._serialized_end=1162
-  _globals['_RESPONSEFORMAT_TOOLCALLS_FUNCTION']._serialized_start=1118
-  _globals['_RESPONSEFORMAT_TOOLCALLS_FUNCTION']._serialized_end=1162
-  _globals['_TOPLOGPROB']._serialized_start=1172
-  _globals['_TOPLOGPROB']._serialized_end=1219
-  _globals['_TOPLOGPROBS']._serialized_start=1221
-  _globals['_TOPLOGPROBS']._serialized_end=1280
-  _globals['_USAGE']._serialized_start=1282
-  _globals['_USAGE']._serialized_end=1395
-  _globals['_TOOLCALL']._serialized_start=1397
-  _globals['_TOOLCALL']._serialized_end=1452
-  _globals['_CHATMESSAGE']._serialized_start=1454
-  _globals['_CHATMESSAGE']._serialized_end=1578
-  _globals['_FUNCTIONTOOL']._serialized_start=1580
-  _globals['_FUNCTIONTOOL']._serialized_end=1654
-  _globals['_TOOL']._serialized_start=1656
-  _globals['_TOOL']._serialized_end=1740
-  _globals['_TOKENIDS']._serialized_start=1742
-  _globals['_TOKENIDS']._serialized_end=1765
+  _globals['_SAMPLINGPARAMS']._serialized_end=710
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=516
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=564
+  _globals['_PROMPTLOGPROBS']._serialized_start=712
+  _globals['_PROMPTLOGPROBS']._serialized_end=810
+  _globals['_RESPONSEFORMAT']._serialized_start=813
+  _globals['_RESPONSEFORMAT']._serialized_end=1285
+  _globals['_RESPONSEFORMAT_JSONOBJECT']._serialized_start=1038
+  _globals['_RESPONSEFORMAT_JSONOBJECT']._serialized_end=1050
+  _globals['_RESPONSEFORMAT_JSONSCHEMA']._serialized_start=1052
+  _globals['_RESPONSEFORMAT_JSONSCHEMA']._serialized_end=1110
+  _globals['_RESPONSEFORMAT_TOOLCALLS']._serialized_start=1113
+  _globals['_RESPONSEFORMAT_TOOLCALLS']._serialized_end=1277
+  _globals['_RESPONSEFORMAT_TOOLCALLS_FUNCTION']._serialized_start=1233
+  _globals['_RESPONSEFORMAT_TOOLCALLS_FUNCTION']._serialized_end=1277
+  _globals['_TOPLOGPROB']._serialized_start=1287
+  _globals['_TOPLOGPROB']._serialized_end=1334
+  _globals['_TOPLOGPROBS']._serialized_start=1336
+  _globals['_TOPLOGPROBS']._serialized_end=1395
+  _globals['_USAGE']._serialized_start=1397
+  _globals['_USAGE']._serialized_end=1510
+  _globals['_TOOLCALL']._serialized_start=1512
+  _globals['_TOOLCALL']._serialized_end=1567
+  _globals['_CHATMESSAGE']._serialized_start=1569
+  _globals['_CHATMESSAGE']._serialized_end=1693
+  _globals['_FUNCTIONTOOL']._serialized_start=1695
+  _globals['_FUNCTIONTOOL']._serialized_end=1769
+  _globals['_TOOL']._serialized_start=1771
+  _globals['_TOOL']._serialized_end=1855
+  _globals['_TOKENIDS']._serialized_start=1857
+  _globals['_TOKENIDS']._serialized_end=1880
 # @@protoc_insertion_point(module_scope)

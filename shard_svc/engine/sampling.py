@@ -4,10 +4,11 @@ seeded temperature / top-k / top-p draws, with logprobs and top alternatives.
 Each row's distribution is built in this order (the proto's SamplingParams documents the same):
   1. penalties (shard_svc/engine/penalties.py): repetition over prompt + output, then presence and frequency over
      the output, from per-slot token counts kept on the device;
-  2. the response_format mask (shard_svc/engine/grammar.py): disallowed tokens get -inf;
-  3. greedy: argmax; sampled: max-shifted temperature, top-k, top-p, then a draw with the row's own generator.
+  2. logit_bias: each listed token's value added to its logit;
+  3. the response_format mask (shard_svc/engine/grammar.py): disallowed tokens get -inf;
+  4. greedy: argmax; sampled: max-shifted temperature, top-k, top-p, then a draw with the row's own generator.
 logprob / top_logprobs are the natural logs of that final distribution (greedy: log-softmax of the penalised,
-masked logits). Every row's result depends only on its own logits, counts, mask and generator.
+biased, masked logits). Every row's result depends only on its own logits, counts, mask and generator.
 
 A sampled sequence's generator is reseeded before each of its draws with kimiserve.seeds.position_seed(seed,
 position), position being the absolute index of the token drawn (prompt length + tokens generated before it): a
@@ -55,6 +56,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives reported per token (needs logprobs)
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = None  # score the prompt with this many alternatives per position (None: do not)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), ids ascending
 
     @classmethod
     def from_proto(cls, s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
@@ -64,7 +66,8 @@ class SamplingParams:
         return cls(max_tokens=max_tokens, stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
                    logprobs=s.logprobs, top_logprobs=s.top_logprobs,
                    prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
-                   response_format=_response_format_from_proto(s.response_format), **optional)
+                   response_format=_response_format_from_proto(s.response_format),
+                   logit_bias=tuple(sorted(s.logit_bias.items())), **optional)
 
     @property
     def penalties(self) -> Penalties:
@@ -79,11 +82,12 @@ class SamplingParams:
         InvalidRequest names every problem and, as `param`, the first field at fault."""
         values = {f: getattr(self, f) for f in (*OPTIONAL_WIRE_FIELDS, "max_tokens", "top_logprobs", "logprobs",
                                                "prompt_logprobs")}
-        problems = sampling_rules.sampling_problems(values)
+        problems = sampling_rules.sampling_problems(values | {"logit_bias": dict(self.logit_bias)})
         f = self.response_format
         if f is not None:
             problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
         problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
+        problems += sampling_rules.token_id_problems("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
         if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
             raise InvalidRequest(*sampling_rules.describe(problems))
 
@@ -171,6 +175,10 @@ def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list
         slots = torch.tensor([rows[i].slot for i in penalised], device=device)
         stacked[pen_index] = apply_penalties(stacked[pen_index], counts, slots,
                                              [rows[i].params.penalties for i in penalised])
+    biased = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias]
+    if biased:  # one small copy for every biased row of the pass
+        at = torch.tensor([(i, t) for i, t, _ in biased], device=device).t()
+        stacked.index_put_((at[0], at[1]), torch.tensor([v for *_, v in biased], device=device), accumulate=True)
     masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if masked:
         bits = torch.stack([rows[i].allowed for i in masked]).to(device, non_blocking=True)

@@ -249,6 +249,36 @@ def test_penalties_need_counts():
         sample_all([SampleRow(torch.zeros(8), SamplingParams(temperature=0.0, presence_penalty=1.0), slot=0)])
 
 
+def test_logit_bias_is_added_before_the_draw_and_its_distribution_is_reported():
+    g = _gen(12)
+    vocab = 30
+    logits = torch.randn(2, vocab, generator=g) * 2
+    best = int(torch.argmax(logits[0]))
+    bias = ((3, 4.5), (best, -7.0), (11, 100.0))
+    greedy = SamplingParams(temperature=0.0, logprobs=True, top_logprobs=5, logit_bias=bias)
+    plain = SamplingParams(temperature=0.0, logprobs=True)
+    biased, neighbour = sample_all([SampleRow(logits[0], greedy), SampleRow(logits[1], plain)])
+    ref = logits[0].double().clone()
+    for t, v in bias:
+        ref[t] += v
+    ref_lp = torch.log_softmax(ref, 0)
+    assert biased.token == 11 and abs(biased.logprob - float(ref_lp[11])) < 1e-5
+    assert [t for t, _ in biased.top] == sorted(range(vocab), key=lambda t: -float(ref_lp[t]))[:5]
+    assert neighbour.token == int(torch.argmax(logits[1])), "a row without a bias is left alone"
+    banned = tuple((t, -100.0) for t in range(vocab) if t not in (4, 9))  # sampled: only 4 and 9 can be drawn
+    sampled = SamplingParams(temperature=1.0, seed=5, logit_bias=banned)
+    assert {sample_all([SampleRow(logits[0], sampled, _gen(k))])[0].token for k in range(40)} == {4, 9}
+
+
+@pytest.mark.parametrize("bias, message", [
+    (((3, 100.5),), "logit_bias values must be in"), (((3, float("nan")),), "logit_bias values must be in"),
+    (((100, 1.0),), "logit_bias: 1 token ids outside"), (tuple((t, 1.0) for t in range(1025)), "at most 1024"),
+])
+def test_logit_bias_out_of_range_is_refused(bias, message):
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(logit_bias=bias).validate(100 if len(bias) < 1025 else 2000)
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("presence_penalty", 2.5, "presence_penalty must be in"), ("presence_penalty", float("nan"), "presence_penalty"),
     ("frequency_penalty", -2.01, "frequency_penalty must be in"), ("repetition_penalty", 0.0, "repetition_penalty"),
@@ -280,9 +310,9 @@ def test_from_proto_unset_fields_take_the_engine_defaults_and_set_ones_carry_ove
     wire = common_pb2.SamplingParams(
         temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=[4, 5], ignore_eos=True, logprobs=True,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, top_logprobs=2,
-        response_format=common_pb2.ResponseFormat(regex="[ab]+"))
+        response_format=common_pb2.ResponseFormat(regex="[ab]+"), logit_bias={9: -1.5, 2: 3.0})
     got = SamplingParams.from_proto(wire, max_tokens=3)
     assert got == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=(4, 5),
                                  ignore_eos=True, logprobs=True, presence_penalty=0.5, frequency_penalty=-0.5,
                                  repetition_penalty=1.25, top_logprobs=2,
-                                 response_format=ResponseFormat("regex", "[ab]+"))
+                                 response_format=ResponseFormat("regex", "[ab]+"), logit_bias=((2, 3.0), (9, -1.5)))

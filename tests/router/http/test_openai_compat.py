@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+from tokenizers import Tokenizer
+
+from kimiserve.v1 import common_pb2, router_pb2
 
 HELLO = [{"role": "user", "content": "Hello there"}]
 BASE = dict(model="", messages=HELLO, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
@@ -69,7 +72,6 @@ def test_stream_options_include_usage_false_streams_without_usage(http_stack, ba
 
 
 REFUSED_CHAT = {
-    "logit_bias": dict(logit_bias={"1": 5}),
     "modalities": dict(modalities=["text", "audio"]),
     "audio": dict(audio={"voice": "alloy", "format": "wav"}),
     "reasoning_effort": dict(reasoning_effort="low"),
@@ -149,9 +151,26 @@ ACCEPTED_COMPLETIONS = {
 REFUSED_COMPLETIONS = {
     "suffix": dict(suffix=" the end"),
     "best_of": dict(best_of=3),
-    "logit_bias": dict(logit_bias={"5": 1}),
     "reasoning_effort": dict(extra_body={"reasoning_effort": "high"}),
 }
+
+
+def test_logit_bias_forces_and_bans_tokens(http_stack):
+    """+100 all but forces a token (every one of them is it), -100 all but bans it (the greedy reply's first token
+    gives way to another)."""
+    client, kw = http_stack.client, dict(model="", prompt="Once upon a time", max_tokens=6, temperature=0)
+    forced = client.completions.create(**kw, logit_bias={"300": 100}, extra_body={"ignore_eos": True})
+    tok = Tokenizer.from_file(str(http_stack.model_dir / "tokenizer.json"))
+    assert forced.choices[0].text == tok.decode([300] * 6)
+    def grpc_ids(**sampling) -> list[int]:
+        req = router_pb2.GenerateRequest(text=kw["prompt"], sampling=common_pb2.SamplingParams(
+            max_tokens=6, temperature=0, **sampling))
+        return [t for c in http_stack.grpc.Generate(req, metadata=http_stack.auth, timeout=60) for t in c.token_ids]
+    plain = grpc_ids()
+    banned = grpc_ids(logit_bias={plain[0]: -100.0})
+    assert banned[0] != plain[0]
+    text = client.completions.create(**kw, logit_bias={str(plain[0]): -100}).choices[0].text
+    assert text == tok.decode(banned) != client.completions.create(**kw).choices[0].text
 
 
 def test_completions_fields(http_stack):
