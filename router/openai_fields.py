@@ -57,7 +57,7 @@ IGNORED: dict[str, tuple[type, str]] = {
     "prediction": (dict, "predicted output only shortens the latency; the reply is the same"),
 }
 
-_TYPE_NAMES = {str: "string", dict: "JSON object", bool: "boolean"}
+_TYPE_NAMES = {str: "a string", dict: "a JSON object", bool: "a boolean", int: "an integer"}
 
 # name -> the values accepted (each changes nothing); compared by value and JSON type.
 NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -86,6 +86,8 @@ RESPONSES_IGNORED: dict[str, tuple[type, str]] = {
                                "prompt_cache_retention", "prompt_cache_options")},
     "store": (bool, "keeping the response for later retrieval; nothing is stored here (the response says store: "
                     "false)"),
+    "max_tool_calls": (int, "a cap on calls to OpenAI's built-in tools (web search, file search, ...); none are "
+                            "offered here, and function calls are not counted against it"),
 }
 
 RESPONSES_NO_OP_VALUES: dict[str, tuple[Any, ...]] = {
@@ -98,7 +100,6 @@ RESPONSES_REFUSED: dict[str, str] = {
     "conversation": "conversations are not stored here: send the conversation's items in input",
     "prompt": "no stored prompt templates here",
     "reasoning": "the model's reasoning cannot be steered",
-    "max_tool_calls": "a cap on tool calls is not enforced",
     "moderation": REFUSED["moderation"],
 }
 
@@ -140,7 +141,7 @@ def check(body: dict[str, Any], honoured: set[str], rules: Rules = CHAT_RULES) -
         if key in rules.ignored:
             kind, why = rules.ignored[key]
             if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-                raise FieldError(f"{key} must be a {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
+                raise FieldError(f"{key} must be {_TYPE_NAMES[kind]}, got {type(value).__name__} (it is accepted "
                                  f"and ignored: {why})", key)
             continue
         if key in rules.no_op_values:

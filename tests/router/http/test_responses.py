@@ -149,6 +149,14 @@ REFUSED = {
 }
 
 
+def test_max_tool_calls_caps_built_in_tools_only_and_changes_nothing(http_stack):
+    kw = dict(model=http_stack.model, input="Hi", max_output_tokens=4, temperature=0)
+    assert (http_stack.client.responses.create(**kw, max_tool_calls=1).output_text
+            == http_stack.client.responses.create(**kw).output_text)
+    with pytest.raises(openai.BadRequestError, match="max_tool_calls must be an integer"):
+        http_stack.client.responses.create(**kw, extra_body={"max_tool_calls": "one"})
+
+
 @pytest.mark.parametrize("param, kw", list(REFUSED.items()), ids=list(REFUSED))
 def test_what_cannot_be_honoured_is_400_naming_it(http_stack, param, kw):
     with pytest.raises(openai.BadRequestError) as refused:
