@@ -91,7 +91,18 @@ def run_chat(args: argparse.Namespace) -> int:
     if args.seed is not None:
         req.sampling.seed = args.seed
 
+    thought = False
+
     def show(chunk: router_pb2.ChatResponse) -> None:
+        # The reasoning goes to stderr: the terminal shows it, and stdout stays the answer alone for a pipe.
+        nonlocal thought
+        if chunk.reasoning_text:
+            sys.stderr.write(chunk.reasoning_text)
+            sys.stderr.flush()
+            thought = True
+        if thought and (chunk.text or chunk.tool_calls):
+            sys.stderr.write("\n")
+            thought = False
         sys.stdout.write(chunk.text)
         for call in chunk.tool_calls:
             sys.stdout.write(f"\n[tool call {call.id}: {call.name}({call.arguments})]")

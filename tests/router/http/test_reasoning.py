@@ -6,6 +6,9 @@ reply cut inside the block."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import grpc
 import pytest
 from openai import OpenAI
@@ -30,10 +33,11 @@ def thinking(tmp_path_factory):
     http_port = free_port()
     children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
                            router_args=("--http-port", str(http_port)))
-    channel = grpc.insecure_channel({c.name: c for c in children}["router"].address)
+    router = {c.name: c for c in children}["router"].address
+    channel = grpc.insecure_channel(router)
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     yield {"openai": OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60),
-           "grpc": router_pb2_grpc.RouterStub(channel), "model": model.name,
+           "grpc": router_pb2_grpc.RouterStub(channel), "model": model.name, "router": router,
            "thought": tok.decode(list(WORDS[:2])), "said": tok.decode([WORDS[2]])}
     channel.close()
     stop_stack(children, grace_s=20)
@@ -96,6 +100,14 @@ def test_grpc_chat_usage_counts_reasoning_tokens(thinking):
     assert "".join(c.reasoning_text for c in got) == thinking["thought"]
     assert "".join(c.text for c in got) == thinking["said"]
     assert (got[-1].usage.completion_tokens, got[-1].usage.reasoning_tokens) == (REPLY_TOKENS, THINKING_TOKENS)
+
+
+def test_the_chat_cli_shows_the_thinking_on_stderr_and_the_answer_on_stdout(thinking):
+    out = subprocess.run([sys.executable, "-m", "launcher.cli", "chat", "Hello", "--temperature", "0", "--router",
+                          thinking["router"]], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == thinking["said"] + "\n"
+    assert thinking["thought"] + "\n" in out.stderr
 
 
 def test_a_completion_has_no_reasoning_tokens(thinking):
