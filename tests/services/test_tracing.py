@@ -172,11 +172,11 @@ def test_an_http_request_is_one_trace_rooted_at_the_http_span(traced_stack, rece
 
 def test_a_refused_http_request_is_a_failed_span_named_by_its_route(traced_stack, receiver):
     rid = f"traced-http-bad-{secrets.token_hex(4)}"
-    resp = httpx.post(f"{traced_stack.http}/v1/completions", json={"prompt": "x", "logit_bias": {"1": 5}},
+    resp = httpx.post(f"{traced_stack.http}/v1/completions", json={"prompt": "x", "best_of": 3},
                       headers={"x-request-id": rid}, timeout=60)
     assert resp.status_code == 400, resp.text
     spans = receiver.wait(lambda got: len(got) >= 1, lambda s: s.attributes.get("kimiserve.request_id") == rid)
     root = one(spans, "POST /v1/completions")
     assert root.parent_id == "" and root.attributes["http.response.status_code"] == 400
-    assert "logit_bias" in root.error and root.error.startswith("400 invalid_argument"), root.error
+    assert "best_of" in root.error and root.error.startswith("400 invalid_argument"), root.error
     assert len(spans) == 1, render_tree(spans)  # refused before any tokenizer or shard work
