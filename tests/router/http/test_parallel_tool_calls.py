@@ -5,6 +5,7 @@ chat, Responses and gRPC Chat; left free, it keeps calling until max_tokens."""
 from __future__ import annotations
 
 import grpc
+import openai
 import pytest
 from openai import OpenAI
 from tokenizers import Tokenizer
@@ -57,6 +58,12 @@ def test_parallel_tool_calls_false_makes_one_call_and_stops(caller, tool_choice)
     assert reply.finish_reason == "tool_calls"
     assert [(c.id, c.function.name, c.function.arguments) for c in reply.message.tool_calls] == [
         ("functions.ping:0", "ping", "{}")]
+
+
+def test_ignore_eos_is_refused_naming_parallel_tool_calls(caller):
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(caller, parallel_tool_calls=False, extra_body={"ignore_eos": True})
+    assert e.value.body["param"] == "parallel_tool_calls" and "ignore_eos" in e.value.body["message"]
 
 
 def test_responses_honour_and_echo_it(caller):
