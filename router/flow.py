@@ -129,11 +129,11 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
         if piece.final:
             r, c, piece.tool_calls = splitter.finish()
             piece.reasoning, piece.text = piece.reasoning + r, piece.text + c
-            if piece.usage is not None:
-                piece.usage = common_pb2.Usage(prompt_tokens=piece.usage.prompt_tokens,
-                                               completion_tokens=piece.usage.completion_tokens,
-                                               cached_prompt_tokens=piece.usage.cached_prompt_tokens,
-                                               reasoning_tokens=piece.reasoning_tokens)
+            if piece.usage is not None:  # the shard's counts, plus what only the split knows
+                usage = common_pb2.Usage()
+                usage.CopyFrom(piece.usage)
+                usage.reasoning_tokens = piece.reasoning_tokens
+                piece.usage = usage
             if piece.finish_reason == common_pb2.FINISH_REASON_STOP:  # a reply cut by max_tokens is just cut
                 tool_choice.check_reply(prompt.tool_choice, piece.tool_calls, request_id, prompt.parallel_tool_calls)
         yield piece

@@ -77,8 +77,7 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
     echo = Echo(instructions=body.get("instructions"), max_output_tokens=chat.get("max_tokens"),
                 temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                 tools=[_flat_tool(t) for t in chat["tools"]], tool_choice=choice, text_format=text_format,
-                metadata=metadata,
-                parallel_tool_calls=not req.HasField("parallel_tool_calls") or req.parallel_tool_calls)
+                metadata=metadata, parallel_tool_calls=chat.get("parallel_tool_calls", True))
     return req, ResponsesOptions(stream=options.stream, echo=echo, logprobs=options.logprobs)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse
 
@@ -34,12 +34,15 @@ async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, r
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], 1, tenant)
     head = Head(id=f"resp_{request_id}", created_at=int(time.time()), model=gen.model_info().model_name,
                 echo=opts.echo)
-    names = _Names(gen, opts.logprobs)
+    async def names(p: flow.Piece) -> dict[int, bytes]:
+        """The bytes of p's tokens and candidates, fetched only when logprobs are asked for."""
+        return await replies.token_bytes(gen, [p]) if opts.logprobs and p.token_ids else {}
+
     if not opts.stream:
         async def whole() -> JSONResponse:
             items = Items(head, request_id, opts.logprobs)
             async for _, piece in merged:
-                items.piece(piece, await names.of(piece))
+                items.piece(piece, await names(piece))
             return JSONResponse(items.final)
         return await unless_disconnected(receive, whole())
     # As for chat: a request refused up front is an HTTP error, not a failure event inside a 200 stream.
@@ -47,26 +50,17 @@ async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, r
     return EventStream(_events(Items(head, request_id, opts.logprobs), names, first[1], merged), request_id)
 
 
-class _Names:
-    """The tokenizer's bytes of each piece's tokens and candidates, fetched only when logprobs are asked for."""
-
-    def __init__(self, gen: Generation, logprobs: bool):
-        self.gen, self.logprobs = gen, logprobs
-
-    async def of(self, p: flow.Piece) -> dict[int, bytes]:
-        return await replies.token_bytes(self.gen, [p]) if self.logprobs and p.token_ids else {}
-
-
-async def _events(items: Items, names: _Names, first: flow.Piece, rest: AsyncIterator) -> AsyncIterator[str]:
+async def _events(items: Items, names: Callable[[flow.Piece], Awaitable[dict[int, bytes]]], first: flow.Piece,
+                  rest: AsyncIterator) -> AsyncIterator[str]:
     from router.http.errors import describe
 
     try:
         yield items.event("response.created", response=items.snapshot("in_progress"))
         yield items.event("response.in_progress", response=items.snapshot("in_progress"))
-        for out in items.piece(first, await names.of(first)):
+        for out in items.piece(first, await names(first)):
             yield out
         async for _, p in rest:
-            for out in items.piece(p, await names.of(p)):
+            for out in items.piece(p, await names(p)):
                 yield out
     except Exception as e:  # noqa: BLE001 - after the 200 has gone out, a failure is an event in the stream
         error = describe(e, items.request_id)[1]["error"]

@@ -12,9 +12,9 @@ from tokenizers import Tokenizer
 
 from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN
 from kimiserve.ports import free_port
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from launcher.up import start_stack, stop_stack
-from shard_svc.make_tiny import make_tiny
 from tests.scripted_model import write_scripted_model
 
 PING = {"type": "function", "function": {"name": "ping", "description": "check the line",
@@ -25,7 +25,9 @@ USER = [{"role": "user", "content": "Ping twice."}]
 
 @pytest.fixture(scope="module")
 def caller(tmp_path_factory):
-    tok = Tokenizer.from_file(str(make_tiny("kimi_linear", tmp_path_factory.mktemp("ids") / "m") / "tokenizer.json"))
+    ids_dir = tmp_path_factory.mktemp("ids")
+    write_tiny_tokenizer(ids_dir)  # the tokenizer the scripted model gets: its ids script the calls
+    tok = Tokenizer.from_file(str(ids_dir / "tokenizer.json"))
 
     def ids(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
