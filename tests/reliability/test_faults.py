@@ -42,7 +42,7 @@ from tests.services.helpers import generate, scrape, shard_load, total, wait_unt
 
 POLL_S = 0.5  # the router's Load / health poll interval (ShardClient's default)
 STREAMS = 32  # two shards of 16 state slots (the shard default): every stream runs at once
-MAX_TOKENS = 200  # long enough that every stream is mid-generation when the fault comes
+MAX_TOKENS = 600  # long enough that every stream is mid-generation when the fault comes (200 was not, under CI load)
 
 
 def finished_on(shard) -> float:
