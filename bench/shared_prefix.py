@@ -7,6 +7,10 @@ cache on and one with it off, one request at a time.
   <= 0.3x), cached tokens, and whether each greedy reply equals the cache-off stack's.
 - shared document start: an id prompt, then one that shares only its first part (default 6,000 of 8,192 tokens): the
   second restores the interval snapshot below the divergence.
+- exactness: every greedy reply against the cache-off stack's, and the chosen tokens' logprobs against it. On a GPU
+  in bf16 a different split of the same prompt into prefill passes rounds differently (matmul shapes change), so a
+  third stack, cache off with a smaller prefill budget, measures that noise with no cache involved: the cache is
+  exact where its differences from the cache-off stack are no larger than the control's.
 - the cache's memory: snapshots made by kind, entries, state bytes against their bound, evictions (shard metrics).
 - what the snapshots cost: the first (cold) chat's and document's TTFT with the cache on against off, since the
   shard ends a prefill pass at every snapshot point (every --prefix-state-interval tokens and the kept message ends).
@@ -58,36 +62,53 @@ def system_text(model: Path, tokens: int) -> str:
             return text
 
 
-def _stream(responses) -> tuple[list[int], float, common_pb2.Usage]:
-    """(token ids, seconds to the first token, usage) of a Generate / Chat stream."""
-    start, first, ids, usage = time.perf_counter(), None, [], None
+CONTROL_BUDGET = 1024  # the control stack's prefill budget: splits every prompt here into other passes
+
+
+def _stream(responses) -> dict:
+    """A Generate / Chat stream's token ids, seconds to the first token, usage, and per token its logprob and the
+    margin to the runner-up (top_logprobs 2)."""
+    start, first, ids, logprobs, margins, usage = time.perf_counter(), None, [], [], [], None
     for chunk in responses:
         if chunk.token_ids and first is None:
             first = time.perf_counter() - start
         ids.extend(chunk.token_ids)
+        logprobs.extend(chunk.token_logprobs)
+        margins.extend(t.candidates[0].logprob - t.candidates[1].logprob for t in chunk.top_logprobs)
         if chunk.HasField("usage") and chunk.usage.prompt_tokens:
             usage = chunk.usage
     if first is None or usage is None:
         raise RuntimeError("the stream ended without a token or without usage")
-    return ids, first, usage
+    return {"tokens": ids, "ttft_s": first, "prompt_tokens": usage.prompt_tokens,
+            "cached_tokens": usage.cached_prompt_tokens, "logprobs": logprobs, "margins": margins}
+
+
+def compare(runs: list[dict], reference: list[dict]) -> dict:
+    """How far `runs` are from `reference` (the same requests): replies equal, and over each pair's positions up to
+    and including the first differing token, the largest |logprob difference| and the smallest runner-up margin."""
+    diffs, margins = [], []
+    for a, b in zip(runs, reference):
+        n = next((i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), len(a["tokens"]))
+        upto = min(n + 1, len(a["tokens"]))
+        diffs.extend(abs(x - y) for x, y in zip(a["logprobs"][:upto], b["logprobs"][:upto]))
+        margins.extend(b["margins"][:upto])
+    return {"equal": [a["tokens"] == b["tokens"] for a, b in zip(runs, reference)],
+            "logprob_max_abs_diff": max(diffs, default=0.0), "min_margin": min(margins, default=float("nan"))}
 
 
 def _run_requests(stub, system: str, requests: int, doc: list[int], doc_shared: int, max_tokens: int) -> dict:
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True,
+                                         top_logprobs=2)
     chats = []
     for user in USERS[:requests]:
         req = router_pb2.ChatRequest(messages=[common_pb2.ChatMessage(role="system", content=system),
                                                common_pb2.ChatMessage(role="user", content=user)], sampling=sampling)
-        ids, ttft, usage = _stream(stub.Chat(req, timeout=900))
-        chats.append({"tokens": ids, "ttft_s": ttft, "prompt_tokens": usage.prompt_tokens,
-                      "cached_tokens": usage.cached_prompt_tokens})
+        chats.append(_stream(stub.Chat(req, timeout=900)))
     rng = random.Random(1)
     docs = []
     for prompt in (doc, doc[:doc_shared] + [rng.randrange(1, 400) for _ in range(len(doc) - doc_shared)]):
         req = router_pb2.GenerateRequest(prompt_token_ids=common_pb2.TokenIds(ids=prompt), sampling=sampling)
-        ids, ttft, usage = _stream(stub.Generate(req, timeout=900))
-        docs.append({"tokens": ids, "ttft_s": ttft, "prompt_tokens": usage.prompt_tokens,
-                     "cached_tokens": usage.cached_prompt_tokens})
+        docs.append(_stream(stub.Generate(req, timeout=900)))
     return {"chats": chats, "docs": docs}
 
 
@@ -119,7 +140,8 @@ def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: in
     doc = [random.Random(2).randrange(1, 400) for _ in range(doc_tokens)]
     report: dict = {"system_tokens": system_tokens, "doc_tokens": doc_tokens, "doc_shared": doc_shared,
                     "shard_args": list(shard_args)}
-    for mode, extra in (("cache", ()), ("no_cache", ("--prefix-cache-entries", "0"))):
+    control = ("--prefix-cache-entries", "0", "--prefill-token-budget", str(CONTROL_BUDGET))
+    for mode, extra in (("cache", ()), ("no_cache", ("--prefix-cache-entries", "0")), ("control", control)):
         port = free_port()
         children = start_stack(model, 1, device, "127.0.0.1", port, timeout=900, shard_args=shard_args + extra)
         try:
@@ -129,15 +151,19 @@ def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: in
             report[mode]["metrics"] = _metrics(next(c for c in children if c.role == "shard").metrics_url)
         finally:
             stop_stack(children, grace_s=30)
-    on, off = report["cache"], report["no_cache"]
+    on, off, ctl = report["cache"], report["no_cache"], report["control"]
     chats, docs = on["chats"], on["docs"]
+    cache_vs_off = compare(chats + docs, off["chats"] + off["docs"])
+    control_vs_off = compare(ctl["chats"] + ctl["docs"], off["chats"] + off["docs"])
     report["summary"] = {
         "chat_ttft_first_s": chats[0]["ttft_s"],
         "chat_ttft_later_max_over_first": max(c["ttft_s"] for c in chats[1:]) / chats[0]["ttft_s"],
         "chat_cached_share_later_min": min(c["cached_tokens"] / c["prompt_tokens"] for c in chats[1:]),
         "doc_shared_cached_tokens": docs[1]["cached_tokens"],
         "doc_ttft_shared_over_first": docs[1]["ttft_s"] / docs[0]["ttft_s"],
-        "greedy_equal": [a["tokens"] == b["tokens"] for a, b in zip(chats + docs, off["chats"] + off["docs"])],
+        "greedy_equal": cache_vs_off["equal"],
+        "cache_vs_no_cache": cache_vs_off,
+        "control_vs_no_cache": control_vs_off,
         "no_cache_chat_ttft_s": [c["ttft_s"] for c in off["chats"]],
         # what taking the snapshots costs a cold prompt (its prefill ends a pass at every snapshot point)
         "cold_ttft_cache_over_no_cache": [chats[0]["ttft_s"] / off["chats"][0]["ttft_s"],
@@ -155,7 +181,11 @@ def summary_text(report: dict) -> str:
             f"{s['chat_cached_share_later_min']:.0%} of their prompts\n"
             f"shared document start ({report['doc_shared']} of {report['doc_tokens']} tokens): cached "
             f"{s['doc_shared_cached_tokens']}, TTFT {s['doc_ttft_shared_over_first']:.2f}x of the first\n"
-            f"greedy replies equal to the cache-off stack: {sum(s['greedy_equal'])} of {len(s['greedy_equal'])}\n"
+            f"greedy replies equal to the cache-off stack: {sum(s['greedy_equal'])} of {len(s['greedy_equal'])} "
+            f"(logprobs within {s['cache_vs_no_cache']['logprob_max_abs_diff']:.2g}); control (cache off, budget "
+            f"{CONTROL_BUDGET}): {sum(s['control_vs_no_cache']['equal'])} of {len(s['greedy_equal'])} (within "
+            f"{s['control_vs_no_cache']['logprob_max_abs_diff']:.2g}); smallest runner-up margin "
+            f"{s['cache_vs_no_cache']['min_margin']:.2g}\n"
             f"cold prompts (chat, document) with the cache on: "
             f"{' and '.join(f'{x:.2f}x' for x in s['cold_ttft_cache_over_no_cache'])} the TTFT with it off\n"
             f"snapshots by kind {kinds}; entries {m.get('kimiserve_shard_prefix_cache_entries', 0):.0f}; state "
