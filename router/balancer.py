@@ -1,7 +1,8 @@
 """Shard choice: prefix affinity balanced against headroom. Pure Python; the shard clients feed it.
 
-Headroom is the shard's free state slots minus its queue, from its last Load answer, minus what this router sent
-it since that answer, so a burst between two polls spreads instead of piling onto one shard.
+Headroom is the shard's free state slots minus its queue, from its last Load answer, minus the sequences this router
+sent it since it asked for that answer that still run, so a burst between two polls spreads instead of piling onto one
+shard, and short sequences that already finished do not make an idle shard look full.
 
 Prefix affinity: each shard keeps its own prefix cache, so prompts that start alike (the turns of one conversation,
 requests sharing a system prompt) should meet on one shard. The router's PrefixIndex says how many leading tokens of

@@ -38,6 +38,10 @@ class ShardClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._outbox: asyncio.Queue[shard_pb2.ShardRequest] | None = None
         self._inflight: dict[str, asyncio.Queue] = {}
+        # Sequences sent after the Load request behind the view was asked and still running: the ones that answer
+        # does not count (view.sent_since_poll is their number). One that finishes before the next answer leaves the
+        # set, or a burst of short sequences would make an idle shard look full until the next poll.
+        self._unreported: set[str] = set()
         self._stream_task: asyncio.Task | None = None
         self._poll_task: asyncio.Task | None = None
         self._failed_probes = 0
@@ -64,7 +68,8 @@ class ShardClient:
         events: asyncio.Queue = asyncio.Queue()
         self._inflight[submit.request_id] = events
         self.view.in_flight += 1
-        self.view.sent_since_poll += 1
+        self._unreported.add(submit.request_id)
+        self.view.sent_since_poll = len(self._unreported)
         await self._outbox.put(shard_pb2.ShardRequest(submit=submit))
         return events
 
@@ -75,6 +80,8 @@ class ShardClient:
     def forget(self, request_id: str) -> None:
         if self._inflight.pop(request_id, None) is not None:
             self.view.in_flight -= 1
+        self._unreported.discard(request_id)
+        self.view.sent_since_poll = len(self._unreported)
 
     # -- moving sequence states (router/failover.py) ------------------------------------------------------------
     def export_state(self, request_id: str, timeout_s: float):
@@ -170,9 +177,11 @@ class ShardClient:
         await self._stub.Health(shard_pb2.ShardHealthRequest(), timeout=PROBE_TIMEOUT_S)
         if self.info is None:
             self.info = await self._stub.Info(shard_pb2.ShardInfoRequest(), timeout=PROBE_TIMEOUT_S)
+        asked = set(self._unreported)  # the answer is taken to count every sequence sent before it was asked
         load = await self._stub.Load(shard_pb2.ShardLoadRequest(), timeout=PROBE_TIMEOUT_S)
+        self._unreported -= asked
         self.view.free_slots, self.view.queued, self.view.sent_since_poll = (
-            load.free_state_slots, load.queued_seqs, 0)
+            load.free_state_slots, load.queued_seqs, len(self._unreported))
         return True
 
     async def _poll(self) -> None:
