@@ -139,3 +139,53 @@ def test_kda_prefill_rejects_fp64_state():
     pool = torch.zeros(7, 1, 16, 16, dtype=torch.float64, device=DEVICE)
     with pytest.raises(TritonKernelError, match="state_pool"):
         kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu_seqlens([10]))
+
+
+# (lens, dtype, points as (sequence, tokens before the point)): on and off the chunk grid, one token in, one short of
+# the end, two in one sequence, none in another
+SNAPSHOT_CASES = {
+    "varlen-70,5,130-fp32": ([70, 5, 130], torch.float32, [(0, 33), (2, 1), (2, 64), (2, 129)]),
+    "varlen-65,63-bf16": ([65, 63], torch.bfloat16, [(0, 64), (1, 17)]),
+}
+
+
+@pytest.mark.parametrize("case", list(SNAPSHOT_CASES), ids=list(SNAPSHOT_CASES))
+@pytest.mark.parametrize("op", ["triton", "eager"])
+def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
+    """The state after the first m tokens of a sequence lands in the point's slot, as the token loop run over those
+    m tokens alone leaves it; the outputs and final states are the pass's without points; no other slot is written."""
+    from shard_svc.forward_batch import StateSnapshots
+    from shard_svc.ops.triton.kda_chunk import kda_prefill as triton_prefill
+
+    prefill = triton_prefill if op == "triton" else eager.kda_prefill
+    lens, dtype, at = SNAPSHOT_CASES[case]
+    heads, dk, dv = 2, 16, 32
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, heads, dk, dv, dtype, "plain", num_slots=9)
+    free = [s for s in range(9) if s not in slots.tolist()]
+    points = [(b, m, free[i]) for i, (b, m) in enumerate(at)]
+    cu = cu_seqlens(lens)
+    snapshots = StateSnapshots.build(cu.tolist(), slots.tolist(), points, q.device)
+    pool = poisoned_pool((9, heads, dk, dv), slots)
+    plain_pool, snap_pool = pool.clone(), pool.clone()
+    want = prefill(q, k, v, f, bl, a_log, dt_bias, None, plain_pool, slots, cu)
+    got = prefill(q, k, v, f, bl, a_log, dt_bias, None, snap_pool, slots, cu, snapshots=snapshots)
+    tol = _tol(dtype)
+    assert_close("o with points vs without", got, want, tol)
+    assert_close("final states with points vs without", snap_pool[slots], plain_pool[slots], tol)
+    written = torch.cat([slots, torch.tensor([s for _, _, s in points], device=slots.device)])
+    assert_unused_untouched("kda_prefill state with snapshots", snap_pool, written)
+    for b, m, target in points:
+        start = int(cu[b])
+        ref_pool = pool.double()
+        one = slots[b:b + 1]
+        naive_kda_varlen(*(x[start:start + m].double() for x in (q, k, v, f, bl)), a_log.double(), dt_bias.double(),
+                         None, ref_pool, one, cu_seqlens([m]))
+        assert_close(f"state at point {m} of sequence {b}", snap_pool[target], ref_pool[int(one)], tol)
+
+
+def test_snapshot_points_must_lie_inside_their_sequence():
+    from shard_svc.forward_batch import StateSnapshots
+
+    for points in ([(0, 0, 5)], [(0, 10, 5)], [(1, 3, 5), (1, 2, 6)]):
+        with pytest.raises(ValueError, match="snapshot point"):
+            StateSnapshots.build([0, 10, 20], [0, 1], points, torch.device("cpu"))

@@ -5,6 +5,7 @@ Both read each sequence's initial state from the pool by slot and write its fina
 
 import torch
 
+from shard_svc.forward_batch import StateSnapshots
 from shard_svc.ops.precision import acc_dtype, upcast
 
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
@@ -52,9 +53,11 @@ def kda_prefill(
     state_pool: torch.Tensor,  # [slots, H, K, V] fp32, one layer's view, updated in place
     slots: torch.Tensor,  # [B]
     cu_seqlens: torch.Tensor,  # [B+1]
+    snapshots: StateSnapshots | None = None,  # states to copy out at points inside the sequences
 ) -> torch.Tensor:
     """Packed varlen prefill; returns o [T, H, V] in v's dtype."""
-    return kda_varlen(_chunk_kda, q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens)
+    return kda_varlen(_chunk_kda, q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                      snapshots)
 
 
 def kda_decode(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens) -> torch.Tensor:

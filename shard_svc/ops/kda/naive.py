@@ -27,8 +27,8 @@ def naive_recurrent_kda(
 
 
 def naive_kda_varlen(
-    q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens
+    q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots=None
 ) -> torch.Tensor:
     """Same contract as the `kda_prefill` op, computed with the token loop (reference for tests)."""
     return kda_varlen(naive_recurrent_kda, q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                      cu_seqlens)
+                      cu_seqlens, snapshots)

@@ -12,7 +12,9 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
    k 2^(G_last - G), A_qk and 2^G_last.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
-   starting from the pool slot's state and writing the final state back to it.
+   starting from the pool slot's state and writing the final state back to it. With snapshot points
+   (forward_batch.StateSnapshots) a sequence is cut into segments there: chunks restart at a point, and the state at
+   each point is written to the point's slot on the way, as a pass ending there would have left it.
 
 Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per step) and is unbounded with the
 softplus gate, so 2^-G overflows fp32. Every decay factor here is 2^x with x <= 0. A pair j < i is split by the
@@ -32,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shard_svc.forward_batch import StateSnapshots
 from shard_svc.ops.triton.common import (TritonKernelError, check, check_index, dot_precision, interpreting,
                                          pow2_at_least)
 from shard_svc.ops.triton.kda_gate import kda_gate_log2
@@ -221,7 +224,7 @@ def _kda_chunk_intra_kernel(
 
 @triton.jit
 def _kda_chunk_state_kernel(
-    w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets,
+    w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets, sequence_segments, segment_slots,
     stride_s_slot, stride_s_h, stride_s_k,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -230,9 +233,6 @@ def _kda_chunk_state_kernel(
     i_bh = tl.program_id(1)
     i_n = i_bh // H
     i_h = i_bh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    seq_len = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
-    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
     slot = tl.load(slots + i_n).to(tl.int64)
 
     o_k = tl.arange(0, BK)
@@ -253,36 +253,43 @@ def _kda_chunk_state_kernel(
     off_kt = o_k[:, None] + o_t[None, :] * (H * K)  # [BK, BT]
     off_tv = o_t[:, None] * (H * V) + o_v[None, :]
     off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
-    for i_t in range(0, tl.cdiv(seq_len, BT)):
-        row0 = bos + i_t * BT
-        m_t = (i_t * BT + o_t) < seq_len
-        if K == BK:
-            m_tk = m_t[:, None]
-            m_kt = m_t[None, :]
-        else:
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_kt = m_k[:, None] & m_t[None, :]
-        if V % BV == 0:
-            m_tv = m_t[:, None]
-        else:
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-        base_k = (row0 * H + i_h) * K
-        base_v = (row0 * H + i_h) * V
-        b_w = tl.load(w + base_k + off_tk, mask=m_tk, other=0.0)
-        b_qg = tl.load(qg + base_k + off_tk, mask=m_tk, other=0.0)
-        b_kgt = tl.load(kg + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
-        b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
-        b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
-        b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    # The sequence's segments (cu_seqlens is cut at its snapshot points, if any) in order, the state carried from
+    # one to the next and written after each to its segment's slot: the last segment's is the sequence's own.
+    for i_g in range(tl.load(sequence_segments + i_n), tl.load(sequence_segments + i_n + 1)):
+        bos = tl.load(cu_seqlens + i_g).to(tl.int64)
+        seq_len = (tl.load(cu_seqlens + i_g + 1) - bos).to(tl.int32)
+        c0 = tl.load(chunk_offsets + i_g).to(tl.int64)
+        for i_t in range(0, tl.cdiv(seq_len, BT)):
+            row0 = bos + i_t * BT
+            m_t = (i_t * BT + o_t) < seq_len
+            if K == BK:
+                m_tk = m_t[:, None]
+                m_kt = m_t[None, :]
+            else:
+                m_tk = m_t[:, None] & m_k[None, :]
+                m_kt = m_k[:, None] & m_t[None, :]
+            if V % BV == 0:
+                m_tv = m_t[:, None]
+            else:
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+            base_k = (row0 * H + i_h) * K
+            base_v = (row0 * H + i_h) * V
+            b_w = tl.load(w + base_k + off_tk, mask=m_tk, other=0.0)
+            b_qg = tl.load(qg + base_k + off_tk, mask=m_tk, other=0.0)
+            b_kgt = tl.load(kg + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
+            b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
+            b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
+            b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
-        b_sb = b_s.to(dt)
-        b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
-        b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
-               + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
-        tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-        b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
+            b_sb = b_s.to(dt)
+            b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
+            b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
+                   + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
+            tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+            b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
 
-    tl.store(p_s, b_s, mask=m_s)
+        p_out = state + tl.load(segment_slots + i_g).to(tl.int64) * stride_s_slot + i_h * stride_s_h
+        tl.store(p_out + o_k[:, None] * stride_s_k + o_v[None, :], b_s, mask=m_s)
 
 
 def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens):
@@ -310,6 +317,7 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 
 
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                       snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int = 4,  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
                        chunk: int = CHUNK):
@@ -324,11 +332,22 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
     if t == 0 or n == 0:
         return o, lambda: None, lambda: None
-    # Chunk offsets of each sequence, on the device: no host sync, so the call can be graph-captured.
-    lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    chunk_offsets = torch.zeros(n + 1, dtype=torch.int64, device=q.device)
+    # Both kernels see segments: the sequences, or with snapshots the sequences cut at their points (the intra
+    # kernel's chunks restart at a point; the state kernel carries a sequence's state across its segments).
+    if snapshots is None:
+        segments, segment_slots = cu_seqlens, slots
+        sequence_segments = torch.arange(n + 1, dtype=torch.int64, device=q.device)
+    else:
+        segments, segment_slots = snapshots.cu_segments, snapshots.segment_slots
+        sequence_segments = snapshots.sequence_segments
+        check_index(op, "snapshots.cu_segments", segments, segment_slots.shape[0] + 1)
+        check_index(op, "snapshots.sequence_segments", sequence_segments, n + 1)
+    num_segments = segments.shape[0] - 1
+    # Chunk offsets of each segment, on the device: no host sync, so the call can be graph-captured.
+    lens = segments[1:] - segments[:-1]
+    chunk_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=q.device)
     torch.cumsum((lens + chunk - 1) // chunk, 0, out=chunk_offsets[1:])
-    max_chunks = t // chunk + n  # sum of ceil(len / chunk) <= floor(T / chunk) + B
+    max_chunks = t // chunk + num_segments  # sum of ceil(len / chunk) <= floor(T / chunk) + segments
     inter = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     w = torch.empty(t, heads, dk, dtype=inter, device=q.device)
     qg = torch.empty_like(w)
@@ -342,19 +361,19 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
 
     def intra():
         _kda_chunk_intra_kernel[(max_chunks, heads)](
-            q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
-            n, dk**-0.5, lb,
+            num_segments, dk**-0.5, lb,
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
-            SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
+            SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             PRECISION=dot_precision(v.dtype), num_warps=intra_warps,
         )
 
     def state():
         _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
-            w, u, qg, kg, aqk, decay, o, state_pool, slots, cu_seqlens, chunk_offsets,
+            w, u, qg, kg, aqk, decay, o, state_pool, slots, segments, chunk_offsets, sequence_segments, segment_slots,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
             PRECISION=dot_precision(v.dtype),
@@ -366,10 +385,10 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
 
 
 def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                **config) -> torch.Tensor:
+                snapshots: StateSnapshots | None = None, **config) -> torch.Tensor:
     """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype."""
     o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                                         cu_seqlens, **config)
+                                         cu_seqlens, snapshots, **config)
     intra()
     state()
     return o
