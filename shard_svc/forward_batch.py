@@ -36,13 +36,15 @@ class StateSnapshots:
     cu_segments: torch.Tensor  # [S+1] int64 offsets of the segments in the packed input
     segment_slots: torch.Tensor  # [S] int64 the slot each segment's end state is written to
     sequence_segments: torch.Tensor  # [B+1] int64 sequence b's segments are sequence_segments[b] .. [b+1] - 1
-    points: tuple[tuple[int, int, int], ...]  # (sequence b, its new tokens before the point, slot), host side
+    # host side, per point: (its sequence's slot, the sequence's first row in the packed input, the sequence's new
+    # tokens before the point, the point's slot)
+    points: tuple[tuple[int, int, int, int], ...]
 
     @classmethod
     def build(cls, cu_seqlens: list[int], slots: list[int], points: list[tuple[int, int, int]],
               device: torch.device) -> StateSnapshots:
         """points: (sequence b, m, slot) with 0 < m < sequence b's new tokens, increasing m per sequence."""
-        cu, seg_slots, seq_segs = [0], [], [0]
+        cu, seg_slots, seq_segs, resolved = [0], [], [0], []
         for b, slot in enumerate(slots):
             start, end = cu_seqlens[b], cu_seqlens[b + 1]
             for pb, m, target in points:
@@ -53,11 +55,12 @@ class StateSnapshots:
                                      f"{end - start} new tokens")
                 cu.append(start + m)
                 seg_slots.append(target)
+                resolved.append((slot, start, m, target))
             cu.append(end)
             seg_slots.append(slot)
             seq_segs.append(len(seg_slots))
         cu_t, seg_t, seq_t = (torch.tensor(x, dtype=torch.int64, device=device) for x in (cu, seg_slots, seq_segs))
-        return cls(cu_t, seg_t, seq_t, tuple(points))
+        return cls(cu_t, seg_t, seq_t, tuple(resolved))
 
 
 @dataclass

@@ -81,7 +81,10 @@ def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool 
         y = F.conv1d(xs, upcast(weight).unsqueeze(1), groups=weight.shape[0])
         return F.silu(y).transpose(1, 2).reshape(x.shape).to(x.dtype)
 
-    def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens):
+    def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
+                    snapshots=None):
+        if snapshots is not None:
+            raise TrainingOpsError("training passes carry no prefix-cache snapshot points")
         g = kda_gate(f, a_log, dt_bias, lower_bound)
         qn, kn, beta = prepare_qkb(q, k, beta_logits)
         o = chunked_kda(*(rows(t) for t in (qn, kn, upcast(v), g, beta)), chunk)

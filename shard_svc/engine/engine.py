@@ -279,8 +279,13 @@ class Engine:
                     seq.prefill_passes += 1
         if self.runner.weights is not None:
             self.runner.weights.expect_next_pass(next_tokens)
+        claimed = self._claim_points(work) if kind == "prefill" and self.prefix_cache is not None else {}
         try:
-            logits = self.runner.forward(work, is_decode=kind == "decode")
+            logits = self.runner.forward(work, is_decode=kind == "decode",
+                                         points={rid: [(m, slot) for m, slot, _ in c] for rid, c in claimed.items()})
+            point_rows = {seq.request_id: rows[:len(claimed.get(seq.request_id, ()))]
+                          for (seq, _), rows in zip(work, logits)}
+            logits = [rows[len(claimed.get(seq.request_id, ())):] for (seq, _), rows in zip(work, logits)]
             for (seq, _), rows, prompt_row in zip(work, logits, prompt_rows):
                 if seq.keep_prompt_logits:
                     (seq.prompt_logits if prompt_row else seq.step_logits).append(rows.cpu())
@@ -289,12 +294,17 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the pass's sequences fail; the engine keeps serving
             if self.sync.world > 1:
                 raise  # in a shard group the other ranks cannot know which sequences failed: the group fails
+            for points in claimed.values():
+                for _, slot, _ in points:
+                    self.prefix_cache.release(slot)
             ids = [s.request_id for s, _ in work]
             log.exception("pass failed; failing its sequences", extra={"pass": kind, "request_ids": ids})
             for seq, _ in work:
                 result.events.append(self._finish(seq, "error", error=f"{kind} pass of requests {ids} failed: "
                                                                       f"{type(e).__name__}"))
             return
+        if claimed:  # before the emits: a sequence finishing there gives its blocks back
+            self._add_points(work, claimed, point_rows)
         self._emit_all(kind, emitting, drawn, result)
         if kind == "prefill" and self.prefix_cache is not None:
             self._snapshot_prefixes(work, logits)
@@ -303,10 +313,36 @@ class Engine:
                                        [s.request_id for s, _ in prompts], started, [n for _, n in prompts],
                                        list(self.runner.chunk_tokens), len(work) - len(prompts)))
 
+    def _claim_points(self, work: list[tuple[Sequence, int]]) -> dict[str, list[tuple[int, int, str]]]:
+        """request id -> (m, entry slot, kind) for the prefix cache's snapshot points inside the prompt chunks of
+        this pass (m: the chunk's tokens before the point), each with a slot claimed for the pass to write into."""
+        claimed = {}
+        for seq, n in work:
+            if not seq.is_prefilling:
+                continue
+            done = seq.num_computed
+            for p, kind in self.prefix_cache.points_inside(seq, n):
+                slot = self.prefix_cache.claim(seq.prompt[:p], seq.prefix.salt)
+                if slot is not None:
+                    claimed.setdefault(seq.request_id, []).append((p - done, slot, kind))
+        return claimed
+
+    def _add_points(self, work: list[tuple[Sequence, int]], claimed: dict[str, list[tuple[int, int, str]]],
+                    point_rows: dict[str, torch.Tensor]) -> None:
+        """The entries of the points the pass wrote out (_claim_points), each with its logits row; a point whose row
+        is not finite gives its slot back (never cache such a state)."""
+        for seq, n in work:
+            for (m, slot, kind), row in zip(claimed.get(seq.request_id, ()), point_rows.get(seq.request_id, ())):
+                if not bool(torch.isfinite(row).all()):
+                    self.prefix_cache.release(slot)
+                    continue
+                p = seq.num_computed - n + m
+                self.prefix_cache.add_claimed(seq.prompt[:p], slot, seq.request_id, row, seq.prefix.salt, kind)
+
     def _snapshot_prefixes(self, work: list[tuple[Sequence, int]], logits: list[torch.Tensor]) -> None:
         """Cache entries where a sequence's pass ended on one of its snapshot points (its prompt's end, a message
-        boundary, a multiple of the interval: the scheduler ends chunks there, PrefixCache.next_boundary), each
-        with the logits of its last position, under the sequence's salt."""
+        boundary, a multiple of the interval), each with the logits of its last position, under the sequence's
+        salt."""
         for (seq, _), rows in zip(work, logits):
             if seq.finished:
                 continue  # a normal finish handed its slot to the cache already; an error caches nothing

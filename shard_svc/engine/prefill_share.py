@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from shard_svc.config import ModelConfig
 from shard_svc.errors import SchedulingConfigError
@@ -102,14 +102,10 @@ class PrefillShare:
         return self.fold_decodes and self.policy == "fair" and any(
             len(s.prompt) - s.num_computed > self.threshold for s in prefilling)
 
-    def plan(self, prefilling: list[Prefilling], others_running: bool,
-             chunk_end: Callable[[Prefilling], int] | None = None) -> list[tuple[Prefilling, int]]:
+    def plan(self, prefilling: list[Prefilling], others_running: bool) -> list[tuple[Prefilling, int]]:
         """(sequence, new tokens this pass) for the prompts being prefilled, given in admission order.
-        others_running: sequences outside `prefilling` step this step too (decodes). chunk_end: where a sequence's
-        chunk must end at the latest (the prefix cache's next snapshot point; None: its prompt's end); what that
-        leaves of the budget goes to the next prompts."""
-        end = chunk_end or (lambda s: len(s.prompt))
-        most = {id(s): end(s) - s.num_computed for s in prefilling}
+        others_running: sequences outside `prefilling` step this step too (decodes)."""
+        most = {id(s): len(s.prompt) - s.num_computed for s in prefilling}
         taken = self._share(prefilling, others_running, most)
         return [(s, taken[id(s)]) for s in prefilling if id(s) in taken]
 

@@ -9,18 +9,19 @@ state is fixed-size per sequence (about 41 MiB at the 48B shape), so an entry ho
 KDA pool: a slot of its own, in the slots the pool holds beyond the running sequences. With every entry also goes
 the logits row of its last position, so a prompt that is cached whole samples its first token without a pass.
 
-Snapshot points of a prompt (entries are copies of the state there, taken at the end of a prefill pass):
+Snapshot points of a prompt (entries are copies of the state there):
 (1) where its chat messages end (PrefixHints.boundaries: the tokenizer reports them, the router passes them on;
     `message_points` keeps at most MAX_MESSAGE_POINTS of them, each MIN_MESSAGE_GAP tokens past the one before),
 (2) every `interval` tokens (a multiple of the KV block size, so no partial block) up to 16 x interval, then twice as
     far apart with every doubling of the position (`interval_step`: O(log L) points in a prompt of L tokens), and
 (3) the prompt's end.
-A point inside a prompt is reached exactly because the scheduler ends the sequence's prefill chunk there
-(`next_boundary` caps the chunk), so the state after a pass is the state at the point: no second pass, no state
-read from inside a kernel, and the same on every op backend (eager, Triton, CUDA graphs, weight streaming). The
-cost is a shorter pass where a point falls inside what the token budget would have given the sequence. (4) When a
-sequence finishes normally its slot is handed over instead of freed (no copy), covering prompt + output, so the next
-turn of the conversation hits.
+A point inside a pass's chunk of the prompt (`points_inside`) is written out by that pass: the engine claims an
+entry slot for it before the pass (`claim`), the KDA layers write the recurrent and conv states at the point into it
+(forward_batch.StateSnapshots: the kernels cut the sequence there and carry its state on), the runner computes the
+logits row before it, and the entry is made after the pass (`add_claimed`). So points cost no extra pass and do not
+shorten the sequence's chunk. A point where a pass ends is copied from the sequence's slot after the pass
+(`snapshot`). (4) When a sequence finishes normally its slot is handed over instead of freed (no copy), covering
+prompt + output, so the next turn of the conversation hits.
 
 Lookup hashes the prompt block by block (a chain: each block's hash covers every block before it, seeded by the
 request's salt), then tries the entry lengths longest first (on the device, then on the host), comparing the salt and
@@ -180,6 +181,7 @@ class PrefixCache:
         self.host = host
         self._host = _ValueIndex()
         self._serial = 0
+        self._claimed = 0  # slots claimed for entries a running pass is writing (they count against max_entries)
         self.stats = PrefixCacheStats()
 
     def __len__(self) -> int:
@@ -223,22 +225,27 @@ class PrefixCache:
     def interval_step(self, position: int) -> int:
         """The spacing of interval points from `position` on: the interval below DENSE_INTERVALS x the interval,
         then doubling with every doubling of the position, so a prompt of L tokens has O(log L) points (each one an
-        extra pass and a snapshot) and a restored start keeps more than 1 - 1/DENSE_INTERVALS of what it shares (or
+        entry slot's copy) and a restored start keeps more than 1 - 1/DENSE_INTERVALS of what it shares (or
         all but less than one interval)."""
         step = self.interval
         while position >= step * DENSE_INTERVALS:
             step *= 2
         return step
 
-    def next_boundary(self, seq: Sequence) -> int:
-        """Where `seq`'s next prefill chunk must end at the latest: its next snapshot point past what it has
-        computed (a message point, or an interval point), else its prompt's end. The scheduler caps the sequence's
-        chunk there, so the pass ends on the point and its state can be taken."""
-        done, end = seq.num_computed, len(seq.prompt)
-        if self.interval:
-            step = self.interval_step(done)  # every larger step's region starts on a multiple of this one
-            end = min(end, (done // step + 1) * step)
-        return min([end, *(b for b in seq.prefix.boundaries if b > done)])
+    def points_inside(self, seq: Sequence, n: int) -> list[tuple[int, str]]:
+        """The snapshot points strictly inside `seq`'s next n prompt tokens, (position, kind) in order: where its
+        pass writes states out mid-sequence. The point where the pass ends, if it is one, is snapshot_kind's."""
+        done = seq.num_computed
+        end = min(done + n, len(seq.prompt))
+        points = {b: "message" for b in seq.prefix.boundaries if done < b < end}
+        p = done
+        while self.interval:
+            step = self.interval_step(p)  # every larger step's region starts on a multiple of this one
+            p = (p // step + 1) * step
+            if p >= end:
+                break
+            points.setdefault(p, "interval")
+        return sorted(points.items())
 
     def snapshot_kind(self, seq: Sequence) -> str | None:
         """Which snapshot point `seq` stands on after a pass (SNAPSHOT_KINDS), or None."""
@@ -326,6 +333,30 @@ class PrefixCache:
         self._add(tokens, entry_slot, owner, logits, salt, kind)
         return True
 
+    def claim(self, tokens: list[int], salt: str) -> int | None:
+        """A slot for the entry of `tokens` a pass is about to write (a snapshot point inside the pass): None when
+        the device holds those tokens already (now refreshed) or no slot can be made free. After the pass,
+        add_claimed makes the entry, or release gives the slot back."""
+        if self._touch(tokens, salt) or not self._make_room_for_one(needs_slot=True):
+            return None
+        self._claimed += 1
+        return self.slots.allocate(self._next_owner())
+
+    def add_claimed(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor, salt: str,
+                    kind: str) -> None:
+        """The entry for a claimed slot, now holding the state after `tokens` (`owner`'s KV holds their blocks).
+        Another sequence of the same pass may have cached the same tokens first: then the slot goes back."""
+        self._claimed -= 1
+        if self._touch(tokens, salt):
+            self.slots.free(slot)
+            return
+        self._add(tokens, slot, owner, logits, salt, kind)
+
+    def release(self, slot: int) -> None:
+        """A claimed slot whose pass failed (or whose state is not to be kept)."""
+        self._claimed -= 1
+        self.slots.free(slot)
+
     def adopt(self, tokens: list[int], slot: int, owner: str, logits: torch.Tensor, salt: str = "") -> bool:
         """As snapshot, for a finished sequence: its slot becomes the entry's (no copy). False (the caller frees
         the slot) when the tokens are cached already or no entry can be made room for."""
@@ -350,7 +381,7 @@ class PrefixCache:
         """Evicts until an entry may be added (and, for a copy, a state slot is free). False if it cannot be."""
         if self.max_entries < 1:
             return False
-        while len(self._device) >= self.max_entries or (needs_slot and not self.slots.num_free):
+        while len(self._device) + self._claimed >= self.max_entries or (needs_slot and not self.slots.num_free):
             if not self.evict_one():
                 return False
         return True

@@ -10,7 +10,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.engine.prompt_logprobs import SCORE_ROWS, PromptScores
 from shard_svc.engine.sequence import Sequence
 from shard_svc.engine.step_rows import build_rows
-from shard_svc.forward_batch import ForwardBatch, ForwardContext
+from shard_svc.forward_batch import ForwardBatch, ForwardContext, StateSnapshots
 from shard_svc.model import KimiForCausalLM
 from shard_svc.model.kimi import pack_weights
 from shard_svc.ops import Ops
@@ -38,7 +38,8 @@ class ModelRunner:
         # one packed forward today, so this holds one entry; a runner that splits passes appends one per forward.
         self.chunk_tokens: list[int] = []
 
-    def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool) -> tuple[torch.Tensor, ForwardBatch]:
+    def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool,
+               points: dict[str, list[tuple[int, int]]]) -> tuple[torch.Tensor, ForwardBatch]:
         rows = build_rows(work, self.kda_pool, self.kv_cache)
         bs = self.kv_cache.block_size
         ids, cu, slot_mapping = [], [0], []
@@ -57,6 +58,9 @@ class ModelRunner:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             is_decode=is_decode,
         )
+        if points:
+            at = [(b, m, slot) for b, (seq, _) in enumerate(work) for m, slot in points.get(seq.request_id, ())]
+            batch.snapshots = StateSnapshots.build(cu, [row.slot for row in rows], at, dev)
         return torch.tensor(ids, dtype=torch.int64, device=dev), batch
 
     def _score(self, seq: Sequence, hidden: torch.Tensor, start: int, n: int) -> None:
@@ -69,15 +73,19 @@ class ModelRunner:
                                         seq.num_computed + offset, seq.params.prompt_logprobs)
 
     @torch.inference_mode()
-    def forward(self, work: list[tuple[Sequence, int]], is_decode: bool) -> list[torch.Tensor]:
+    def forward(self, work: list[tuple[Sequence, int]], is_decode: bool,
+                points: dict[str, list[tuple[int, int]]] | None = None) -> list[torch.Tensor]:
         """Runs one pass; returns per sequence fp32 logits [n_rows, vocab]: every new position for sequences that
         keep prompt logits, else only the last one (prompt_logprobs sequences' positions are scored on the way).
-        Advances each sequence's num_computed."""
+        points: request id -> (m, slot) snapshot points inside its new tokens, m increasing (prefill passes): the
+        KDA states after its first m new tokens go into `slot`, and its rows start with one more per point, the
+        logits at the position before it. Advances each sequence's num_computed."""
+        points = points or {}
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
             self.chunk_tokens = [len(work)]
         else:
-            input_ids, batch = self._batch(work, is_decode)
+            input_ids, batch = self._batch(work, is_decode, points)
             ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
             self.chunk_tokens = [int(input_ids.shape[0])]
             if self.weights is None:
@@ -89,8 +97,9 @@ class ModelRunner:
         for seq, n in work:
             end += n  # host-side offsets: reading cu_seqlens back would sync once per sequence
             first = end - n if seq.keep_prompt_logits and seq.is_prefilling else end - 1
-            spans.append(end - first)
-            rows.extend(range(first, end))
+            at = [end - n + m - 1 for m, _ in points.get(seq.request_id, ())]
+            spans.append(len(at) + end - first)
+            rows.extend(at + list(range(first, end)))
             if seq.params.prompt_logprobs is not None and seq.is_prefilling:
                 self._score(seq, hidden, end - n, n)
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], self.ops)

@@ -187,7 +187,7 @@ class Scheduler:
         resident = [s for s in self.running if s.request_id not in self.offloaded]
         decode = [s for s in resident if not s.is_prefilling]
         prefilling = [s for s in resident if s.is_prefilling]
-        plan = StepPlan(self.share.plan(prefilling, bool(decode), self.prefill_end), decode)
+        plan = StepPlan(self.share.plan(prefilling, bool(decode)), decode)
         if plan.prefill and self.share.folds_decodes(prefilling):
             # whole prompts restored from the cache draw their first token from the cached row, in no pass
             plan.prefill += [(s, 1) for s in decode if s.cached_logits is None]
@@ -195,11 +195,6 @@ class Scheduler:
         if self.offload is not None:
             self._fit(plan)
         return plan
-
-    def prefill_end(self, seq: Sequence) -> int:
-        """Where `seq`'s next prefill chunk ends at the latest: its prompt's end, or with the prefix cache its next
-        snapshot point, so the pass ends exactly there and the state after it is the point's."""
-        return self.prefix_cache.next_boundary(seq) if self.prefix_cache is not None else len(seq.prompt)
 
     def _fit(self, plan: StepPlan) -> None:
         """Offloads whole sequences until the new blocks of the step fit on the device; they wait, off the plan."""

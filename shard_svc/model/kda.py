@@ -13,6 +13,7 @@ from torch import nn
 from shard_svc.config import ModelConfig
 from shard_svc.forward_batch import ForwardContext
 from shard_svc.model.layers import PackedWeights, joint_linear, linear, split_linear, stacked_weight
+from shard_svc.ops.conv import snapshot_conv_states
 
 
 class KDAttention(PackedWeights):
@@ -58,15 +59,20 @@ class KDAttention(PackedWeights):
         ops, batch = ctx.ops, ctx.batch
         recurrent, conv_state = ctx.kda_pool.layer(self.layer_idx)
         conv_weight = stacked_weight(self._convs()).squeeze(1)  # [3HK, W]
-        qkv = ops.short_conv(joint_linear(x, self._projections(), ops), conv_weight, conv_state, batch.state_slots,
-                             batch.cu_seqlens)  # [T, 3HK]
+        conv_in = joint_linear(x, self._projections(), ops)
+        if batch.snapshots is not None:
+            snapshot_conv_states(conv_in, conv_state, batch.snapshots.points)
+        qkv = ops.short_conv(conv_in, conv_weight, conv_state, batch.state_slots, batch.cu_seqlens)  # [T, 3HK]
         q, kk, v = (part.view(t, h, k) for part in qkv.split(h * k, dim=-1))
         f_a, gate, beta_logits = split_linear(x, self._gate_inputs(), ops)  # beta_logits [T, H]
         f = self.f_b_proj(f_a, ops).view(t, h, k)
         if hasattr(self, "g_b_proj"):
             gate = self.g_b_proj(gate, ops)
-        kda = ops.kda_decode if batch.is_decode else ops.kda_prefill
-        o = kda(q, kk, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound, recurrent,
-                batch.state_slots, batch.cu_seqlens)  # [T, H, V]
+        if batch.is_decode:
+            o = ops.kda_decode(q, kk, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound, recurrent,
+                               batch.state_slots, batch.cu_seqlens)  # [T, H, V]
+        else:
+            o = ops.kda_prefill(q, kk, v, f, beta_logits, self.A_log, self.dt_bias, self.lower_bound, recurrent,
+                                batch.state_slots, batch.cu_seqlens, snapshots=batch.snapshots)
         o = ops.gated_rms_norm(o, self.o_norm.weight, gate.view(t, h, k), self.eps)
         return self.o_proj(o.reshape(t, h * k), ops)

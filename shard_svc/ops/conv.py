@@ -28,3 +28,13 @@ def short_conv(
         out[start:end] = F.silu(y[0].t()).to(x.dtype)
         conv_state[slot] = seq[:, seq.shape[1] - (width - 1):].to(conv_state.dtype)
     return out
+
+
+def snapshot_conv_states(x: torch.Tensor, conv_state: torch.Tensor, points) -> None:
+    """The conv state at each snapshot point (forward_batch.StateSnapshots.points) into the point's slot: the last
+    W-1 inputs before it, from the pass's inputs x [T, C] and the sequence's state before the pass. Runs before
+    short_conv, which overwrites that state; plain copies, so the same for every op backend."""
+    keep = conv_state.shape[-1]
+    for slot, start, m, target in points:
+        window = torch.cat([conv_state[slot].to(x.dtype), x[start:start + m].t()], dim=1)
+        conv_state[target] = window[:, window.shape[1] - keep:].to(conv_state.dtype)

@@ -60,11 +60,11 @@ def test_requests_arriving_during_a_pass_are_prefilled_together():
     forward = loop.engine.runner.forward
     entered, release = threading.Event(), threading.Event()
 
-    def held_forward(work, is_decode):
+    def held_forward(work, is_decode, points=None):
         if not entered.is_set():
             entered.set()
             release.wait(30)
-        return forward(work, is_decode)
+        return forward(work, is_decode, points)
 
     loop.engine.runner.forward = held_forward
     first = Events()
@@ -91,8 +91,8 @@ def test_non_finite_logits_fail_only_that_sequence_and_the_loop_keeps_serving():
     loop, _ = _loop()
     forward = loop.engine.runner.forward
 
-    def poisoned_forward(work, is_decode):
-        logits = forward(work, is_decode)
+    def poisoned_forward(work, is_decode, points=None):
+        logits = forward(work, is_decode, points)
         return [torch.full_like(rows, float("nan")) if seq.request_id == "poisoned" else rows
                 for (seq, _), rows in zip(work, logits)]
 
@@ -151,11 +151,11 @@ def test_cancel_frees_the_slot_and_the_gauges_show_it_without_another_pass():
     decoding = threading.Event()
     release = threading.Event()
 
-    def slow_forward(work, is_decode):
+    def slow_forward(work, is_decode, points=None):
         if is_decode:
             decoding.set()
             release.wait(0.05)
-        return forward(work, is_decode)
+        return forward(work, is_decode, points)
 
     loop.engine.runner.forward = slow_forward
     ev = Events()

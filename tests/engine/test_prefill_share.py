@@ -122,18 +122,3 @@ def test_context_weight_of_the_48b_shape_matches_its_published_active_size():
     # heads do (192 + 128) multiply-adds per head per context position. An independent estimate: 3e9 / 71,680.
     estimate = 3e9 / (7 * 32 * (192 + 128))
     assert context_tokens_per_token(ModelConfig.from_dict(dict(KIMI_LINEAR_48B))) == pytest.approx(estimate, rel=0.2)
-
-
-def test_a_chunk_ends_at_the_sequences_next_snapshot_point():
-    long, short = Seq(1000, num_computed=300), Seq(10)
-    # the prefix cache wants the long prompt's state at 340: its chunk stops there; the short one is unaffected
-    plan = PrefillShare(100).plan([long, short], others_running=False,
-                                  chunk_end=lambda s: 340 if s is long else s.length)
-    assert sizes(plan) == [(1000, 40), (10, 10)]
-
-
-def test_what_a_snapshot_point_leaves_of_the_budget_goes_to_the_next_prompt():
-    first, second = Seq(40), Seq(40)
-    plan = PrefillShare(64, "fcfs").plan([first, second], others_running=False,
-                                         chunk_end=lambda s: 16 if s is first else s.length)
-    assert sizes(plan) == [(40, 16), (40, 40)]

@@ -112,16 +112,16 @@ def test_interval_snapshots_inside_a_chunked_prefill(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
-    """A boundary at 70 (inside a KV block) in a 150-token prompt, with a budget that would prefill it all in one
-    pass: the pass ends at 70 instead, and a prompt sharing those 70 tokens restores them (its last partial block
-    copied), with the tokens of an engine without a cache."""
+    """A boundary at 70 (inside a KV block and a KDA chunk) in a 150-token prompt, with a budget that prefills it
+    all in one pass: the pass stays whole and writes the state at 70 out on the way, and a prompt sharing those 70
+    tokens restores them (its last partial block copied), with the tokens of an engine without a cache."""
     cached, plain = _engines(FAMILIES[family], budget=512, blocks=128)
     system = _prompt(70, 40)
     first = system + _prompt(80, 41)
     seq = cached.add_request("first", first, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                              prefix=PrefixHints(boundaries=(70,)))
     step = cached.step()
-    assert [p.seq_tokens for p in step.passes if p.kind == "prefill"] == [[70]]
+    assert [p.seq_tokens for p in step.passes if p.kind == "prefill"] == [[150]]
     while not seq.finished:
         cached.step()
     assert cached.prefix_cache.stats.snapshots_message == 1

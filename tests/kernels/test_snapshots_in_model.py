@@ -1,0 +1,56 @@
+"""Prefix-cache snapshot points inside a prefill pass, through the whole model on each op backend (Triton under the
+interpreter on the CPU): the entry written mid-pass holds the KDA recurrent and conv states and the logits row that a
+pass ending at the point leaves, and the pass's own results do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sequence import PrefixHints
+from shard_svc.ops import select_ops
+from tests.engine.conftest import linear_config, random_model
+from tests.kernels.conftest import assert_close
+
+POINT, LENGTH = 70, 150  # off the KV block (8) and KDA chunk (64) grids
+
+
+def _engine(backend: str, entries: int) -> Engine:
+    cfg, model = random_model(linear_config(), seed=0, dtype=torch.float32)
+    return Engine(cfg, model, select_ops(torch.device("cpu"), backend), torch.device("cpu"),
+                  EngineConfig(num_state_slots=4, num_kv_blocks=64, kv_block_size=8, prefill_token_budget=128,
+                               prefix_cache_entries=entries))
+
+
+def _prefill(engine: Engine, rid: str, prompt: list[int], boundaries: tuple[int, ...] = ()) -> list[int]:
+    seq = engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+                             prefix=PrefixHints(boundaries=boundaries))
+    while not seq.finished:
+        engine.step()
+    return seq.output
+
+
+def _entry_state(engine: Engine, tokens: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    entry = engine.prefix_cache.lookup(tokens)
+    assert entry is not None and entry.length == len(tokens)
+    pool = engine.runner.kda_pool
+    return [pool.recurrent[:, entry.slot].clone(), pool.conv[:, entry.slot].clone()], entry.logits
+
+
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_a_point_inside_a_pass_is_the_state_a_pass_ending_there_leaves(backend):
+    prompt = torch.randint(1, 250, (LENGTH,), generator=torch.Generator().manual_seed(3)).tolist()
+    inside = _engine(backend, entries=4)
+    out = _prefill(inside, "whole", prompt, boundaries=(POINT,))
+    assert inside.prefix_cache.stats.snapshots_message == 1
+    ended = _engine(backend, entries=4)
+    _prefill(ended, "start", prompt[:POINT])  # a pass ending at the point: its prompt-end entry
+    got_states, got_logits = _entry_state(inside, prompt[:POINT])
+    want_states, want_logits = _entry_state(ended, prompt[:POINT])
+    for name, got, want in zip(("recurrent", "conv"), got_states, want_states, strict=True):
+        assert_close(f"{name} state at the point", got, want, 1e-5)
+    assert_close("logits before the point", got_logits, want_logits, 1e-5)
+    plain = _engine(backend, entries=0)
+    assert _prefill(plain, "whole", prompt) == out  # the pass's own tokens are unchanged by the point
