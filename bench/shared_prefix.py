@@ -12,8 +12,9 @@ cache on and one with it off, one request at a time.
   third stack, cache off with a smaller prefill budget, measures that noise with no cache involved: the cache is
   exact where its differences from the cache-off stack are no larger than the control's.
 - the cache's memory: snapshots made by kind, entries, state bytes against their bound, evictions (shard metrics).
-- what the snapshots cost: the first (cold) chat's and document's TTFT with the cache on against off, since the
-  shard ends a prefill pass at every snapshot point (every --prefix-state-interval tokens and the kept message ends).
+- what the snapshots cost: the first (cold) chat's and document's TTFT with the cache on against off (the pass that
+  reaches a snapshot point copies the state there out: every --prefix-state-interval tokens and the kept message
+  ends).
 
 On the H200, the 48B shape with dummy weights (from bench/served.py: `--shared-prefix`); anywhere, any checkpoint:
 
@@ -165,7 +166,7 @@ def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: in
         "cache_vs_no_cache": cache_vs_off,
         "control_vs_no_cache": control_vs_off,
         "no_cache_chat_ttft_s": [c["ttft_s"] for c in off["chats"]],
-        # what taking the snapshots costs a cold prompt (its prefill ends a pass at every snapshot point)
+        # what taking the snapshots costs a cold prompt (a state copy per point inside its passes)
         "cold_ttft_cache_over_no_cache": [chats[0]["ttft_s"] / off["chats"][0]["ttft_s"],
                                           docs[0]["ttft_s"] / off["docs"][0]["ttft_s"]],
     }

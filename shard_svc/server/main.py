@@ -111,10 +111,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         f"{CPU_PREFIX_CACHE_ENTRIES} on the CPU")
     p.add_argument("--prefix-state-interval", type=int, default=4096,
                    help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
-                        "apart with every doubling of the position (the prefill chunk ends at each point: an extra "
-                        "pass), so a prompt sharing only the start of a cached one restores all but less than this "
-                        "many or 1/16 of the shared tokens. A multiple of --kv-block-size; 0: only at prompt ends, "
-                        "chat message boundaries and finishes")
+                        "apart with every doubling of the position (the pass reaching a point copies the state "
+                        "there into an entry slot), so a prompt sharing only the start of a cached one restores all "
+                        "but less than this many or 1/16 of the shared tokens. A multiple of --kv-block-size; 0: only "
+                        "at prompt ends, chat message boundaries and finishes")
     p.add_argument("--prefix-host-entries", type=int, default=0,
                    help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
                         "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "
