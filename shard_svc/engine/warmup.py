@@ -6,9 +6,8 @@ The requests below cover a prefill of one sequence and of several packed ones, p
 kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, packed passes filling a quarter, half
 and all of the prefill budget (kernels pick tiles by a pass's token count), and decode at batch 1 and at the
 batches the packed rounds reach. Finished requests give back their slots and blocks, so the pools are as fresh as
-before (a slot is zeroed when it is handed out). The prefix cache is off meanwhile: its snapshot points would cut the
-warm-up's passes short of the shapes they are there to compile, and synthetic prompts have no place among its
-entries or in its counters.
+before (a slot is zeroed when it is handed out). The prefix cache is off meanwhile: synthetic prompts have no place
+among its entries or in its counters.
 """
 
 from __future__ import annotations
