@@ -17,7 +17,7 @@ Snapshot points of a prompt (entries are copies of the state there):
 (3) the prompt's end.
 A point inside a pass's chunk of the prompt (`points_inside`) is written out by that pass: the engine claims an
 entry slot for it before the pass (`claim`), the KDA layers write the recurrent and conv states at the point into it
-(forward_batch.StateSnapshots: the kernels cut the sequence there and carry its state on), the runner computes the
+(ops/kda/snapshots.py: the kernels cut the sequence there and carry its state on), the runner computes the
 logits row before it, and the entry is made after the pass (`add_claimed`). So points cost no extra pass and do not
 shorten the sequence's chunk. A point where a pass ends is copied from the sequence's slot after the pass
 (`snapshot`). (4) When a sequence finishes normally its slot is handed over instead of freed (no copy), covering

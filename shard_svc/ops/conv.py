@@ -31,7 +31,7 @@ def short_conv(
 
 
 def snapshot_conv_states(x: torch.Tensor, conv_state: torch.Tensor, points) -> None:
-    """The conv state at each snapshot point (forward_batch.StateSnapshots.points) into the point's slot: the last
+    """The conv state at each snapshot point (ops/kda/snapshots.py: StateSnapshots.points) into the point's slot: the last
     W-1 inputs before it, from the pass's inputs x [T, C] and the sequence's state before the pass. Runs before
     short_conv, which overwrites that state; plain copies, so the same for every op backend."""
     keep = conv_state.shape[-1]

@@ -154,7 +154,7 @@ SNAPSHOT_CASES = {
 def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
     """The state after the first m tokens of a sequence lands in the point's slot, as the token loop run over those
     m tokens alone leaves it; the outputs and final states are the pass's without points; no other slot is written."""
-    from shard_svc.forward_batch import StateSnapshots
+    from shard_svc.ops.kda.snapshots import StateSnapshots
     from shard_svc.ops.triton.kda_chunk import kda_prefill as triton_prefill
 
     prefill = triton_prefill if op == "triton" else eager.kda_prefill
@@ -184,7 +184,7 @@ def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
 
 
 def test_snapshot_points_must_lie_inside_their_sequence():
-    from shard_svc.forward_batch import StateSnapshots
+    from shard_svc.ops.kda.snapshots import StateSnapshots
 
     for points in ([(0, 0, 5)], [(0, 10, 5)], [(1, 3, 5), (1, 2, 6)]):
         with pytest.raises(ValueError, match="snapshot point"):

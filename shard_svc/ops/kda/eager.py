@@ -5,7 +5,7 @@ Both read each sequence's initial state from the pool by slot and write its fina
 
 import torch
 
-from shard_svc.forward_batch import StateSnapshots
+from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.ops.precision import acc_dtype, upcast
 
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb

@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from shard_svc.forward_batch import StateSnapshots
+from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.ops.kda.gate import kda_gate, prepare_qkb
 
 # (q, k, v, g, beta, state) of one sequence -> (o, final state): q, k, g [L, H, K], v [L, H, V], beta [L, H],

@@ -13,7 +13,7 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
    starting from the pool slot's state and writing the final state back to it. With snapshot points
-   (forward_batch.StateSnapshots) a sequence is cut into segments there: chunks restart at a point, and the state at
+   (ops/kda/snapshots.py) a sequence is cut into segments there: chunks restart at a point, and the state at
    each point is written to the point's slot on the way, as a pass ending there would have left it.
 
 Numerics: G reaches -320 nats in one chunk with K3's lower-bound gate (-5 per step) and is unbounded with the
@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shard_svc.forward_batch import StateSnapshots
+from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.ops.triton.common import (TritonKernelError, check, check_index, dot_precision, interpreting,
                                          pow2_at_least)
 from shard_svc.ops.triton.kda_gate import kda_gate_log2
