@@ -11,10 +11,10 @@ from shard_svc.engine.prompt_logprobs import SCORE_ROWS, PromptScores
 from shard_svc.engine.sequence import Sequence
 from shard_svc.engine.step_rows import build_rows
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
-from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.model import KimiForCausalLM
 from shard_svc.model.kimi import pack_weights
 from shard_svc.ops import Ops
+from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
 
 log = logging.getLogger(__name__)

@@ -131,6 +131,25 @@ def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
     _pools_settle(cached)
 
 
+def test_a_failed_pass_gives_the_slots_claimed_for_its_points_back():
+    cached, _ = _engines(FAMILIES["kimi_linear"], budget=512, blocks=128)
+    forward, carried = cached.runner.forward, []
+
+    def failing(work, is_decode, points=None):
+        carried.append(points)
+        raise RuntimeError("device fault")
+
+    cached.runner.forward = failing
+    seq = cached.add_request("first", _prompt(70, 40) + _prompt(80, 41),
+                             SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                             prefix=PrefixHints(boundaries=(70,)))
+    cached.step()
+    assert seq.finish_reason == "error" and carried and carried[0]["first"][0][0] == 70
+    assert len(cached.prefix_cache) == 0
+    cached.runner.forward = forward
+    _pools_settle(cached)
+
+
 def test_salts_keep_entries_apart():
     cached, plain = _engines(FAMILIES["kimi_linear"])
     prompt = _prompt(40, 43)
