@@ -31,10 +31,11 @@ def short_conv(
 
 
 def snapshot_conv_states(x: torch.Tensor, conv_state: torch.Tensor, points) -> None:
-    """The conv state at each snapshot point (ops/kda/snapshots.py: StateSnapshots.points) into the point's slot: the last
-    W-1 inputs before it, from the pass's inputs x [T, C] and the sequence's state before the pass. Runs before
-    short_conv, which overwrites that state; plain copies, so the same for every op backend."""
+    """The conv state at each snapshot point (StateSnapshots.points, ops/kda/snapshots.py) into the point's slot:
+    the last W-1 inputs before it, from the pass's inputs x [T, C] and the sequence's state before the pass. Runs
+    before short_conv, which overwrites that state; plain copies, so the same for every op backend."""
     keep = conv_state.shape[-1]
     for slot, start, m, target in points:
-        window = torch.cat([conv_state[slot].to(x.dtype), x[start:start + m].t()], dim=1)
+        tail = x[start + max(0, m - keep):start + m].t()  # only the inputs the window can hold, not all m
+        window = torch.cat([conv_state[slot].to(x.dtype), tail], dim=1)
         conv_state[target] = window[:, window.shape[1] - keep:].to(conv_state.dtype)

@@ -60,3 +60,19 @@ def test_a_point_inside_a_pass_is_the_state_a_pass_ending_there_leaves(backend):
     assert_close("logits before the point", got_logits, want_logits, TOL)
     plain = _engine(backend, entries=0)
     assert _prefill(plain, "whole", prompt) == out  # the pass's own tokens are unchanged by the point
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 11])
+def test_the_conv_window_at_a_point_is_short_convs_state_after_those_tokens(m):
+    """Points before, at and past the window's width (W-1 = 3): the window mixes the state before the pass with the
+    pass's first inputs until it holds only the latter."""
+    from shard_svc.ops.conv import short_conv, snapshot_conv_states
+
+    g = torch.Generator().manual_seed(m)
+    x, weight = torch.randn(20, 6, generator=g), torch.randn(6, 4, generator=g)
+    pool = torch.randn(4, 6, 3, generator=g)
+    want = pool.clone()
+    short_conv(x[2:2 + m], weight, want, torch.tensor([1]), torch.tensor([0, m]))  # a pass ending at the point
+    got = pool.clone()
+    snapshot_conv_states(x, got, [(1, 2, m, 3)])  # sequence in slot 1 starting at row 2, point after m, into slot 3
+    assert torch.equal(got[3], want[1]) and torch.equal(got[:3], pool[:3])
