@@ -227,7 +227,7 @@ def _kda_chunk_state_kernel(
     w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets, sequence_segments, segment_slots,
     stride_s_slot, stride_s_h, stride_s_k,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -255,7 +255,14 @@ def _kda_chunk_state_kernel(
     off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
     # The sequence's segments (cu_seqlens is cut at its snapshot points, if any) in order, the state carried from
     # one to the next and written after each to its segment's slot: the last segment's is the sequence's own.
-    for i_g in range(tl.load(sequence_segments + i_n), tl.load(sequence_segments + i_n + 1)):
+    # Without snapshot points sequence b is segment b (no index tensor to build per call).
+    if SEGMENTED:
+        g_first = tl.load(sequence_segments + i_n)
+        g_end = tl.load(sequence_segments + i_n + 1)
+    else:
+        g_first = i_n
+        g_end = i_n + 1
+    for i_g in range(g_first, g_end):
         bos = tl.load(cu_seqlens + i_g).to(tl.int64)
         seq_len = (tl.load(cu_seqlens + i_g + 1) - bos).to(tl.int32)
         c0 = tl.load(chunk_offsets + i_g).to(tl.int64)
@@ -335,8 +342,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     # Both kernels see segments: the sequences, or with snapshots the sequences cut at their points (the intra
     # kernel's chunks restart at a point; the state kernel carries a sequence's state across its segments).
     if snapshots is None:
-        segments, segment_slots = cu_seqlens, slots
-        sequence_segments = torch.arange(n + 1, dtype=torch.int64, device=q.device)
+        segments, segment_slots, sequence_segments = cu_seqlens, slots, cu_seqlens  # the last: unread
     else:
         segments, segment_slots = snapshots.cu_segments, snapshots.segment_slots
         sequence_segments = snapshots.sequence_segments
@@ -376,7 +382,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             w, u, qg, kg, aqk, decay, o, state_pool, slots, segments, chunk_offsets, sequence_segments, segment_slots,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
-            PRECISION=dot_precision(v.dtype),
+            PRECISION=dot_precision(v.dtype), SEGMENTED=snapshots is not None,
             # 3 stages of bf16 tiles fit in shared memory (fastest on the H200); fp32 tiles only fit 1
             num_warps=state_warps, num_stages=state_stages or (3 if inter != torch.float32 else 1),
         )
