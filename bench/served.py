@@ -359,7 +359,8 @@ def shared_boundaries(args, model: Path, result: dict, save) -> None:
     """bench/shared_prefix.py at the 48B shape: the stacks with this benchmark's block size and prefill budget."""
     longest = max(args.doc_tokens, args.system_tokens + 256) + BLOCK
     blocks = 2 * -(-longest // BLOCK) + 64
-    result["shared_prefix"] = shared_prefix.run(model, args.device, _shard_args(args, 4, blocks, longest),
+    shard_args = _shard_args(args, 4, blocks, longest, shared_prefix.interval_args(args))
+    result["shared_prefix"] = shared_prefix.run(model, args.device, shard_args,
                                                 args.system_tokens, args.requests, args.doc_tokens, args.doc_shared)
     save()
 

@@ -200,6 +200,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=12, help=f"chat requests sharing it (at most {len(USERS)})")
     p.add_argument("--doc-tokens", type=int, default=8192, help="the first id prompt of the shared-start case")
     p.add_argument("--doc-shared", type=int, default=6000, help="tokens the second one shares with it")
+    p.add_argument("--prefix-state-interval", type=int, default=None,
+                   help="the shards' --prefix-state-interval (default: theirs)")
+
+
+def interval_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The shard flag add_args' --prefix-state-interval asks for, if any."""
+    n = args.prefix_state_interval
+    return () if n is None else ("--prefix-state-interval", str(n))
 
 
 def main() -> None:
@@ -213,7 +221,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(args.model, args.device, ("--max-model-len", str(args.max_model_len), "--num-kv-blocks",
-                                           str(-(-args.max_model_len // 16) * 2 + 64)),
+                                           str(-(-args.max_model_len // 16) * 2 + 64), *interval_args(args)),
                  args.system_tokens, args.requests, args.doc_tokens, args.doc_shared)
     (args.out / "shared_prefix.json").write_text(json.dumps(report, indent=2) + "\n")
     sys.stdout.write(summary_text(report))
