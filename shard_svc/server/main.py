@@ -109,7 +109,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "aged) goes first. 0: no prefix cache. "
                         f"Default: one per {ENTRY_EVERY} state slots when sized from memory on a GPU, "
                         f"{CPU_PREFIX_CACHE_ENTRIES} on the CPU")
-    p.add_argument("--prefix-state-interval", type=int, default=4096,
+    p.add_argument("--prefix-state-interval", type=int, default=1024,
                    help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
                         "apart with every doubling of the position (the pass reaching a point copies the state "
                         "there into an entry slot), so a prompt sharing only the start of a cached one restores all "
