@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from kimiserve.devices import resolve_device, shard_devices
@@ -77,3 +78,25 @@ def test_shard_flags_parse_into_a_capacity_request(tmp_path):
     assert (req.num_state_slots, req.kv_block_size, req.host_kv_bytes, req.gpu_memory_utilization) == \
         (8, 32, None, 0.8)
     assert parsed("--host-kv-gb", "1.5").capacity.host_kv_bytes == int(1.5 * (1 << 30))
+
+
+def test_the_default_prefix_state_interval_fits_any_kv_block_size(tmp_path):
+    """The default interval is rounded up to a multiple of the KV block size (a large block must not make the
+    default invalid); a set interval that is not a multiple is refused, naming both."""
+    import argparse
+
+    from shard_svc.engine.prefix_cache import DEFAULT_PREFIX_STATE_INTERVAL
+    from shard_svc.server.main import add_args, config_from_args
+
+    def interval(*flags: str) -> int:
+        p = argparse.ArgumentParser()
+        add_args(p)
+        return config_from_args(p.parse_args(["--model", str(tmp_path), "--device", "cpu", *flags])) \
+            .engine.config.prefix_state_interval
+
+    assert interval() == DEFAULT_PREFIX_STATE_INTERVAL == 1024
+    assert interval("--kv-block-size", "48") == 1056  # 22 blocks of 48
+    assert interval("--kv-block-size", "2048") == 2048
+    assert interval("--prefix-state-interval", "0") == 0
+    with pytest.raises(SystemExit, match="multiple of the KV block size 64 .got 1000"):
+        interval("--kv-block-size", "64", "--prefix-state-interval", "1000")

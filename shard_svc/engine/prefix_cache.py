@@ -71,6 +71,11 @@ MIN_MESSAGE_GAP = 64
 # Interval points: the first DENSE_INTERVALS are `interval` apart, then the spacing doubles with every doubling of the
 # position (`interval_step`).
 DENSE_INTERVALS = 16
+# The shard's default interval (rounded up to a multiple of the KV block size). A point costs a state copy inside the
+# pass, not a pass, so the spacing is set by which partial shares should restore: 2,000 shared tokens of a cached
+# 3,000-token prompt restore 1,024. The extra short entries a finer spacing makes are the first value-based eviction
+# drops.
+DEFAULT_PREFIX_STATE_INTERVAL = 1024
 
 SNAPSHOT_KINDS = ("prompt_end", "message", "interval", "finish")
 

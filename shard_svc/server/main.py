@@ -29,6 +29,7 @@ from shard_svc.engine.capacity import (
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.handoff import STATE_HOLD_SECONDS
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
+from shard_svc.engine.prefix_cache import DEFAULT_PREFIX_STATE_INTERVAL
 from shard_svc.engine.warmup import warm_request_paths
 from shard_svc.errors import SchedulingConfigError
 from shard_svc.parallel.launch import add_group_args
@@ -109,12 +110,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "aged) goes first. 0: no prefix cache. "
                         f"Default: one per {ENTRY_EVERY} state slots when sized from memory on a GPU, "
                         f"{CPU_PREFIX_CACHE_ENTRIES} on the CPU")
-    p.add_argument("--prefix-state-interval", type=int, default=1024,
+    p.add_argument("--prefix-state-interval", type=int, default=None,
                    help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "
                         "apart with every doubling of the position (the pass reaching a point copies the state "
                         "there into an entry slot), so a prompt sharing only the start of a cached one restores all "
                         "but less than this many or 1/16 of the shared tokens. A multiple of --kv-block-size; 0: only "
-                        "at prompt ends, chat message boundaries and finishes")
+                        "at prompt ends, chat message boundaries and finishes. Default: "
+                        f"{DEFAULT_PREFIX_STATE_INTERVAL}, rounded up to a multiple of the KV block size")
     p.add_argument("--prefix-host-entries", type=int, default=0,
                    help="host tier of the prefix cache: entries evicted from the device (their KDA state slot, KV "
                         "blocks and logits row) are copied to host memory (pinned on a GPU) instead of dropped, at "
@@ -165,11 +167,13 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     device = resolve_device(args.device)
     on_gpu = device.startswith("cuda")
     block_size = args.kv_block_size or (GPU_KV_BLOCK_SIZE if on_gpu else CPU_KV_BLOCK_SIZE)
-    if (args.prefix_cache_entries or 0) < 0 or args.prefix_state_interval < 0 or \
-            args.prefix_state_interval % block_size:
+    interval = args.prefix_state_interval
+    if interval is None:
+        interval = -(-DEFAULT_PREFIX_STATE_INTERVAL // block_size) * block_size
+    if (args.prefix_cache_entries or 0) < 0 or interval < 0 or interval % block_size:
         raise SystemExit(f"--prefix-cache-entries must be >= 0 (got {args.prefix_cache_entries}) and "
                          f"--prefix-state-interval >= 0 and a multiple of the KV block size {block_size} "
-                         f"(got {args.prefix_state_interval})")
+                         f"(got {interval})")
     if args.prefix_host_entries < 0 or (args.prefix_host_entries and args.prefix_cache_entries == 0):
         raise SystemExit(f"--prefix-host-entries must be >= 0 (got {args.prefix_host_entries}) and needs "
                          f"--prefix-cache-entries > 0 (got {args.prefix_cache_entries}): the host tier keeps entries "
@@ -184,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
     # Only what is not sized once the weights are placed (shard_svc/engine/sizing.py) is read from this config.
     capacity = EngineConfig(max_model_len=args.max_model_len,
                             host_kv_bytes=request.host_kv_bytes or 0,
-                            prefix_state_interval=args.prefix_state_interval,
+                            prefix_state_interval=interval,
                             prefix_host_entries=args.prefix_host_entries, prefill_policy=args.prefill_policy,
                             long_prefill_threshold=args.long_prefill_threshold,
                             long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost,
