@@ -361,7 +361,8 @@ def shared_boundaries(args, model: Path, result: dict, save) -> None:
     blocks = 2 * -(-longest // BLOCK) + 64
     shard_args = _shard_args(args, 4, blocks, longest, shared_prefix.interval_args(args))
     result["shared_prefix"] = shared_prefix.run(model, args.device, shard_args,
-                                                args.system_tokens, args.requests, args.doc_tokens, args.doc_shared)
+                                                args.system_tokens, args.requests, args.doc_tokens, args.doc_shared,
+                                                args.prefix_entries)
     save()
 
 
@@ -425,7 +426,8 @@ def main() -> None:
     p.add_argument("--skip-served", action="store_true")
     p.add_argument("--multi-turn", action="store_true", help="also the multi-turn replay with the prefix cache on/off")
     p.add_argument("--conversations", type=int, default=4, help="multi-turn: conversations at once")
-    p.add_argument("--prefix-entries", type=int, default=16, help="multi-turn: --prefix-cache-entries when on")
+    p.add_argument("--prefix-entries", type=int, default=16,
+                   help="multi-turn and shared-prefix: --prefix-cache-entries when on")
     p.add_argument("--auto-capacity", action="store_true",
                    help="also the levels against a shard with no capacity flags (sized from GPU memory)")
     p.add_argument("--long-prompt", type=int, default=0,

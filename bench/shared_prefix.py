@@ -132,8 +132,10 @@ def _metrics(url: str) -> dict[str, float]:
 
 
 def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: int, requests: int, doc_tokens: int,
-        doc_shared: int, max_tokens: int = 8) -> dict:
-    """Both stacks, one after the other; returns the report (see the module docstring)."""
+        doc_shared: int, entries: int, max_tokens: int = 8) -> dict:
+    """The stacks, one after the other; returns the report (see the module docstring). `entries`: the cache stack's
+    --prefix-cache-entries, given because the shard's default follows its state slots (one per 4 on a GPU: a
+    4-slot stack would keep a single entry, which each prompt's own end evicts)."""
     if not 2 <= requests <= len(USERS) or not 0 < doc_shared < doc_tokens:
         raise ValueError(f"--requests must be in [2, {len(USERS)}] (got {requests}) and --doc-shared in "
                          f"(0, --doc-tokens {doc_tokens}) (got {doc_shared})")
@@ -142,7 +144,8 @@ def run(model: Path, device: str, shard_args: tuple[str, ...], system_tokens: in
     report: dict = {"system_tokens": system_tokens, "doc_tokens": doc_tokens, "doc_shared": doc_shared,
                     "shard_args": list(shard_args)}
     control = ("--prefix-cache-entries", "0", "--prefill-token-budget", str(CONTROL_BUDGET))
-    for mode, extra in (("cache", ()), ("no_cache", ("--prefix-cache-entries", "0")), ("control", control)):
+    cache = ("--prefix-cache-entries", str(entries))
+    for mode, extra in (("cache", cache), ("no_cache", ("--prefix-cache-entries", "0")), ("control", control)):
         port = free_port()
         children = start_stack(model, 1, device, "127.0.0.1", port, timeout=900, shard_args=shard_args + extra)
         try:
@@ -216,13 +219,14 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--prefix-entries", type=int, default=16, help="the cache stack's --prefix-cache-entries")
     add_args(p)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(args.model, args.device, ("--max-model-len", str(args.max_model_len), "--num-kv-blocks",
                                            str(-(-args.max_model_len // 16) * 2 + 64), *interval_args(args)),
-                 args.system_tokens, args.requests, args.doc_tokens, args.doc_shared)
+                 args.system_tokens, args.requests, args.doc_tokens, args.doc_shared, args.prefix_entries)
     (args.out / "shared_prefix.json").write_text(json.dumps(report, indent=2) + "\n")
     sys.stdout.write(summary_text(report))
     sys.exit(0 if all(report["summary"]["greedy_equal"]) else 1)
