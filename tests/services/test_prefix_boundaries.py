@@ -26,7 +26,7 @@ from launcher.up import start_stack
 from tests.services.conftest import Stack
 from tests.services.helpers import generate, sampling, scrape, total
 
-INTERVAL = 256  # --prefix-state-interval for shared document starts: finer than the default (1,024) for these short prompts
+INTERVAL = 256  # --prefix-state-interval: finer than the default (1,024) for these short document starts
 ENTRIES = 24
 CAPACITY = ("--num-state-slots", "4", "--num-kv-blocks", "640", "--max-model-len", "4096",
             "--prefix-state-interval", str(INTERVAL))
