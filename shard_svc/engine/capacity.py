@@ -9,7 +9,8 @@ process and the CUDA context included) - the profiled activation peak - the deco
 
 - KDA state (running sequences' slots and prefix-cache entries) takes at most STATE_SHARE (half; three quarters with
   host KV offload on, whose host pool takes KV the device cannot hold), at most MAX_AUTO_STATE_SLOTS running slots,
-  with one prefix-cache entry for every ENTRY_EVERY running slots;
+  with one prefix-cache entry for every ENTRY_EVERY running slots, and at least MIN_AUTO_PREFIX_ENTRIES while
+  they fit in that share;
 - the MLA KV cache takes the rest, in whole blocks.
 
 A flag the operator set is taken as is, and what it uses comes off the budget first. Byte sizes come from the
@@ -35,6 +36,9 @@ MAX_AUTO_STATE_SLOTS = 256  # running sequences when sized from memory; a decode
 STATE_SHARE = 0.5  # most of the budget KDA state may take when sized from memory; KV gets the rest
 STATE_SHARE_HOST_KV = 0.75  # with host KV offload, whose pool holds the KV pages the device cannot
 ENTRY_EVERY = 4  # one prefix-cache entry per this many running slots, when sized from memory
+# One prompt can make several entries (message ends, interval points, its end), so a shard with few slots still
+# keeps this many, within the state share: with one entry a prompt's own end evicts the system prompt's point.
+MIN_AUTO_PREFIX_ENTRIES = 16
 HOST_KV_SHARE = 0.5  # `--host-kv-gb auto`: this share of the host's available memory once the weights are placed
 
 GPU_KV_BLOCK_SIZE = 64  # tokens per KV block on a GPU (the block size the served benchmarks run)
@@ -201,7 +205,9 @@ def plan_from_memory(request: CapacityRequest, sizes: UnitSizes, report: MemoryR
         per = sizes.running_slot_bytes + (sizes.entry_bytes / ENTRY_EVERY if entries is None else 0)
         slots = max(1, min(MAX_AUTO_STATE_SLOTS, int(max(state_room, 0) // per)))
     if entries is None:
-        entries = min(math.ceil(slots / ENTRY_EVERY),
+        floor_room = state_room - (slots * sizes.running_slot_bytes if request.num_state_slots is None else 0)
+        floor = min(MIN_AUTO_PREFIX_ENTRIES, max(0, int(floor_room // sizes.entry_bytes)))
+        entries = min(max(math.ceil(slots / ENTRY_EVERY), floor),
                       max(0, int((budget - slots * sizes.running_slot_bytes - one_blocks * sizes.kv_block_bytes)
                                  // sizes.entry_bytes)))
     state = slots * sizes.running_slot_bytes + entries * sizes.entry_bytes

@@ -25,7 +25,7 @@ from shard_svc.checkpoint import LOAD_FORMATS
 from shard_svc.engine.capacity import (
     CPU_KV_BLOCK_SIZE, CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS,
     DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
-    CapacityDoesNotFit, CapacityRequest)
+    MIN_AUTO_PREFIX_ENTRIES, CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.handoff import STATE_HOLD_SECONDS
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
@@ -108,7 +108,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "bounds the cache's state memory (allocated at startup); each shares its prefix's KV blocks, "
                         "which admissions reclaim when they need them. The least valuable entry (hits x tokens, "
                         "aged) goes first. 0: no prefix cache. "
-                        f"Default: one per {ENTRY_EVERY} state slots when sized from memory on a GPU, "
+                        f"Default: one per {ENTRY_EVERY} state slots (at least {MIN_AUTO_PREFIX_ENTRIES} while "
+                        "they fit in KDA state's share of the memory) when sized from memory on a GPU, "
                         f"{CPU_PREFIX_CACHE_ENTRIES} on the CPU")
     p.add_argument("--prefix-state-interval", type=int, default=None,
                    help="also snapshot the state every this many prompt tokens up to 16 of them, then twice as far "

@@ -14,7 +14,8 @@ import torch
 from bench.configs import KIMI_LINEAR_48B
 from shard_svc.config import ModelConfig
 from shard_svc.engine.capacity import (
-    CapacityDoesNotFit, CapacityRequest, MemoryReport, UnitSizes, cpu_plan, plan_from_memory, plan_host_kv)
+    MIN_AUTO_PREFIX_ENTRIES, CapacityDoesNotFit, CapacityRequest, MemoryReport, UnitSizes, cpu_plan, plan_from_memory,
+    plan_host_kv)
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.memory_profile import MemoryProbeFailed, attention_peak_context
 from shard_svc.engine.sizing import sized_config
@@ -82,6 +83,22 @@ def test_explicit_flags_win_and_come_off_the_budget_first():
     assert fixed.num_kv_blocks == 1000 and fixed.max_model_len == 32768
     # state may then take what the blocks leave, up to the cap of 256 running slots
     assert fixed.num_state_slots == 256 and fixed.prefix_cache_entries == 64
+
+
+def test_few_explicit_slots_still_keep_a_floor_of_prefix_entries():
+    """One entry per 4 slots gives a 4-slot shard one entry, which each prompt's own end would evict before the next
+    request could restore its system prompt's point; the floor keeps MIN_AUTO_PREFIX_ENTRIES while the state share
+    holds them, and never pushes KV below what the share leaves it."""
+    plan = plan_from_memory(CapacityRequest(num_state_slots=4), SIZES_48B, H200, 1 << 20)
+    assert (plan.num_state_slots, plan.prefix_cache_entries) == (4, MIN_AUTO_PREFIX_ENTRIES)
+    # 2 GiB of budget: half of it holds 4 running slots and 19 entries' worth, so the floor stays 16; at 0.6 GiB the
+    # share (0.3 GiB) holds 4 slots and 3 entries, and the floor is what fits.
+    for budget_gib, entries in ((2.0, 16), (0.6, 3)):
+        report = MemoryReport("cuda:0", 80 * GiB, int((72 - budget_gib) * GiB), 0)
+        plan = plan_from_memory(CapacityRequest(num_state_slots=4), SIZES_48B, report, model_max_len=4096)
+        assert plan.prefix_cache_entries == entries, budget_gib
+        share_left = int(0.5 * int(0.9 * 80 * GiB - int((72 - budget_gib) * GiB)))
+        assert plan.num_state_slots * SIZES_48B.running_slot_bytes + entries * SIZES_48B.entry_bytes <= share_left
 
 
 def test_utilization_scales_the_budget():
