@@ -385,12 +385,15 @@ def table(result: dict) -> str:
         lp, c256 = v.get("long_prompt"), v.get("c256")
         if lp:
             a, d = lp["shorts_alone"], lp["shorts_during_long"]
+
+            def ms(part: dict, metric: str, q: str) -> str:
+                return f"{part[metric].get(q, float('nan')):.0f}"
+
             lines.append(f"long-context {name}: long TTFT solo {lp['long_ttft_solo_s']:.1f} s mixed "
                          f"{lp['long_ttft_mixed_s']:.1f} s ({lp['long_ttft_ratio']:.2f}x); 16 shorts TTFT p50/p99 ms "
-                         f"alone {a['ttft_ms'].get('p50', float('nan')):.0f}/{a['ttft_ms'].get('p99', float('nan')):.0f}"
-                         f" during {d['ttft_ms'].get('p50', float('nan')):.0f}/"
-                         f"{d['ttft_ms'].get('p99', float('nan')):.0f}; ITL p99 ms alone "
-                         f"{a['itl_ms'].get('p99', float('nan')):.0f} during {d['itl_ms'].get('p99', float('nan')):.0f}")
+                         f"alone {ms(a, 'ttft_ms', 'p50')}/{ms(a, 'ttft_ms', 'p99')} during "
+                         f"{ms(d, 'ttft_ms', 'p50')}/{ms(d, 'ttft_ms', 'p99')}; ITL p99 ms alone "
+                         f"{ms(a, 'itl_ms', 'p99')} during {ms(d, 'itl_ms', 'p99')}")
         if c256:
             lines.append(f"long-context {name}: c=256 {c256['output_tokens_per_s']:.0f} output tok/s")
     auto = result.get("served_auto")

@@ -404,7 +404,8 @@ ALERTS: list[dict] = [
     {"alert": "KimiserveBatchStalled", "for": f"{BATCH_IDLE_MINUTES}m", "severity": "warning",
      "expr": f'max by (namespace, model) (kimiserve_router_batches{{status="in_progress"}}) > 0 '
              f"unless on (namespace, model) "
-             f"(sum by (namespace, model) (increase(kimiserve_router_batch_requests_total[{BATCH_IDLE_MINUTES}m])) > 0)",
+             f"(sum by (namespace, model) "
+             f"(increase(kimiserve_router_batch_requests_total[{BATCH_IDLE_MINUTES}m])) > 0)",
      "summary": "Batches are in_progress but none of their requests finished in "
                 f"{BATCH_IDLE_MINUTES} minutes",
      "description": "{{ $value }} batch(es) in_progress with no progress: a stuck non-terminal batch."},
