@@ -12,6 +12,10 @@ the logits row of its last position, so a prompt that is cached whole samples it
 Snapshot points of a prompt (entries are copies of the state there):
 (1) where its chat messages end (PrefixHints.boundaries: the tokenizer reports them, the router passes them on;
     `message_points` keeps at most MAX_MESSAGE_POINTS of them, each MIN_MESSAGE_GAP tokens past the one before),
+    each moved down to a multiple of CHUNK_ALIGN, the KDA kernels' chunk: a pass cut there computes every chunk as
+    the uncut pass does, so taking the point changes no bit of the prompt's own output, and a request restoring it
+    prefills the rest on the grid an uncached one uses (in bf16 a cut between grid lines regroups the sums of the
+    chunks after it, enough to flip a near-tied token; under CHUNK_ALIGN shared tokens fewer are restored),
 (2) every `interval` tokens (a multiple of the KV block size, so no partial block) up to 16 x interval, then twice as
     far apart with every doubling of the position (`interval_step`: O(log L) points in a prompt of L tokens), and
 (3) the prompt's end.
@@ -52,6 +56,7 @@ from typing import Callable
 
 import torch
 
+from shard_svc.engine.prefill_share import CHUNK_ALIGN
 from shard_svc.engine.prefix_host import HostPrefix, PrefixHostTier
 from shard_svc.engine.sequence import Sequence
 from shard_svc.errors import InvalidRequest
@@ -221,6 +226,7 @@ class PrefixCache:
             boundaries = boundaries[:-1]
         kept, last = [], 0
         for b in boundaries:
+            b -= b % CHUNK_ALIGN  # on the kernels' chunk grid (module docstring, (1))
             if b - last >= MIN_MESSAGE_GAP:
                 kept.append(b)
                 last = b

@@ -13,6 +13,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from shard_svc.engine.engine import Engine, EngineConfig
+from shard_svc.engine.prefill_share import CHUNK_ALIGN
 from shard_svc.engine.prefix_cache import MAX_MESSAGE_POINTS, MIN_MESSAGE_GAP, PrefixCache
 from shard_svc.engine.prefix_host import PrefixHostConfigError
 from shard_svc.engine.sampling import SamplingParams
@@ -111,11 +112,14 @@ def test_interval_snapshots_inside_a_chunked_prefill(family):
 # -- snapshot points: message boundaries, the interval, salts, the value policy ----------------------------------------
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
-    """A boundary at 70 (inside a KV block and a KDA chunk) in a 150-token prompt, with a budget that prefills it
-    all in one pass: the pass stays whole and writes the state at 70 out on the way, and a prompt sharing those 70
-    tokens restores them (its last partial block copied), with the tokens of an engine without a cache."""
+def test_a_message_boundary_inside_a_pass_is_snapshotted_on_the_chunk_grid_and_restored(family):
+    """A boundary at 70 (inside a KDA chunk) in a 150-token prompt, with a budget that prefills it all in one pass:
+    the pass stays whole and writes the state out at 64, the chunk line below the boundary, so the prompt's own
+    state is bit for bit that of an engine that took no point (a cut at 70 regroups the chunks after it: the H200
+    run of 2026-12-06 flipped the first reply token at the 48B shape in bf16); a prompt sharing the 70 tokens
+    restores 64 of them, with the tokens of an engine without a cache."""
     cached, plain = _engines(FAMILIES[family], budget=512, blocks=128)
+    unhinted, _ = _engines(FAMILIES[family], budget=512, blocks=128, prefix_state_interval=0)
     system = _prompt(70, 40)
     first = system + _prompt(80, 41)
     seq = cached.add_request("first", first, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
@@ -125,10 +129,16 @@ def test_a_message_boundary_inside_a_pass_is_snapshotted_and_restored(family):
     while not seq.finished:
         cached.step()
     assert cached.prefix_cache.stats.snapshots_message == 1
+    _run(unhinted, first, "first", max_tokens=3)
+    # The recurrent states at the prompt's end (its logits row shares a product with the point's row, which the
+    # CPU's BLAS rounds differently from a single row).
+    states = [e.runner.kda_pool.recurrent[:, e.prefix_cache.lookup(first).slot] for e in (cached, unhinted)]
+    assert torch.equal(*states)
     second = system + _prompt(50, 42)
     want, _ = _run(plain, second, "second")
-    assert _run(cached, second, "second") == (want, 70)
+    assert _run(cached, second, "second") == (want, CHUNK_ALIGN)
     _pools_settle(cached)
+    _pools_settle(unhinted)
 
 
 def test_a_failed_pass_gives_the_slots_claimed_for_its_points_back():
@@ -144,7 +154,7 @@ def test_a_failed_pass_gives_the_slots_claimed_for_its_points_back():
                              SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
                              prefix=PrefixHints(boundaries=(70,)))
     cached.step()
-    assert seq.finish_reason == "error" and carried and carried[0]["first"][0][0] == 70
+    assert seq.finish_reason == "error" and carried and carried[0]["first"][0][0] == CHUNK_ALIGN
     assert len(cached.prefix_cache) == 0
     cached.runner.forward = forward
     _pools_settle(cached)
@@ -179,8 +189,11 @@ def test_an_entry_restored_often_outlives_newer_unused_ones():
 
 def test_message_points_keep_the_first_and_last_of_those_far_enough_apart_and_from_the_end():
     g = MIN_MESSAGE_GAP
+    assert g == CHUNK_ALIGN  # the cases below use one width for both
     assert PrefixCache.message_points("r", [g - 1, g, g + 5, 2 * g, 5 * g], 6 * g) == (g, 2 * g, 5 * g)
-    assert PrefixCache.message_points("r", [g, 3 * g - 9, 3 * g - 5], 3 * g) == (g, 3 * g - 9)  # the last: too near
+    # the last: too near the end; 3g - 9 moves down to the chunk line 2g
+    assert PrefixCache.message_points("r", [g, 3 * g - 9, 3 * g - 5], 3 * g) == (g, 2 * g)
+    assert PrefixCache.message_points("r", [g + 5, g + 50], 4 * g) == (g,)  # both on the line g: one point
     assert PrefixCache.message_points("r", [g, 3 * g - 9], 3 * g) == (g,)
     many = [g * (i + 1) for i in range(10)]
     half = MAX_MESSAGE_POINTS // 2

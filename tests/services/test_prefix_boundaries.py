@@ -23,6 +23,7 @@ from openai import OpenAI
 from kimiserve.ports import free_port
 from kimiserve.v1 import common_pb2, router_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from launcher.up import start_stack
+from shard_svc.engine.prefill_share import CHUNK_ALIGN
 from tests.services.conftest import Stack
 from tests.services.helpers import generate, sampling, scrape, total
 
@@ -123,7 +124,8 @@ def test_chats_sharing_a_long_system_message_restore_it_from_the_second_on(stack
     users = ["What is the garden like?", "Who wrote the letter?", "Tell me about the morning walk.",
              "Which sister said it?"]
     end = cached.system_end(system, users[0])
-    assert end % INTERVAL  # so a hit of exactly `end` tokens is the message snapshot, not an interval one
+    point = end - end % CHUNK_ALIGN  # the message point: the KDA chunk line at or before the system message's end
+    assert point % INTERVAL  # so a hit of exactly `point` tokens is the message snapshot, not an interval one
     made = cached.snapshots("message")
     for i, user in enumerate(users):
         got, usage = _chat(cached, system, user)
@@ -131,7 +133,7 @@ def test_chats_sharing_a_long_system_message_restore_it_from_the_second_on(stack
         assert got == want, user
         assert usage.prompt_tokens > 1000
         if i:
-            assert usage.cached_prompt_tokens == end >= 0.8 * usage.prompt_tokens, (i, end, usage)
+            assert usage.cached_prompt_tokens == point >= 0.8 * usage.prompt_tokens, (i, end, usage)
     # the first request's, at the system message's end; the others restored it (their user turns end fewer than
     # MIN_MESSAGE_GAP tokens later: no point of their own)
     assert cached.snapshots("message") - made == 1
