@@ -19,8 +19,10 @@ from contextlib import contextmanager
 
 from shard_svc.engine.engine import Engine
 from shard_svc.engine.grammar import ResponseFormat
-from shard_svc.engine.prefix_cache import PrefixCacheStats
+from shard_svc.engine.prefill_share import CHUNK_ALIGN
+from shard_svc.engine.prefix_cache import MIN_MESSAGE_GAP, PrefixCacheStats
 from shard_svc.engine.sampling import SamplingParams
+from shard_svc.engine.sequence import PrefixHints
 
 log = logging.getLogger(__name__)
 OUTPUT_TOKENS = 3
@@ -115,7 +117,8 @@ def warm_request_paths(engine: Engine) -> dict:
     `warm_up` compiles every pass shape, but on the thread that built the engine; what a library creates per thread
     (a cuBLAS handle and workspace, a device generator's first kernels) and what loads on first use (sampling,
     penalty and grammar-mask kernels) the first user request would still pay on the engine thread. This runs each
-    sampling path, packed, then the prefix cache's hit paths, then forgets the prefixes it cached."""
+    sampling path, packed, then the prefix cache's hit paths and passes with snapshot points inside, then forgets
+    the prefixes it cached."""
     start = time.perf_counter()
     prompt = [(11 * i) % 89 + 1 for i in range(min(48, engine.max_model_len - OUTPUT_TOKENS))]
     params = request_path_params(engine)
@@ -133,8 +136,26 @@ def warm_request_paths(engine: Engine) -> dict:
         if len(ids) + OUTPUT_TOKENS <= engine.max_model_len:
             engine.generate(ids, params["sampled"], request_id=f"warmup-prefix-{k}")
     hits = engine.prefix_cache.stats.hit_tokens if engine.prefix_cache is not None else 0
+    pointed = _passes_with_points(engine, params["greedy"])
     forget_prefixes(engine)
     summary = {"seconds": round(time.perf_counter() - start, 3), "paths": sorted(params), "steps": steps,
-               "prefix_hit_tokens": hits}
+               "prefix_hit_tokens": hits, "snapshot_point_lengths": pointed}
     log.info("request paths warmed on the engine thread", extra=summary)
     return summary
+
+
+def _passes_with_points(engine: Engine, params: SamplingParams) -> list[int]:
+    """Prompts of `prompt_lengths` with a message point inside their pass (and the interval's points where they are
+    long enough): the KDA kernels' segmented variants and the point rows' logits compile per pass shape, which
+    `warm_up` (cache off) never ran; without this a fresh shard's first chat paid 0.9 s and its first 8k document
+    3.3 s more than with the cache off (H200, 48B shape, 2026-12-06). Returns the lengths run."""
+    if engine.prefix_cache is None:
+        return []
+    point = 2 * CHUNK_ALIGN
+    lengths = [n for n in prompt_lengths(engine) if n >= point + MIN_MESSAGE_GAP]
+    for n in lengths:
+        ids = [(19 * i + n) % 73 + 4 for i in range(n)]  # a start of its own: no length restores another's
+        seq = engine.add_request(f"warmup-points-{n}", ids, params, prefix=PrefixHints(boundaries=(point,)))
+        while not seq.finished:
+            engine.step()
+    return lengths

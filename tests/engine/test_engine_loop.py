@@ -231,10 +231,13 @@ def test_request_paths_warm_up_on_the_engine_thread_and_leave_a_fresh_shard(tmp_
 
     loop = EngineLoop(engine, ShardMetrics("shard-test"))
     loop.before_serving = warm
+    warm_stats = engine.prefix_cache.stats  # forget_prefixes gives the cache fresh counters after the warm-up
     loop.start()
     assert loop.ready.wait(60) and loop.failure is None
     assert threads == ["engine-loop"] and summary["paths"] == ["greedy", "json", "sampled", "unseeded"]
     assert summary["prefix_hit_tokens"] >= 2 * 48  # a prompt from the cache whole, then as the prefix of another
+    # passes with a point inside (the kernels' segmented variants), one per length, each point taken mid-pass
+    assert summary["snapshot_point_lengths"] and warm_stats.snapshots_message == len(summary["snapshot_point_lengths"])
     s, cache = engine.scheduler, engine.prefix_cache
     assert not engine.sequences and s.slots.num_free == s.slots.num_slots and s.blocks.num_free == s.blocks.num_blocks
     assert len(cache) == 0 and cache.stats.hit_tokens == 0 and cache.stats.queried_tokens == 0
