@@ -435,9 +435,9 @@ class Engine:
 
     # -- offline ----------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, request_id: str = "offline-0",
-                 keep_prompt_logits: bool = False) -> Sequence:
+                 keep_prompt_logits: bool = False, prefix: PrefixHints = PrefixHints()) -> Sequence:
         """Runs one request to completion in-process."""
-        seq = self.add_request(request_id, prompt, params, keep_prompt_logits)
+        seq = self.add_request(request_id, prompt, params, keep_prompt_logits, prefix=prefix)
         while not seq.finished:
             self.step()
         return seq

@@ -153,9 +153,7 @@ def _passes_with_points(engine: Engine, params: SamplingParams) -> list[int]:
         return []
     point = 2 * CHUNK_ALIGN
     lengths = [n for n in prompt_lengths(engine) if n >= point + MIN_MESSAGE_GAP]
-    for n in lengths:
-        ids = [(19 * i + n) % 73 + 4 for i in range(n)]  # a start of its own: no length restores another's
-        seq = engine.add_request(f"warmup-points-{n}", ids, params, prefix=PrefixHints(boundaries=(point,)))
-        while not seq.finished:
-            engine.step()
+    for n in lengths:  # a salt per length: no prompt restores another's start, so each pass takes its point
+        engine.generate([(19 * i) % 73 + 4 for i in range(n)], params, request_id=f"warmup-points-{n}",
+                        prefix=PrefixHints(salt=f"warmup-{n}", boundaries=(point,)))
     return lengths
