@@ -13,3 +13,14 @@ KIMI_LINEAR_48B = {
                            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
                            "kda_layers": [i for i in range(1, 28) if i not in (4, 8, 12, 16, 20, 24, 27)]},
 }
+
+
+def with_layers(raw: dict, layers: int | None) -> dict:
+    """raw with only `layers` decoder layers (None: as it is): an MLA layer every fourth and the last, KDA layers the
+    rest. For quick runs, and for the 48B width on a GPU that cannot hold all 27 layers; per-layer costs scale."""
+    if not layers:
+        return raw
+    full = sorted(set(range(4, layers + 1, 4)) | {layers})
+    return {**raw, "num_hidden_layers": layers,
+            "linear_attn_config": {**raw["linear_attn_config"], "full_attn_layers": full,
+                                   "kda_layers": [i for i in range(1, layers + 1) if i not in full]}}

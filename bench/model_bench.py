@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.configs import KIMI_LINEAR_48B
+from bench.configs import KIMI_LINEAR_48B, with_layers
 from bench.kernel_profile import format_profile, kernel_profile
 from bench.measure import copy_bytes_per_s, gpu_ms, graph_us
 from shard_svc.config import ModelConfig
@@ -347,13 +347,7 @@ def main() -> None:
         result["kernel_parity"], result["graph_parity"] = kernel_parity(
             [[1, 2, 3, 4, 5, 6, 7], list(range(10, 140)), [42] * 65], graphs=not args.enforce_eager)
         save(result, args.out)
-    raw = dict(KIMI_LINEAR_48B)
-    if args.layers:
-        raw["num_hidden_layers"] = args.layers
-        full = [i for i in range(4, args.layers + 1, 4)] + [args.layers]
-        raw["linear_attn_config"] = dict(raw["linear_attn_config"], full_attn_layers=sorted(set(full)),
-                                         kda_layers=[i for i in range(1, args.layers + 1) if i not in full])
-    cfg = ModelConfig.from_dict(raw)
+    cfg = ModelConfig.from_dict(with_layers(KIMI_LINEAR_48B, args.layers))
     from shard_svc.checkpoint.dummy import dummy_model
 
     model = dummy_model(cfg, "cuda", torch.bfloat16)

@@ -3,9 +3,11 @@
 Prefill passes are not CUDA graphs, so a small one (a chat's new user message after a restored system prompt, a
 short prompt mixed beside a long one) costs what the host takes to launch the whole model's kernels. This measures
 that floor at the 48B shape (dummy weights): a sequence with `--context` tokens already computed gets one pass of n
-new tokens, for several n; beside it one eager decode step at batch 1. For each: the median wall time, the GPU's
-busy time and launches (bench/kernel_profile.py), the host syncs the pass makes (torch's sync debug mode) and the
-host functions that take the most time (cProfile; time spent waiting inside a sync shows up under that call).
+new tokens, for several n, launched op by op and (up to 256 tokens) replayed from the prefill graphs
+(shard_svc/engine/prefill_graphs.py); beside them a decode step at batch 1, eager and replayed. For each: the median
+wall time, the GPU's busy time and launches (bench/kernel_profile.py), the host syncs the pass makes (torch's sync
+debug mode) and the host functions that take the most time (cProfile; time spent waiting inside a sync shows up
+under that call). The graph passes' logits are compared with the eager passes' from the same state.
 
     python -m bench.pass_overhead --out DIR [--layers 8] [--context 3712] [--new 16,64,256,1024]
 
@@ -27,25 +29,14 @@ from typing import Callable
 
 import torch
 
-from bench.configs import KIMI_LINEAR_48B
+from bench.configs import KIMI_LINEAR_48B, with_layers
 from shard_svc.config import ModelConfig
+from shard_svc.engine.cuda_graphs import enable_cuda_graphs, graph_engine_config
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 
 log = logging.getLogger("bench.pass_overhead")
-
-
-def trimmed_config(layers: int | None) -> ModelConfig:
-    """The 48B shape, optionally with fewer layers (an MLA layer every fourth, and the last); per-layer host cost
-    is what this measures, so figures scale with the layer count."""
-    raw = dict(KIMI_LINEAR_48B)
-    if layers:
-        full = sorted(set(range(4, layers + 1, 4)) | {layers})
-        raw["num_hidden_layers"] = layers
-        raw["linear_attn_config"] = dict(raw["linear_attn_config"], full_attn_layers=full,
-                                         kda_layers=[i for i in range(1, layers + 1) if i not in full])
-    return ModelConfig.from_dict(raw)
 
 
 def _sync(device: torch.device) -> None:
@@ -110,7 +101,7 @@ def measure(fn: Callable[[], None], device: torch.device, reps: int) -> dict:
     return row
 
 
-def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[], None]:
+def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[], list[torch.Tensor]]:
     """A pass of `new` tokens for a sequence with `context` tokens computed; rerunnable (the sequence is put back
     to `context` after each: its state is then a later one's, which does not change the work)."""
     prompt = [1 + (7919 * t) % 150000 for t in range(context + new)]
@@ -118,14 +109,14 @@ def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[
     engine.scheduler.schedule()  # admits: a slot and the prompt's KV blocks
     engine.runner.forward([(seq, context)], is_decode=False)
 
-    def run() -> None:
+    def run() -> list[torch.Tensor]:
         seq.num_computed = context
-        engine.runner.forward([(seq, new)], is_decode=False)
+        return engine.runner.forward([(seq, new)], is_decode=False)
 
     return run
 
 
-def decode_step(engine: Engine, context: int, tag: str) -> Callable[[], None]:
+def decode_step(engine: Engine, context: int, tag: str) -> Callable[[], list[torch.Tensor]]:
     prompt = [1 + (104729 * t) % 150000 for t in range(context)]
     seq = engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     engine.scheduler.schedule()
@@ -133,19 +124,49 @@ def decode_step(engine: Engine, context: int, tag: str) -> Callable[[], None]:
     seq.output = [7]
     engine.runner.kv_cache.reserve(tag, context + 64)
 
-    def run() -> None:
+    def run() -> list[torch.Tensor]:
         seq.num_computed = context
-        engine.runner.forward([(seq, 1)], is_decode=True)
+        return engine.runner.forward([(seq, 1)], is_decode=True)
 
     return run
 
 
+def eager(engine: Engine, fn: Callable[[], list[torch.Tensor]]) -> Callable[[], list[torch.Tensor]]:
+    """fn with the runner's graphs detached for the call."""
+    def run() -> list[torch.Tensor]:
+        runner = engine.runner
+        saved = runner.graphs, runner.prefill_graphs
+        runner.graphs = runner.prefill_graphs = None
+        try:
+            return fn()
+        finally:
+            runner.graphs, runner.prefill_graphs = saved
+    return run
+
+
+def graph_vs_eager(engine: Engine, context: int, new: int, decode: bool) -> dict:
+    """The last row's logits of the same pass from the same state (two sequences with the same prompt), replayed
+    and launched op by op."""
+    if decode:
+        by_graph, by_ops = decode_step(engine, context, "cmp-g"), decode_step(engine, context, "cmp-e")
+    else:
+        by_graph, by_ops = continuation(engine, context, new, "cmp-g"), continuation(engine, context, new, "cmp-e")
+    a, b = by_graph()[0][-1].float(), eager(engine, by_ops)()[0][-1].float()
+    engine.cancel("cmp-g")
+    engine.cancel("cmp-e")
+    return {"logits_max_abs_diff": float((a - b).abs().max()), "bitwise_equal": bool(torch.equal(a, b)),
+            "argmax_equal": bool(a.argmax() == b.argmax())}
+
+
 def format_table(result: dict) -> str:
-    lines = [f"{'pass':>24} {'wall ms':>9} {'GPU busy ms':>12} {'launches':>9} {'syncs':>6}"]
+    lines = [f"{'pass':>26} {'wall ms':>9} {'GPU busy ms':>12} {'launches':>9} {'syncs':>6}  vs eager"]
     for row in result["passes"]:
         busy = f"{row['gpu_busy_ms']:.2f}" if "gpu_busy_ms" in row else "-"
         launches = f"{row['launches']:.0f}" if "launches" in row else "-"
-        lines.append(f"{row['pass']:>24} {row['wall_ms']:9.2f} {busy:>12} {launches:>9} {row['host_syncs']:6d}")
+        same = "" if "bitwise_equal" not in row else (
+            "bitwise equal" if row["bitwise_equal"] else f"max |diff| {row['logits_max_abs_diff']:.3g}, argmax "
+            + ("equal" if row["argmax_equal"] else "differs"))
+        lines.append(f"{row['pass']:>26} {row['wall_ms']:9.2f} {busy:>12} {launches:>9} {row['host_syncs']:6d}  {same}")
     return "\n".join(lines)
 
 
@@ -161,23 +182,35 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    cfg = trimmed_config(args.layers)
+    cfg = ModelConfig.from_dict(with_layers(KIMI_LINEAR_48B, args.layers))
     from shard_svc.checkpoint.dummy import dummy_model
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = dummy_model(cfg, device, dtype)
     news = [int(n) for n in args.new.split(",")]
-    engine_cfg = EngineConfig(num_state_slots=len(news) + 2, kv_block_size=64, prefill_token_budget=1 << 20,
-                              num_kv_blocks=(len(news) + 1) * (args.context + max(news) + 64) // 64 + 8)
-    engine = Engine(cfg, model, select_ops(device), device, engine_cfg)
+    engine_cfg = EngineConfig(num_state_slots=len(news) + 4, kv_block_size=64, prefill_token_budget=1 << 20,
+                              num_kv_blocks=(len(news) + 3) * (args.context + max(news) + 64) // 64 + 8)
+    engine = Engine(cfg, model, select_ops(device), device, graph_engine_config(engine_cfg, device, False))
+    graphs = enable_cuda_graphs(engine, buckets=(1,))
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
               "context": args.context, "op_backends": dict(engine.runner.ops.backends), "passes": []}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-    runs = [(f"prefill +{n} after {args.context}", continuation(engine, args.context, n, f"pf{n}")) for n in news]
-    runs.append(("eager decode, batch 1", decode_step(engine, args.context, "dc")))
-    for name, fn in runs:
+    prefill_graphs = engine.runner.prefill_graphs
+    runs = []
+    for n in news:
+        fn = continuation(engine, args.context, n, f"pf{n}")
+        runs.append((f"prefill +{n} after {args.context}", eager(engine, fn), None))
+        if prefill_graphs is not None and prefill_graphs.fits([(None, n)]):
+            runs.append((f"prefill +{n}, graphs", fn, (n, False)))
+    decode = decode_step(engine, args.context, "dc")
+    runs.append(("decode, batch 1", eager(engine, decode), None))
+    if graphs is not None:
+        runs.append(("decode, batch 1, graphs", decode, (1, True)))
+    for name, fn, compare in runs:
         row = {"pass": name, **measure(fn, device, args.reps)}
+        if compare is not None:
+            row.update(graph_vs_eager(engine, args.context, *compare))
         result["passes"].append(row)
         log.info("%s: %.2f ms wall, %d host syncs", name, row["wall_ms"], row["host_syncs"])
         (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))

@@ -40,7 +40,7 @@ from pathlib import Path
 import grpc
 
 from bench import shared_prefix
-from bench.configs import KIMI_LINEAR_48B
+from bench.configs import KIMI_LINEAR_48B, with_layers
 from kimiserve.ports import free_port
 from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
 from launcher.up import start_stack, stop_stack
@@ -49,8 +49,9 @@ log = logging.getLogger("bench.served")
 BLOCK = 64
 
 
-def model_dir(root: Path, tiny: bool) -> Path:
-    """The 48B config with dummy weights (tiny: a real tiny checkpoint), the tiny tokenizer beside it. The config's
+def model_dir(root: Path, tiny: bool, layers: int | None = None) -> Path:
+    """The 48B config with dummy weights (tiny: a real tiny checkpoint; layers: only that many, bench/configs.py
+    with_layers), the tiny tokenizer beside it. The config's
     special ids are the tokenizer's (the tiny tokenizer holds Kimi's reserved ids at the same offsets from 512 as the
     real ones from 163584), so end-of-turn, chat rendering and structured output agree between the two."""
     from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
@@ -60,7 +61,7 @@ def model_dir(root: Path, tiny: bool) -> Path:
         return make_tiny("kimi_linear", root / "kimi-linear-tiny", seed=0)
     out = root / "kimi-linear-48b-dummy"
     out.mkdir(parents=True, exist_ok=True)
-    config = {**KIMI_LINEAR_48B, "bos_token_id": BOS, "eos_token_id": IM_END, "pad_token_id": PAD}
+    config = {**with_layers(KIMI_LINEAR_48B, layers), "bos_token_id": BOS, "eos_token_id": IM_END, "pad_token_id": PAD}
     (out / "config.json").write_text(json.dumps(config))
     write_tiny_tokenizer(out)
     return out
@@ -449,6 +450,8 @@ def main() -> None:
     shared_prefix.add_args(p)
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="the tiny kimi_linear checkpoint instead of the 48B shape")
+    p.add_argument("--layers", type=int, default=None,
+                   help="the 48B shape with only this many layers (a GPU that cannot hold all 27; figures scale)")
     p.add_argument("--dry-run", action="store_true",
                    help="the whole path on the CPU: --tiny --device cpu, levels 1,2, 32 prompt and 4 output tokens, "
                         "prefill budget 64, --auto-capacity")
@@ -466,7 +469,7 @@ def main() -> None:
         (args.out / "served.json").write_text(json.dumps(result, indent=2) + "\n")
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = model_dir(Path(tmp), args.tiny)
+        model = model_dir(Path(tmp), args.tiny, args.layers)
         if not args.skip_served:
             served(args, model, result, save)
         if args.auto_capacity:

@@ -21,10 +21,11 @@ from typing import Callable
 
 import torch
 
+from shard_svc.engine.graph_buffers import CudaGraphError, TableStager, is_graph_safe
+from shard_svc.engine.prefill_graphs import enable_prefill_graphs
 from shard_svc.engine.step_rows import StepRow, build_rows
-from shard_svc.errors import KimiServeError
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
-from shard_svc.ops import EAGER, Ops
+from shard_svc.ops import Ops
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +33,6 @@ PAD_OWNER = "<cuda-graph padding>"
 # Every op a decode step calls through the seam (prefill-only ops excluded).
 DECODE_OPS = ("linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "short_conv", "kda_decode",
               "mla_cache_write", "mla_decode", "moe_route", "moe_experts", "moe_experts_shared")
-# Eager references that make no host sync (their files stay untouched, so the declaration lives here).
-EAGER_GRAPH_SAFE = frozenset({"linear", "rms_norm", "add_rms_norm", "gated_rms_norm", "glu", "mla_cache_write",
-                              "moe_route"})
-
-
-class CudaGraphError(KimiServeError):
-    """A decode step cannot use the captured graphs (sizes outside what was captured)."""
-
-
-def is_graph_safe(name: str, impl: Callable) -> bool:
-    if getattr(impl, "graph_safe", False):
-        return True
-    return name in EAGER_GRAPH_SAFE and impl is EAGER.get(name)
 
 
 def unsafe_decode_ops(ops: Ops) -> list[str]:
@@ -106,24 +94,6 @@ def pad_rows(rows: list[StepRow], bucket: int, width: int, block_size: int, pad_
             column.append(value)
     pad_table = [pad_block]
     return PaddedRows(meta, [r.table for r in rows] + [pad_table] * (bucket - len(rows)), used)
-
-
-class TableStager:
-    """A host copy of the device block tables: a step rewrites only the rows whose table changed since the last
-    step (a new block every block_size tokens, or another sequence in that row), then copies the used columns.
-    Columns past a row's own table hold stale block ids that no kernel reads (they lie past its length)."""
-
-    def __init__(self, rows: int, width: int, fill: int):
-        self.host = torch.full((rows, width), fill, dtype=torch.int32)
-        self.staged: list[list[int] | None] = [None] * rows
-        self.rewrites = 0  # rows written since construction (tests)
-
-    def stage(self, tables: list[list[int]]) -> None:
-        for i, table in enumerate(tables):
-            if self.staged[i] != table:  # a list compare in C: cheap next to building a tensor every step
-                self.host[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
-                self.staged[i] = list(table)
-                self.rewrites += 1
 
 
 class CudaGraphRunner:
@@ -237,4 +207,5 @@ def enable_cuda_graphs(engine, buckets: tuple[int, ...] | None = None) -> CudaGr
     engine.max_model_len = min(engine.max_model_len, (runner.kv_cache.blocks.num_blocks - 1) * bs)
     graphs.capture()
     runner.graphs = graphs
+    enable_prefill_graphs(engine, graphs.width, graphs.pad_slot, graphs.pad_block)
     return graphs

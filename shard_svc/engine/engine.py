@@ -59,6 +59,9 @@ class EngineConfig:
     long_prefill_floor: int | None = None
     mixed_prefill_cost: int | None = None
     fold_decodes: bool = False  # decodes ride in a long prompt's prefill passes
+    # Prefill passes of at most this many tokens (and engine/prefill_graphs.py's MAX_SEQS sequences) replay CUDA
+    # graphs where the decode steps do; a power of two >= 16, or 0: every prefill pass eager.
+    prefill_graph_tokens: int = 256
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ class ModelRunner:
         self.weights = None
         # -- decode graph hook (engine/cuda_graphs.py): a CudaGraphRunner attaches itself here. None: eager. --
         self.graphs = None
+        # -- prefill graph hook (engine/prefill_graphs.py): a PrefillGraphRunner attaches itself here. None: eager. --
+        self.prefill_graphs = None
         # Tokens of each model forward the last pass ran (its micro-batches, for the prefill pass record). A pass is
         # one packed forward today, so this holds one entry; a runner that splits passes appends one per forward.
         self.chunk_tokens: list[int] = []
@@ -85,6 +87,10 @@ class ModelRunner:
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
             self.chunk_tokens = [len(work)]
+        elif (not is_decode and not points and self.prefill_graphs is not None and self.weights is None
+              and self.prefill_graphs.fits(work)):
+            hidden = self.prefill_graphs.replay(work)  # -- prefill graph hook: small passes without points --
+            self.chunk_tokens = [int(hidden.shape[0])]
         else:
             input_ids, batch = self._batch(work, is_decode, points)
             ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)

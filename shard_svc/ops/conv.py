@@ -23,6 +23,8 @@ def short_conv(
     bounds = cu_seqlens.tolist()
     for b, slot in enumerate(slots.tolist()):
         start, end = bounds[b], bounds[b + 1]
+        if start == end:  # an empty sequence (a padded pass's unused entry) keeps its state
+            continue
         seq = torch.cat([conv_state[slot].to(x.dtype), x[start:end].t()], dim=1)  # [C, W-1+L]
         y = F.conv1d(upcast(seq.unsqueeze(0)), upcast(weight).unsqueeze(1), groups=weight.shape[0])  # [1, C, L]
         out[start:end] = F.silu(y[0].t()).to(x.dtype)

@@ -28,6 +28,7 @@ from shard_svc.engine.capacity import (
     MIN_AUTO_PREFIX_ENTRIES, CapacityDoesNotFit, CapacityRequest)
 from shard_svc.engine.engine import EngineConfig
 from shard_svc.engine.handoff import STATE_HOLD_SECONDS
+from shard_svc.engine.prefill_graphs import token_buckets
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
 from shard_svc.engine.prefix_cache import DEFAULT_PREFIX_STATE_INTERVAL
 from shard_svc.engine.warmup import warm_request_paths
@@ -127,7 +128,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (default on CUDA when every decode op is graph-safe)")
+                   help="no CUDA graphs for decode steps or small prefill passes (default on CUDA when every op "
+                        "they call is graph-safe)")
+    p.add_argument("--prefill-graph-tokens", type=int, default=256,
+                   help="prefill passes of at most this many tokens (and 8 sequences, without prefix-cache points "
+                        "inside) replay CUDA graphs captured in pieces around the MLA attention, which runs eagerly "
+                        "between them: a small pass costs its GPU time instead of the host's launches. A power of "
+                        "two >= 16; 0: every prefill pass launched op by op")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch intra-op threads on a CPU device (tiny models run fastest single-threaded)")
     security.add_server_tls_args(p)
@@ -185,6 +192,10 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                      args.mixed_prefill_cost)
     except SchedulingConfigError as e:
         raise SystemExit(f"shard: {e}") from None
+    try:
+        token_buckets(args.prefill_graph_tokens)
+    except ValueError as e:
+        raise SystemExit(f"shard: --prefill-graph-tokens: {e}") from None
     request = capacity_from_args(args)
     # Only what is not sized once the weights are placed (shard_svc/engine/sizing.py) is read from this config.
     capacity = EngineConfig(max_model_len=args.max_model_len,
@@ -193,7 +204,7 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                             prefix_host_entries=args.prefix_host_entries, prefill_policy=args.prefill_policy,
                             long_prefill_threshold=args.long_prefill_threshold,
                             long_prefill_floor=args.long_prefill_floor, mixed_prefill_cost=args.mixed_prefill_cost,
-                            fold_decodes=args.fold_decodes)
+                            fold_decodes=args.fold_decodes, prefill_graph_tokens=args.prefill_graph_tokens)
     engine = EngineOptions(args.model, device, args.dtype, args.op_backend, args.load_format,
                            capacity, weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads, capacity=request)

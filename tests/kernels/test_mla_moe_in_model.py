@@ -43,3 +43,39 @@ def test_triton_backend_with_decode_graph_buffers_matches_eager():
         la, lb = torch.cat(a.step_logits), torch.cat(b.step_logits)
         err = float((la - lb).abs().max() / la.abs().max())
         assert err <= (3e-3 if ON_GPU else 1e-3), f"step logits differ by {err:.2e} of the largest"  # GPU: TF32
+
+
+@pytest.mark.slow
+def test_triton_backend_with_prefill_graphs_matches_its_eager_passes():
+    """Small prefill passes through the prefill graphs (captured on a GPU: the attention breaks between replays; the
+    padded buffers run eagerly on the CPU) against the same Triton ops passed op by op: the Triton KDA, conv and MoE
+    kernels meet the padding sequence and the empty entries."""
+    from shard_svc.engine.prefill_graphs import PrefillGraphRunner
+    from tests.engine.test_prefill_graphs import PROMPTS, run as run_prompts
+
+    moe_module(), mla_module(), linear_module()
+    ops = select_ops(DEVICE, "triton")
+    assert getattr(ops.kda_prefill, "graph_safe", False), "the Triton kda_prefill must be graph-safe"
+
+    def engine():
+        cfg, model = random_model(linear_config(), seed=0)
+        return Engine(cfg, model.to(DEVICE), ops, DEVICE, EngineConfig(num_state_slots=len(PROMPTS) + 1,
+                                                                       num_kv_blocks=96, kv_block_size=4,
+                                                                       prefill_token_budget=24))
+
+    plain = run_prompts(engine())
+    graphed = engine()
+    decode = CudaGraphRunner(graphed.runner, (1, 2, 4), max_blocks_per_seq=16, capture=ON_GPU)
+    decode.capture()
+    graphed.runner.graphs = decode
+    prefill = PrefillGraphRunner(graphed.runner, (16, 32), decode.width, decode.pad_slot, decode.pad_block,
+                                 capture=ON_GPU)
+    prefill.capture()
+    graphed.runner.prefill_graphs = prefill
+    seqs = run_prompts(graphed)
+    assert prefill.replays > 0
+    for a, b in zip(plain, seqs, strict=True):
+        assert a.output == b.output
+        la, lb = torch.cat(a.prompt_logits), torch.cat(b.prompt_logits)
+        err = float((la - lb).abs().max() / la.abs().max())
+        assert err <= 1e-6, f"prompt logits differ by {err:.2e} of the largest"

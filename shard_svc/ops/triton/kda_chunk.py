@@ -398,3 +398,8 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
     intra()
     state()
     return o
+
+
+# No host sync; buffers and grids sized from shapes only. Snapshot layouts are built by the runner before the pass
+# (ops/kda/snapshots.py), and passes with points are never captured (engine/prefill_graphs.py).
+kda_prefill.graph_safe = True
