@@ -107,7 +107,8 @@ def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[
     prompt = [1 + (7919 * t) % 150000 for t in range(context + new)]
     seq = engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     engine.scheduler.schedule()  # admits: a slot and the prompt's KV blocks
-    engine.runner.forward([(seq, context)], is_decode=False)
+    if context:
+        engine.runner.forward([(seq, context)], is_decode=False)
 
     def run() -> list[torch.Tensor]:
         seq.num_computed = context
@@ -158,6 +159,25 @@ def graph_vs_eager(engine: Engine, context: int, new: int, decode: bool) -> dict
             "argmax_equal": bool(a.argmax() == b.argmax())}
 
 
+def split_invariance(engine: Engine, context: int, tail: int) -> dict:
+    """A prompt's last logits three ways: one pass of context + tail; context, then the tail op by op; context, then
+    the tail replayed from the prefill graphs. What a restored prefix's tail pass gives against a stack without the
+    cache, with the graphs' padding (tail up to its bucket) and without."""
+    whole = continuation(engine, 0, context + tail, "inv-whole")
+    then_ops = continuation(engine, context, tail, "inv-ops")
+    then_graphs = continuation(engine, context, tail, "inv-graphs")
+    last = {"one_pass": eager(engine, whole)()[0][-1].float(),
+            "tail_op_by_op": eager(engine, then_ops)()[0][-1].float()}
+    if engine.runner.prefill_graphs is not None and engine.runner.prefill_graphs.fits([(None, tail)]):
+        last["tail_graphs"] = then_graphs()[0][-1].float()
+    for tag in ("inv-whole", "inv-ops", "inv-graphs"):
+        engine.cancel(tag)
+    ref = last["one_pass"]
+    return {"context": context, "tail": tail, **{
+        name: {"bitwise_equal": bool(torch.equal(x, ref)), "max_abs_diff": float((x - ref).abs().max()),
+               "argmax_equal": bool(x.argmax() == ref.argmax())} for name, x in last.items() if name != "one_pass"}}
+
+
 def format_table(result: dict) -> str:
     lines = [f"{'pass':>26} {'wall ms':>9} {'GPU busy ms':>12} {'launches':>9} {'syncs':>6}  vs eager"]
     for row in result["passes"]:
@@ -178,6 +198,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=3712, help="tokens already computed before the timed pass")
     p.add_argument("--new", default="16,64,256,1024", help="new tokens of the timed passes, comma-separated")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tails", default="40,64,200",
+                   help="split invariance: tails after --context, one pass against context then tail")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -214,7 +236,14 @@ def main() -> None:
         result["passes"].append(row)
         log.info("%s: %.2f ms wall, %d host syncs", name, row["wall_ms"], row["host_syncs"])
         (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
+    result["split_invariance"] = [split_invariance(engine, args.context, int(t)) for t in args.tails.split(",") if t]
+    (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
     print(format_table(result), flush=True)
+    for row in result["split_invariance"]:
+        print(f"context {row['context']} + tail {row['tail']} against one pass: " + "; ".join(
+            f"{name} " + ("bitwise equal" if v["bitwise_equal"] else f"max |diff| {v['max_abs_diff']:.3g}, argmax "
+                          + ("equal" if v["argmax_equal"] else "differs"))
+            for name, v in row.items() if isinstance(v, dict)), flush=True)
     for row in result["passes"]:
         print(f"\n{row['pass']}: host functions by own time", flush=True)
         for r in row["host_top"][:12]:
