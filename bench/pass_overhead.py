@@ -178,6 +178,13 @@ def split_invariance(engine: Engine, context: int, tail: int) -> dict:
                "argmax_equal": bool(x.argmax() == ref.argmax())} for name, x in last.items() if name != "one_pass"}}
 
 
+def invariance_text(row: dict) -> str:
+    return f"context {row['context']} + tail {row['tail']} against one pass: " + "; ".join(
+        f"{name} " + ("bitwise equal" if v["bitwise_equal"] else f"max |diff| {v['max_abs_diff']:.3g}, argmax "
+                      + ("equal" if v["argmax_equal"] else "differs"))
+        for name, v in row.items() if isinstance(v, dict))
+
+
 def format_table(result: dict) -> str:
     lines = [f"{'pass':>26} {'wall ms':>9} {'GPU busy ms':>12} {'launches':>9} {'syncs':>6}  vs eager"]
     for row in result["passes"]:
@@ -200,6 +207,9 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tails", default="40,64,200",
                    help="split invariance: tails after --context, one pass against context then tail")
+    p.add_argument("--moe-block-m", type=int, default=None,
+                   help="split invariance again with the routed experts' M-block fixed at this (their tiles "
+                        "otherwise follow the pass's size), op by op: whether the experts' tiling is what moves")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -210,8 +220,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = dummy_model(cfg, device, dtype)
     news = [int(n) for n in args.new.split(",")]
-    engine_cfg = EngineConfig(num_state_slots=len(news) + 4, kv_block_size=64, prefill_token_budget=1 << 20,
-                              num_kv_blocks=(len(news) + 3) * (args.context + max(news) + 64) // 64 + 8)
+    engine_cfg = EngineConfig(num_state_slots=len(news) + 8, kv_block_size=64, prefill_token_budget=1 << 20,
+                              num_kv_blocks=(len(news) + 7) * (args.context + max(news) + 3072) // 64 + 8)
     engine = Engine(cfg, model, select_ops(device), device, graph_engine_config(engine_cfg, device, False))
     graphs = enable_cuda_graphs(engine, buckets=(1,))
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
@@ -236,14 +246,25 @@ def main() -> None:
         result["passes"].append(row)
         log.info("%s: %.2f ms wall, %d host syncs", name, row["wall_ms"], row["host_syncs"])
         (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
-    result["split_invariance"] = [split_invariance(engine, args.context, int(t)) for t in args.tails.split(",") if t]
+    tails = [int(t) for t in args.tails.split(",") if t]
+    result["split_invariance"] = [split_invariance(engine, args.context, t) for t in tails]
+    if args.moe_block_m:
+        import dataclasses
+        import functools
+
+        ops = engine.runner.ops
+        engine.runner.ops = dataclasses.replace(
+            ops, moe_experts=functools.partial(ops.moe_experts, block_m=args.moe_block_m), moe_experts_shared=None)
+        engine.runner.prefill_graphs = None  # captured with the other tiles
+        result["split_invariance_moe_block_m"] = {"block_m": args.moe_block_m, "rows": [
+            split_invariance(engine, args.context, t) for t in tails]}
+        engine.runner.ops = ops
     (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
     print(format_table(result), flush=True)
-    for row in result["split_invariance"]:
-        print(f"context {row['context']} + tail {row['tail']} against one pass: " + "; ".join(
-            f"{name} " + ("bitwise equal" if v["bitwise_equal"] else f"max |diff| {v['max_abs_diff']:.3g}, argmax "
-                          + ("equal" if v["argmax_equal"] else "differs"))
-            for name, v in row.items() if isinstance(v, dict)), flush=True)
+    fixed = result.get("split_invariance_moe_block_m", {}).get("rows", [])
+    for label, rows in (("", result["split_invariance"]), ("experts' M-block fixed: ", fixed)):
+        for row in rows:
+            print(f"{label}{invariance_text(row)}", flush=True)
     for row in result["passes"]:
         print(f"\n{row['pass']}: host functions by own time", flush=True)
         for r in row["host_top"][:12]:
