@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from shard_svc.ops import Ops
+from shard_svc.ops.host_lengths import HostLengths
 from shard_svc.ops.kda.snapshots import StateSnapshots
 
 
@@ -34,6 +35,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # [T] int64 flat cache position (block * block_size + offset) of each new token
     is_decode: bool  # every sequence has exactly one new token
     snapshots: StateSnapshots | None = None  # KDA states to copy out inside this (prefill) pass
+    host_lengths: HostLengths | None = None  # the lengths above on the host (None: read them back if needed)
 
 
 @dataclass

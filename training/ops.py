@@ -93,7 +93,7 @@ def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool 
     def mla_cache_write(cache, c_kv, k_pe, norm_weight, eps, slot_mapping):
         cache.latent = torch.cat([rms_norm(c_kv, norm_weight, eps), k_pe], dim=-1)
 
-    def mla_prefill(q_nope, q_pe, cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+    def mla_prefill(q_nope, q_pe, cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=None):
         nh, nope = q_nope.shape[1], q_nope.shape[2]
         kv_lora = w_kv_b.shape[1]
         lat = upcast(rows(cache.latent))  # [B, L, kv_lora + rope]

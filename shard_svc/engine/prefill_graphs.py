@@ -31,6 +31,7 @@ import torch
 from shard_svc.engine.graph_buffers import CudaGraphError, TableStager, is_graph_safe
 from shard_svc.engine.step_rows import build_rows
 from shard_svc.forward_batch import ForwardBatch, ForwardContext
+from shard_svc.ops.host_lengths import HostLengths
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ class PrefillGraphRunner:
         self.tables = torch.full((entries, width), pad_block, dtype=torch.int32, device=dev)
         self.stager = TableStager(entries, width, pad_block)
         self._passes: dict[int, CapturedPass] = {}
-        self._real = (0, 0)  # (tokens, sequences) of the pass being replayed: what the attention breaks attend to
+        # (tokens, sequences, their lengths) of the pass being replayed: what the attention breaks attend to
+        self._real = (0, 0, HostLengths([0], []))
         self.replays = 0  # passes replayed since construction (tests, the pass record)
 
     def fits(self, work: list[tuple[object, int]]) -> bool:
@@ -127,23 +129,23 @@ class PrefillGraphRunner:
         self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
         self.stager.stage([r.table for r in rows] + [[self.pad_block]] * (empty + 1))
         self.tables[:, :used].copy_(self.stager.host[:, :used])
-        self._real = (n, len(rows))
+        self._real = (n, len(rows), HostLengths(cu[:len(rows) + 1], ctx[:len(rows)]))
 
     def _attend(self, brk: AttentionBreak) -> None:
         """The eager MLA attention of the real rows into brk.out (its padding rows stay zero)."""
-        n, seqs = self._real
+        n, seqs, lengths = self._real
         if n == 0:
             return
         o = self.runner.ops.mla_prefill(brk.q_nope[:n], brk.q_pe[:n], brk.kv_cache, brk.w_kv_b,
                                         self.tables[:seqs], self.ctx_lens[:seqs], self.cu_seqlens[:seqs + 1],
-                                        brk.scale)
+                                        brk.scale, lengths=lengths)
         brk.out[:n].copy_(o)
 
     def _breaking_ops(self, on_break: Callable[[AttentionBreak], None]):
         """The runner's ops with MLA prefill replaced by a break: `on_break` gets the call, whose output buffer is
         returned (zeros: padding rows are never attended)."""
 
-        def mla_prefill(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+        def mla_prefill(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=None):
             nh, nope = q_nope.shape[1], q_nope.shape[2]
             out = torch.zeros(q_nope.shape[0], nh, w_kv_b.shape[0] // nh - nope, dtype=q_nope.dtype,
                               device=q_nope.device)

@@ -14,6 +14,7 @@ from shard_svc.forward_batch import ForwardBatch, ForwardContext
 from shard_svc.model import KimiForCausalLM
 from shard_svc.model.kimi import pack_weights
 from shard_svc.ops import Ops
+from shard_svc.ops.host_lengths import HostLengths
 from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.state.pools import KDAStatePool, MLAKVCache
 
@@ -52,14 +53,16 @@ class ModelRunner:
             slot_mapping.extend(row.slot_mapping(bs))
         width = max(len(row.table) for row in rows)
         dev = self.device
+        ctx_lens = [row.ctx_len for row in rows]
         batch = ForwardBatch(
             cu_seqlens=torch.tensor(cu, dtype=torch.int64, device=dev),
-            ctx_lens=torch.tensor([row.ctx_len for row in rows], dtype=torch.int64, device=dev),
+            ctx_lens=torch.tensor(ctx_lens, dtype=torch.int64, device=dev),
             state_slots=torch.tensor([row.slot for row in rows], dtype=torch.int64, device=dev),
             block_tables=torch.tensor([row.table + [0] * (width - len(row.table)) for row in rows],
                                       dtype=torch.int32, device=dev),
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=dev),
             is_decode=is_decode,
+            host_lengths=HostLengths(cu, ctx_lens),
         )
         if points:
             at = [(b, m, slot) for b, (seq, _) in enumerate(work) for m, slot in points.get(seq.request_id, ())]

@@ -59,9 +59,13 @@ class MLAttention(PackedWeights):
         cache = ctx.kv_cache.layer(self.layer_idx)
         norm = self.kv_a_layernorm
         ops.mla_cache_write(cache, c_kv, k_pe, norm.weight, norm.eps, batch.slot_mapping)  # writes norm(c_kv) | k_pe
-        attend = ops.mla_decode if batch.is_decode else ops.mla_prefill
-        o = attend(q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
-                   batch.ctx_lens, batch.cu_seqlens, self.scale).reshape(t, self.nh * self.v_dim)
+        args = (q[..., : self.nope], q[..., self.nope:], cache, self.kv_b_proj.weight, batch.block_tables,
+                batch.ctx_lens, batch.cu_seqlens, self.scale)
+        if batch.is_decode:
+            o = ops.mla_decode(*args)
+        else:
+            o = ops.mla_prefill(*args, lengths=batch.host_lengths)
+        o = o.reshape(t, self.nh * self.v_dim)
         if gate:
             o = o * torch.sigmoid(gate[0])
         return self.o_proj(o, ops)

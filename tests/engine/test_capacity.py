@@ -227,10 +227,10 @@ def test_probe_runs_its_last_full_pass_past_the_attention_workspace(caplog, libr
     cfg, model = random_model(linear_config())
     passes: list[tuple[int, int]] = []  # (query tokens, longest context) of each prefill attention call
 
-    def bounded_prefill(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+    def bounded_prefill(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=None):
         passes.append((q_nope.shape[0], int(ctx_lens.max())))
         return select_ops(torch.device("cpu"), "eager").mla_prefill(
-            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale)
+            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=lengths)
 
     bounded_prefill.context_workspace_tokens = 300
     if library_pairs:
@@ -258,11 +258,11 @@ def test_a_failed_probe_pass_is_an_error_not_a_smaller_peak():
     reached."""
     cfg, model = random_model(linear_config())
 
-    def breaks_at_context(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale):
+    def breaks_at_context(q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=None):
         if int(ctx_lens.max()) > 0:
             raise RuntimeError("library call failed at 512 keys")
         return select_ops(torch.device("cpu"), "eager").mla_prefill(
-            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale)
+            q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens, scale, lengths=lengths)
 
     breaks_at_context.context_workspace_tokens = 300
     ops = dataclasses.replace(select_ops(torch.device("cpu"), "eager"), mla_prefill=breaks_at_context)

@@ -91,6 +91,24 @@ def test_segmented_passes_agree_with_one_launch(workspace):
                                                            workspace_tokens=workspace), one, FP32_TOL)
 
 
+def test_host_lengths_give_the_same_output_and_are_checked():
+    """The caller's host copy of the lengths (no read-back) lays out the same launch, also over several segments and
+    for the eager reference; host lengths that do not describe the batch are refused."""
+    from shard_svc.ops.host_lengths import HostLengths
+    from shard_svc.ops.triton.common import TritonKernelError
+
+    mod = prefill_module()
+    ctx_lens, lens = [9, 0, 23], [12, 20, 3]
+    args = make_prefill_batch(ctx_lens, lens, 2, 16, 8, 16, 32, 4, torch.float32, seed=4)
+    host = HostLengths([0, 12, 32, 35], ctx_lens)
+    for workspace in (5, 64):
+        kw = dict(block_m=16, block_n=16, workspace_tokens=workspace)
+        assert torch.equal(mod.mla_prefill(*args, 0.3, lengths=host, **kw), mod.mla_prefill(*args, 0.3, **kw))
+    assert torch.equal(eager.mla_attention(*args, 0.3, lengths=host), eager.mla_attention(*args, 0.3))
+    with pytest.raises(TritonKernelError, match="host lengths of 2 contexts and 4 offsets for 3 sequences"):
+        mod.mla_prefill(*args, 0.3, lengths=HostLengths([0, 12, 32, 35], ctx_lens[:2]))
+
+
 def test_segments_cut_the_packed_keys_and_skip_sequences_without_queries():
     mod = prefill_module()
     # keys per sequence: 5 + 3, none (no new token), 0 + 40; workspace 16

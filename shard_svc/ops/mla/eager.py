@@ -7,6 +7,7 @@ itself.
 
 import torch
 
+from shard_svc.ops.host_lengths import HostLengths
 from shard_svc.ops.norm import rms_norm
 from shard_svc.ops.precision import upcast
 
@@ -31,6 +32,7 @@ def mla_attention(
     ctx_lens: torch.Tensor,  # [B] tokens cached before this step
     cu_seqlens: torch.Tensor,  # [B+1] new-token offsets
     scale: float,
+    lengths: HostLengths | None = None,  # cu_seqlens and ctx_lens on the host, if the caller has them
 ) -> torch.Tensor:
     """Returns o [T, nh, v] in q's dtype. Non-absorbed form: expand the latent to per-head K/V, then softmax."""
     nh, nope = q_nope.shape[1], q_nope.shape[2]
@@ -38,7 +40,7 @@ def mla_attention(
     v_dim = w_kv_b.shape[0] // nh - nope
     block_size = kv_cache.shape[1]
     out = torch.empty(q_nope.shape[0], nh, v_dim, dtype=q_nope.dtype, device=q_nope.device)
-    bounds, ctx = cu_seqlens.tolist(), ctx_lens.tolist()
+    bounds, ctx = (lengths.cu_seqlens, lengths.ctx_lens) if lengths else (cu_seqlens.tolist(), ctx_lens.tolist())
     for b in range(len(ctx)):
         s, e = bounds[b], bounds[b + 1]
         total = ctx[b] + (e - s)

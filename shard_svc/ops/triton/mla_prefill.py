@@ -25,10 +25,12 @@ pass) stay packed in this kernel: per-sequence library calls would cost more tha
 an execution plan for every new shape, which only a pass over a long context repays.
 
 One program per (query block of one sequence, head) and segment: first the key tiles that every query of the block
-sees (positions before its first query: no mask), then the tiles at the causal edge. The per-sequence lengths are
-read to the host once to lay out the segments and blocks: prefill is not captured in a CUDA graph (the op does not
-declare `graph_safe`). The op declares `context_workspace_tokens` (and, where it has a library, `long_context_pairs`),
-which the memory probe reads to profile a pass past them (shard_svc/engine/memory_profile.py).
+sees (positions before its first query: no mask), then the tiles at the causal edge. The segments and blocks are
+laid out on the host from the sequences' lengths (the caller's `lengths`, else read back from the device: a sync)
+and reach the device by asynchronous copies from pinned memory, so with `lengths` the op makes no host sync. It is
+not captured in a CUDA graph (it does not declare `graph_safe`): the prefill graphs run it between their pieces
+(shard_svc/engine/prefill_graphs.py). The op declares `context_workspace_tokens` (and, where it has a library,
+`long_context_pairs`), which the memory probe reads to profile a pass past them (shard_svc/engine/memory_profile.py).
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from shard_svc.ops.host_lengths import HostLengths
 from shard_svc.ops.mla.long_context import Attend, prefill_sequence
 from shard_svc.ops.triton.common import (TritonKernelError, check_mla_layer, dot_precision, interpreting,
-                                         pow2_at_least)
+                                         pow2_at_least, to_device)
 from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 
 # Keys expanded at once per pass: ~560 MiB of workspace at the 48B shape, the same for every pass however long the
@@ -190,10 +193,10 @@ def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: tor
     dev, bs, width = kv_cache.device, kv_cache.shape[1], kv_cache.shape[2]
     kv_lora = w_kv_b.shape[1]
     lens = [hi - lo for _, lo, hi in pieces]
-    piece = torch.repeat_interleave(torch.arange(len(pieces), device=dev), torch.tensor(lens, device=dev),
+    piece = torch.repeat_interleave(torch.arange(len(pieces), device=dev), to_device(lens, torch.int64, dev),
                                     output_size=sum(lens))
     # workspace row r of piece p holds position r - starts[p] + lo_p of sequence b_p
-    meta = torch.tensor([(b, lo - at) for (b, lo, _), at in zip(pieces, starts)], device=dev)
+    meta = to_device([(b, lo - at) for (b, lo, _), at in zip(pieces, starts)], torch.int64, dev)
     seq = meta[piece, 0]
     pos = torch.arange(piece.shape[0], device=dev) + meta[piece, 1]
     rows = block_tables[seq, pos // bs].long() * bs + pos % bs
@@ -204,8 +207,8 @@ def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: tor
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                 block_m: int = 128, block_n: int = 64, workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS,
-                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS, num_stages: int = 2
-                ) -> torch.Tensor:
+                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS, num_stages: int = 2,
+                lengths: HostLengths | None = None) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype. workspace_tokens: the most
     keys expanded at once; long_attend: the library attention for sequences whose new tokens times cached tokens
     reach long_pairs (None: every sequence in this kernel); block_m, block_n, num_stages: the kernel's tiles and
@@ -221,7 +224,13 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
     out = torch.empty(t, nh, v_dim, dtype=q_nope.dtype, device=q_nope.device)
     if t == 0 or n_seq == 0:
         return out
-    ctx, bounds = ctx_lens.tolist(), cu_seqlens.tolist()  # one host sync: prefill is never graph-captured
+    if lengths is None:
+        ctx, bounds = ctx_lens.tolist(), cu_seqlens.tolist()  # a host sync: the caller did not send them
+    else:
+        ctx, bounds = lengths.ctx_lens, lengths.cu_seqlens
+        if len(ctx) != n_seq or len(bounds) != n_seq + 1:
+            raise TritonKernelError(f"{op}: host lengths of {len(ctx)} contexts and {len(bounds)} offsets for "
+                                    f"{n_seq} sequences")
     if bounds[-1] != t:
         raise TritonKernelError(f"{op}: cu_seqlens ends at {bounds[-1]} for {t} query tokens")
     lens = [bounds[b + 1] - bounds[b] for b in range(n_seq)]
@@ -255,7 +264,7 @@ def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nop
         blocks, starts = _layout(pieces, ctx, bounds, block_m)
         kv, k_pe = _expand(pieces, starts, kv_cache, w_kv_b, block_tables)
         _mla_prefill_kernel[(len(blocks) // BLOCK_FIELDS, nh)](
-            q_nope, q_pe, kv, k_pe, target, lse, torch.tensor(blocks, dtype=torch.int32, device=out.device),
+            q_nope, q_pe, kv, k_pe, target, lse, to_device(blocks, torch.int32, out.device),
             q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1), kv.stride(0), k_pe.stride(0),
             target.stride(0), target.stride(1), lse.stride(0), scale * LOG2E,
             NOPE=nope, ROPE=rope, V=v_dim, NOPE_P=pow2_at_least(nope, 16), ROPE_P=pow2_at_least(rope, 16),
