@@ -14,3 +14,4 @@ PASS_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 # Small counts: sequences in a pass, chunks (micro-batches) in a pass.
 COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FLAG = (0.5,)  # a 0/1 observation: the bucket counts the zeros, _sum the ones

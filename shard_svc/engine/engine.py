@@ -93,6 +93,7 @@ class PassStats:
     seq_tokens: list[int] = field(default_factory=list)  # tokens of each sequence in the pass (as request_ids)
     chunk_tokens: list[int] = field(default_factory=list)  # tokens of each forward the runner ran (micro-batches)
     decode_rows: int = 0  # a prefill pass: sequences past their prompt that took their decode step in it
+    graphed: bool = False  # replayed from CUDA graphs (decode graphs, or prefill graphs: engine/prefill_graphs.py)
 
 
 @dataclass
@@ -314,7 +315,8 @@ class Engine:
         prompts = [(s, n) for (s, n), prompt_row in zip(work, prompt_rows) if prompt_row or kind == "decode"]
         result.passes.append(PassStats(kind, time.perf_counter() - start, len(prompts), sum(n for _, n in prompts),
                                        [s.request_id for s, _ in prompts], started, [n for _, n in prompts],
-                                       list(self.runner.chunk_tokens), len(work) - len(prompts)))
+                                       list(self.runner.chunk_tokens), len(work) - len(prompts),
+                                       self.runner.graphed))
 
     def _claim_points(self, work: list[tuple[Sequence, int]]) -> dict[str, list[tuple[int, int, str]]]:
         """request id -> (m, entry slot, kind) for the prefix cache's snapshot points inside the prompt chunks of

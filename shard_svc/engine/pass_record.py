@@ -15,7 +15,8 @@ from shard_svc.engine.engine import PassStats
 log = logging.getLogger(__name__)
 
 # The integer fields, in the order a rank sends them to rank 0 (shard_svc/parallel/sync.py), after the nanoseconds.
-INT_FIELDS = ("sequences", "tokens", "min_seq_tokens", "max_seq_tokens", "chunks", "max_chunk_tokens", "decode_rows")
+INT_FIELDS = ("sequences", "tokens", "min_seq_tokens", "max_seq_tokens", "chunks", "max_chunk_tokens", "decode_rows",
+              "graphed")
 NO_PASS = [-1] + [0] * len(INT_FIELDS)  # a rank's row for a kind of pass its step did not run
 
 
@@ -30,6 +31,7 @@ class PassRecord:
     chunks: int
     max_chunk_tokens: int
     decode_rows: int = 0  # a prefill pass: decode steps that rode in it (fair sharing, while a long prompt prefills)
+    graphed: int = 0  # 1: replayed from CUDA graphs (a prefill pass: engine/prefill_graphs.py), 0: op by op
     rank: int = 0
     world_size: int = 1
     request_ids: tuple[str, ...] = ()
@@ -39,7 +41,7 @@ class PassRecord:
         seq = p.seq_tokens or [0]
         chunks = p.chunk_tokens or [0]
         return cls(p.kind, p.seconds, p.sequences, p.tokens, min(seq), max(seq), len(p.chunk_tokens), max(chunks),
-                   p.decode_rows, rank, world_size, tuple(p.request_ids))
+                   p.decode_rows, int(p.graphed), rank, world_size, tuple(p.request_ids))
 
     def to_ints(self) -> list[int]:
         """[nanoseconds, *INT_FIELDS]: what a rank all-gathers for rank 0's metrics."""
@@ -57,6 +59,5 @@ class PassRecord:
         log.info(f"{self.kind} pass", extra={
             "pass": self.kind, "seconds": round(self.seconds, 6), "sequences": self.sequences, "tokens": self.tokens,
             "min_seq_tokens": self.min_seq_tokens, "max_seq_tokens": self.max_seq_tokens, "chunks": self.chunks,
-            "max_chunk_tokens": self.max_chunk_tokens, "decode_rows": self.decode_rows, "rank": self.rank,
-            "world_size": self.world_size,
-            "request_ids": list(self.request_ids)})
+            "max_chunk_tokens": self.max_chunk_tokens, "decode_rows": self.decode_rows, "graphed": self.graphed,
+            "rank": self.rank, "world_size": self.world_size, "request_ids": list(self.request_ids)})

@@ -41,6 +41,7 @@ class ModelRunner:
         # Tokens of each model forward the last pass ran (its micro-batches, for the prefill pass record). A pass is
         # one packed forward today, so this holds one entry; a runner that splits passes appends one per forward.
         self.chunk_tokens: list[int] = []
+        self.graphed = False  # whether the last pass replayed CUDA graphs (the pass record)
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool,
                points: dict[str, list[tuple[int, int]]]) -> tuple[torch.Tensor, ForwardBatch]:
@@ -89,15 +90,15 @@ class ModelRunner:
         points = points or {}
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
-            self.chunk_tokens = [len(work)]
+            self.chunk_tokens, self.graphed = [len(work)], True
         elif (not is_decode and not points and self.prefill_graphs is not None and self.weights is None
               and self.prefill_graphs.fits(work)):
             hidden = self.prefill_graphs.replay(work)  # -- prefill graph hook: small passes without points --
-            self.chunk_tokens = [int(hidden.shape[0])]
+            self.chunk_tokens, self.graphed = [int(hidden.shape[0])], True
         else:
             input_ids, batch = self._batch(work, is_decode, points)
             ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
-            self.chunk_tokens = [int(input_ids.shape[0])]
+            self.chunk_tokens, self.graphed = [int(input_ids.shape[0])], False
             if self.weights is None:
                 hidden = self.model(input_ids, ctx)
             else:  # -- weight streaming hook: layers fetched into device slots during the pass --

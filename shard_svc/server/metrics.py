@@ -35,6 +35,9 @@ PREFILL_PASS = {  # by PassRecord field, per prefill pass
     "decode_rows": ("kimiserve_shard_prefill_pass_decode_rows",
                     "Decode steps that rode in one prefill pass (fair sharing folds the decodes into the pass while "
                     "a long prompt prefills)", buckets.COUNT),
+    "graphed": ("kimiserve_shard_prefill_pass_graphed",
+                "1 for a prefill pass replayed from CUDA graphs (small passes: --prefill-graph-tokens), 0 for one "
+                "launched op by op: _sum counts the replayed passes", buckets.FLAG),
 }
 DECODE_STEP = {  # by PassRecord field, per decode step
     "seconds": ("kimiserve_shard_decode_step_seconds", "Wall time of one batched decode step", PASS_BUCKETS),

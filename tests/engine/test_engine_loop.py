@@ -277,6 +277,7 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
         assert sum(p.seq_tokens) == p.tokens <= 16
         # one forward: the pass's prompt tokens (decodes ride in prefill passes only with --fold-decodes)
         assert line.decode_rows == p.decode_rows == 0
+        assert line.graphed == 0 and not p.graphed  # the CPU has no CUDA graphs
         assert (line.chunks, line.max_chunk_tokens, line.rank, line.world_size) == (1, p.tokens + p.decode_rows, 0, 1)
     total = sum(len(ids) for ids in prompts.values())
     assert sum(p.tokens for p in prefills) == total
@@ -290,6 +291,8 @@ def test_each_prefill_pass_is_recorded_whole_and_each_request_timed():
     assert sample("kimiserve_shard_prefill_pass_chunks_sum") == len(prefills)
     assert sample("kimiserve_shard_prefill_pass_max_chunk_tokens_sum") == total
     assert sample("kimiserve_shard_prefill_pass_decode_rows_sum") == 0
+    assert (sample("kimiserve_shard_prefill_pass_graphed_sum"), sample("kimiserve_shard_prefill_pass_graphed_count")) \
+        == (0, len(prefills))
     assert sample("kimiserve_shard_decode_tokens_total") == 3 * len(prompts)  # every token after each first
     for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds",
                  "time_to_first_token_seconds", "time_per_output_token_seconds", "request_duration_seconds"):

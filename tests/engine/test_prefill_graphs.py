@@ -77,6 +77,22 @@ def test_padded_prefill_buffers_match_the_plain_runner(name):
     assert engine.runner.kda_pool.slots.num_free == len(PROMPTS)
 
 
+def test_the_pass_record_says_which_passes_were_replayed():
+    from shard_svc.engine.pass_record import PassRecord
+
+    engine = make_engine(linear_config(), num_state_slots=3, num_kv_blocks=64, kv_block_size=4,
+                         prefill_token_budget=24)
+    with_prefill_graphs(engine, buckets=(16,))
+    engine.add_request("long", list(range(1, 31)), SamplingParams(temperature=0.0, max_tokens=1))
+    engine.add_request("short", list(range(1, 6)), SamplingParams(temperature=0.0, max_tokens=1))
+    records = []
+    while engine.has_work():
+        records += [PassRecord.of(p) for p in engine.step().passes if p.kind == "prefill"]
+    # 24 of "long" (above the bucket: op by op), then its last 6 with "short" (11 tokens: replayed)
+    assert [(r.tokens, r.graphed) for r in records] == [(24, 0), (11, 1)]
+    assert PassRecord.from_ints("prefill", records[1].to_ints(), 0, 1).graphed == 1
+
+
 def test_passes_that_do_not_fit_run_eagerly():
     engine = make_engine(linear_config(), num_state_slots=MAX_SEQS + 2, num_kv_blocks=128, kv_block_size=4,
                          prefill_token_budget=64)
