@@ -219,6 +219,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
          [per_pass_mean("kimiserve_shard_prefill_pass_chunks", "chunks"),
           per_pass_mean("kimiserve_shard_prefill_pass_max_chunk_tokens", "max tokens per chunk")],
          "Model forwards (micro-batches) the runner ran per pass, and the most tokens one of them held."),
+        ("Prefill passes replayed from CUDA graphs", "percentunit",
+         [per_pass_mean("kimiserve_shard_prefill_pass_graphed", "replayed")],
+         "Share of prefill passes replayed from the prefill graphs (small passes: --prefill-graph-tokens) rather "
+         "than launched op by op: on a GPU, a replayed pass costs its GPU time, not the host's launches."),
         ("Prompt length per shard", "short",
          quantiles("kimiserve_shard_request_prompt_tokens", "shard", (0.5, 0.99)),
          "Prompt tokens of the requests each shard finished (bucket bounds x4)."),
