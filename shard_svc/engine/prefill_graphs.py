@@ -190,7 +190,7 @@ class PrefillGraphRunner:
                     graphs[-1].capture_end()
                 except RuntimeError as e:
                     raise CudaGraphError(f"capturing the prefill graphs of {bucket} tokens failed ({e}); an op made "
-                                         "a host sync or a non-capturable call; run with --prefill-graph-tokens 0")
+                                         "a host sync or a non-capturable call; run with --prefill-graph-tokens 0") from e
             torch.cuda.current_stream().wait_stream(side)
 
             def run(graphs=graphs, breaks=breaks, out=out) -> torch.Tensor:
