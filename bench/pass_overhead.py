@@ -178,6 +178,52 @@ def split_invariance(engine: Engine, context: int, tail: int) -> dict:
                "argmax_equal": bool(x.argmax() == ref.argmax())} for name, x in last.items() if name != "one_pass"}}
 
 
+# Variants of the backend under which to repeat the split invariance: each eager reference alone among the Triton
+# ops (the tails' rows then take the reference's rounding in that op, the same in both splits if it is invariant),
+# the routed experts' M-block fixed (their tiles otherwise follow the pass size) and cuBLAS's bf16 reductions in fp32.
+EAGER_SWAPS = ("kda_prefill", "short_conv", "gated_rms_norm", "rms_norm", "add_rms_norm", "glu", "moe_route",
+               "moe_experts", "mla_cache_write", "mla_prefill")
+INVARIANCE_VARIANTS = tuple(f"eager {op}" for op in EAGER_SWAPS) + ("experts' M-block 64", "fp32 GEMM reductions")
+
+
+def applies(engine: Engine, name: str) -> bool:
+    """Whether a variant changes anything on this engine (an eager backend has nothing to swap)."""
+    backends = dict(engine.runner.ops.backends)
+    if name.startswith("eager "):
+        return not backends[name.removeprefix("eager ")].startswith("eager")
+    if name == "experts' M-block 64":
+        return backends["moe_experts"].startswith("triton")
+    return engine.device.type == "cuda"
+
+
+def under_variant(engine: Engine, name: str, fn: Callable[[], list]) -> list:
+    """fn() with the engine's ops (or torch's GEMM setting) changed as INVARIANCE_VARIANTS' `name` says."""
+    import dataclasses
+    import functools
+
+    from shard_svc.ops import EAGER
+
+    ops, matmul = engine.runner.ops, torch.backends.cuda.matmul
+    reduced = matmul.allow_bf16_reduced_precision_reduction
+    if name.startswith("eager "):
+        op = name.removeprefix("eager ")
+        # the fused shared-expert op would keep the Triton experts: without it the model composes moe_experts
+        extra = {"moe_experts_shared": None} if op == "moe_experts" else {}
+        engine.runner.ops = dataclasses.replace(ops, **{op: EAGER[op]}, **extra)
+    elif name == "experts' M-block 64":
+        engine.runner.ops = dataclasses.replace(ops, moe_experts=functools.partial(ops.moe_experts, block_m=64),
+                                                moe_experts_shared=None)
+    elif name == "fp32 GEMM reductions":
+        matmul.allow_bf16_reduced_precision_reduction = False
+    else:
+        raise ValueError(f"unknown invariance variant {name!r}")
+    try:
+        return fn()
+    finally:
+        engine.runner.ops = ops
+        matmul.allow_bf16_reduced_precision_reduction = reduced
+
+
 def invariance_text(row: dict) -> str:
     return f"context {row['context']} + tail {row['tail']} against one pass: " + "; ".join(
         f"{name} " + ("bitwise equal" if v["bitwise_equal"] else f"max |diff| {v['max_abs_diff']:.3g}, argmax "
@@ -207,9 +253,10 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tails", default="40,64,200",
                    help="split invariance: tails after --context, one pass against context then tail")
-    p.add_argument("--moe-block-m", type=int, default=None,
-                   help="split invariance again with the routed experts' M-block fixed at this (their tiles "
-                        "otherwise follow the pass's size), op by op: whether the experts' tiling is what moves")
+    p.add_argument("--invariance-sweep", action="store_true",
+                   help="split invariance again (op by op) under each variant of INVARIANCE_VARIANTS: one op at a "
+                        "time swapped for its eager reference, the experts' M-block fixed, bf16 GEMM reductions in "
+                        "fp32; the variant under which a tail gives one pass's logits names the op that moves")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -248,21 +295,16 @@ def main() -> None:
         (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
     tails = [int(t) for t in args.tails.split(",") if t]
     result["split_invariance"] = [split_invariance(engine, args.context, t) for t in tails]
-    if args.moe_block_m:
-        import dataclasses
-        import functools
-
-        ops = engine.runner.ops
-        engine.runner.ops = dataclasses.replace(
-            ops, moe_experts=functools.partial(ops.moe_experts, block_m=args.moe_block_m), moe_experts_shared=None)
-        engine.runner.prefill_graphs = None  # captured with the other tiles
-        result["split_invariance_moe_block_m"] = {"block_m": args.moe_block_m, "rows": [
-            split_invariance(engine, args.context, t) for t in tails]}
-        engine.runner.ops = ops
+    if args.invariance_sweep:
+        engine.runner.prefill_graphs = None  # captured with the backend's own ops
+        result["invariance_sweep"] = [{"variant": name, "rows": under_variant(engine, name, lambda: [
+            split_invariance(engine, args.context, t) for t in tails])} for name in INVARIANCE_VARIANTS
+            if applies(engine, name)]
+        engine.runner.prefill_graphs = prefill_graphs
     (args.out / "pass_overhead.json").write_text(json.dumps(result, indent=1))
     print(format_table(result), flush=True)
-    fixed = result.get("split_invariance_moe_block_m", {}).get("rows", [])
-    for label, rows in (("", result["split_invariance"]), ("experts' M-block fixed: ", fixed)):
+    for label, rows in [("", result["split_invariance"])] + [
+            (f"{v['variant']}: ", v["rows"]) for v in result.get("invariance_sweep", [])]:
         for row in rows:
             print(f"{label}{invariance_text(row)}", flush=True)
     for row in result["passes"]:
