@@ -12,6 +12,8 @@ across the end (the Kimi format ends every turn with a special token, where enco
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Callable
 
 from tokenizer_svc.chat_template import ChatTemplate
@@ -57,3 +59,33 @@ def token_ends(encode: Callable[[str], list[int]], prompt: str, ids: list[int], 
         if 0 < at < len(ids) and (not out or at > out[-1]):
             out.append(at)
     return out
+
+
+class PieceEncoder:
+    """`encode` with the ids of recent pieces kept: requests that share a system prompt or earlier turns render the
+    same pieces, and token_ends encodes each piece again after the whole prompt. Exact (encoding is deterministic);
+    bounded by the characters it holds, least recently used dropped first."""
+
+    def __init__(self, encode: Callable[[str], list[int]], max_chars: int):
+        self._encode, self._max_chars = encode, max_chars
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()  # the service's work threads share one encoder
+        self.misses = 0
+
+    def __call__(self, piece: str) -> list[int]:
+        with self._lock:
+            ids = self._ids.get(piece)
+            if ids is not None:
+                self._ids.move_to_end(piece)
+                return list(ids)
+        ids = tuple(self._encode(piece))
+        with self._lock:
+            self.misses += 1
+            if len(piece) <= self._max_chars and piece not in self._ids:
+                self._ids[piece] = ids
+                self._chars += len(piece)
+                while self._chars > self._max_chars:
+                    old, _ = self._ids.popitem(last=False)
+                    self._chars -= len(old)
+        return list(ids)

@@ -30,6 +30,9 @@ from tokenizer_svc.rpc import streaming, unary
 
 Ctx = grpc.aio.ServicerContext
 T = TypeVar("T")
+# Characters of rendered chat pieces whose ids RenderChat keeps (message_ends.PieceEncoder): a few dozen long system
+# prompts and tool lists, a few MB.
+PIECE_CACHE_CHARS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def __init__(self, served: ServedTokenizer, work: Executor) -> None:
         self._s = served
         self._work = work
+        self._pieces = message_ends.PieceEncoder(served.tokenizer.encode, PIECE_CACHE_CHARS)
 
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._work, fn, *args)
@@ -90,16 +94,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             raise InvalidRequest(str(exc)) from exc
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         messages, tools = messages_from_pb(request.messages), tools_from_pb(request.tools)
-        prompt = await self._off_loop(
-            render_chat, self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
-        ids = await self._off_loop(self._s.tokenizer.encode, prompt)
-        ends = await self._off_loop(self._message_ends, messages, tools, add_generation_prompt, prompt, ids)
+        prompt, ids, ends = await self._off_loop(self._render_chat, messages, tools, add_generation_prompt)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
         return pb.RenderChatResponse(prompt=prompt, token_ids=ids, message_ends=ends)
 
-    def _message_ends(self, messages, tools, add_generation_prompt: bool, prompt: str, ids: list[int]) -> list[int]:
+    def _render_chat(self, messages, tools, add_generation_prompt: bool) -> tuple[str, list[int], list[int]]:
+        """The prompt, its ids and its messages' end offsets, in one trip to a work thread."""
+        prompt = render_chat(self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
+        ids = self._s.tokenizer.encode(prompt)
         ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt)
-        return message_ends.token_ends(self._s.tokenizer.encode, prompt, ids, ends)
+        return prompt, ids, message_ends.token_ends(self._pieces, prompt, ids, ends)
 
     @streaming("DetokenizeStream")
     async def DetokenizeStream(

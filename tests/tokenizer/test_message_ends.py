@@ -61,3 +61,33 @@ def test_an_end_inside_a_merged_token_is_left_out_with_every_end_after_it(tok):
     turn = len("the<|im_end|>")
     assert message_ends.token_ends(tok.encode, prompt, ids, [turn]) == [len(tok.encode("the<|im_end|>"))]
     assert message_ends.token_ends(tok.encode, prompt, ids, [1, turn]) == []
+
+
+def test_piece_encoder_encodes_each_piece_once_within_its_bound(tok):
+    calls = []
+
+    def encode(text):
+        calls.append(text)
+        return tok.encode(text)
+
+    prompt, ids, _ = _ends(tok, BuiltinKimiTemplate(), CHAT)
+    ends = message_ends.char_ends(BuiltinKimiTemplate(), CHAT, [], True, prompt)
+    expected = message_ends.token_ends(tok.encode, prompt, ids, ends)
+    pieces = message_ends.PieceEncoder(encode, max_chars=1 << 20)
+    assert message_ends.token_ends(pieces, prompt, ids, ends) == expected
+    first = len(calls)
+    assert first == len(ends)
+    assert message_ends.token_ends(pieces, prompt, ids, ends) == expected
+    assert len(calls) == first == pieces.misses, "the second request's pieces come from the cache"
+    got = pieces(SYSTEM)
+    got.append(-1)  # a caller's list is its own
+    assert pieces(SYSTEM) == tok.encode(SYSTEM)
+
+    assert len(USER) + len(ASSISTANT) <= len(SYSTEM) + len(USER) < len(SYSTEM) + len(USER) + len(ASSISTANT)
+    small, calls[:] = message_ends.PieceEncoder(encode, max_chars=len(SYSTEM) + len(USER)), []
+    for piece in (SYSTEM, USER, USER, ASSISTANT, USER, SYSTEM):  # ASSISTANT pushes out SYSTEM, least recently used
+        assert small(piece) == tok.encode(piece)
+    assert calls == [SYSTEM, USER, ASSISTANT, SYSTEM]
+    long = "x" * (len(SYSTEM) + len(USER) + 1)
+    small(long), small(long)
+    assert calls.count(long) == 2, "a piece above the bound is never kept"
