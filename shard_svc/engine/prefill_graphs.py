@@ -82,11 +82,10 @@ class PrefillGraphRunner:
         self.pad_slot, self.pad_block = pad_slot, pad_block
         self.block_size = runner.kv_cache.block_size
         dev, top, entries = runner.device, self.buckets[-1], MAX_SEQS + 1
-        self.ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(top, dtype=torch.int64, device=dev)
-        self.cu_seqlens = torch.zeros(entries + 1, dtype=torch.int64, device=dev)
-        self.ctx_lens = torch.zeros(entries, dtype=torch.int64, device=dev)
-        self.slots = torch.zeros(entries, dtype=torch.int64, device=dev)
+        # One buffer, one copy a pass: ids [top] | slot mapping [top] | cu_seqlens [entries + 1] | ctx lens | slots
+        self.meta = torch.zeros(2 * top + 3 * entries + 1, dtype=torch.int64, device=dev)
+        self.ids, self.slot_mapping, self.cu_seqlens, self.ctx_lens, self.slots = self.meta.split(
+            [top, top, entries + 1, entries, entries])
         self.tables = torch.full((entries, width), pad_block, dtype=torch.int32, device=dev)
         self.stager = TableStager(entries, width, pad_block)
         self._passes: dict[int, CapturedPass] = {}
@@ -102,7 +101,7 @@ class PrefillGraphRunner:
                             block_tables=self.tables, slot_mapping=self.slot_mapping[:bucket], is_decode=False)
 
     def _write(self, rows, bucket: int) -> None:
-        """The pass's rows into the buffers, padded: synchronous copies, as the decode graphs' (cuda_graphs.py)."""
+        """The pass's rows into the buffers, padded: one synchronous copy of the metadata, then the changed tables."""
         n = sum(len(r.tokens) for r in rows)
         if n > bucket or len(rows) > MAX_SEQS:
             raise CudaGraphError(f"a prefill pass of {n} tokens in {len(rows)} sequences does not fit the bucket of "
@@ -115,18 +114,14 @@ class PrefillGraphRunner:
             ids.extend(r.tokens)
             mapping.extend(r.slot_mapping(self.block_size))
             cu.append(cu[-1] + len(r.tokens))
-        pad = bucket - n
-        ids.extend([0] * pad)
-        mapping.extend(self.pad_block * self.block_size + i % self.block_size for i in range(pad))
+        top = self.ids.shape[0]
+        ids.extend([0] * (top - n))  # padding tokens up to the bucket, then unread ones
+        mapping.extend(self.pad_block * self.block_size + i % self.block_size for i in range(top - n))
         empty = MAX_SEQS - len(rows)
         cu.extend([n] * empty + [bucket])
         ctx = [r.ctx_len for r in rows] + [0] * (empty + 1)
         slots = [r.slot for r in rows] + [self.pad_slot] * (empty + 1)
-        self.ids[:bucket].copy_(torch.tensor(ids, dtype=torch.int64))
-        self.slot_mapping[:bucket].copy_(torch.tensor(mapping, dtype=torch.int64))
-        self.cu_seqlens.copy_(torch.tensor(cu, dtype=torch.int64))
-        self.ctx_lens.copy_(torch.tensor(ctx, dtype=torch.int64))
-        self.slots.copy_(torch.tensor(slots, dtype=torch.int64))
+        self.meta.copy_(torch.tensor(ids + mapping + cu + ctx + slots, dtype=torch.int64))
         self.stager.stage([r.table for r in rows] + [[self.pad_block]] * (empty + 1))
         self.tables[:, :used].copy_(self.stager.host[:, :used])
         self._real = (n, len(rows), HostLengths(cu[:len(rows) + 1], ctx[:len(rows)]))
@@ -189,8 +184,9 @@ class PrefillGraphRunner:
                     out = model(ids, self._context(bucket, self._breaking_ops(next_graph)))
                     graphs[-1].capture_end()
                 except RuntimeError as e:
-                    raise CudaGraphError(f"capturing the prefill graphs of {bucket} tokens failed ({e}); an op made "
-                                         "a host sync or a non-capturable call; run with --prefill-graph-tokens 0") from e
+                    raise CudaGraphError(
+                        f"capturing the prefill graphs of {bucket} tokens failed ({e}); an op made a host sync or a "
+                        "non-capturable call; run with --prefill-graph-tokens 0") from e
             torch.cuda.current_stream().wait_stream(side)
 
             def run(graphs=graphs, breaks=breaks, out=out) -> torch.Tensor:

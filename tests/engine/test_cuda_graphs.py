@@ -114,11 +114,12 @@ CONFIGS = {"linear": linear_config(), "k3-14": k3_config(14)}  # 14 layers: two 
 PROMPTS = [(21, 5), (5, 3), (30, 7)]  # (prompt length, tokens to generate): the decode batch shrinks 3 -> 2 -> 1
 
 
-def run(engine, seed=0):
+def run(engine, seed=0, prompts=PROMPTS):
+    """Random prompts of these (length, tokens to generate), greedy, to completion; their sequences."""
     gen = torch.Generator().manual_seed(seed)
     seqs = [engine.add_request(f"r{i}", torch.randint(0, 255, (n,), generator=gen).tolist(),
                                SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
-            for i, (n, m) in enumerate(PROMPTS)]
+            for i, (n, m) in enumerate(prompts)]
     while engine.has_work():
         engine.step()
     return seqs

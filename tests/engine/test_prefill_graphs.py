@@ -12,6 +12,7 @@ from shard_svc.engine.prefill_graphs import MAX_SEQS, PrefillGraphRunner, enable
 from shard_svc.engine.sampling import SamplingParams
 from shard_svc.ops import select_ops
 from tests.engine.conftest import k3_config, linear_config, make_engine
+from tests.engine.test_cuda_graphs import run
 
 F64 = torch.float64
 
@@ -42,16 +43,6 @@ def with_prefill_graphs(engine, buckets=(16, 32)) -> PrefillGraphRunner:
 PROMPTS = [(21, 4), (5, 3), (30, 5), (2, 2), (17, 3)]
 
 
-def run(engine, prompts=PROMPTS, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    seqs = [engine.add_request(f"r{i}", torch.randint(0, 255, (n,), generator=gen).tolist(),
-                               SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), keep_prompt_logits=True)
-            for i, (n, m) in enumerate(prompts)]
-    while engine.has_work():
-        engine.step()
-    return seqs
-
-
 CONFIGS = {"linear": linear_config(), "k3-14": k3_config(14)}
 
 
@@ -60,13 +51,13 @@ def test_padded_prefill_buffers_match_the_plain_runner(name):
     """Prompt and step logits through the prefill graph path (padding tokens, empty sequence entries, attention on
     the real rows between the pieces) equal the plain runner's."""
     kw = dict(num_kv_blocks=96, kv_block_size=4, prefill_token_budget=24)
-    plain = run(make_engine(CONFIGS[name], dtype=F64, num_state_slots=len(PROMPTS), **kw))
+    plain = run(make_engine(CONFIGS[name], dtype=F64, num_state_slots=len(PROMPTS), **kw), prompts=PROMPTS)
     engine = make_engine(CONFIGS[name], dtype=F64, num_state_slots=len(PROMPTS) + 1, **kw)
     graphs = with_prefill_graphs(engine)
     passes = []
     original = graphs.replay
     graphs.replay = lambda work: passes.append([n for _, n in work]) or original(work)
-    seqs = run(engine)
+    seqs = run(engine, prompts=PROMPTS)
     assert passes and any(len(p) > 1 for p in passes), "several sequences shared a replayed pass"
     assert any(sum(p) not in graphs.buckets for p in passes), "a replayed pass was padded"
     for a, b in zip(plain, seqs, strict=True):

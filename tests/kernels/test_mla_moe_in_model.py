@@ -51,7 +51,7 @@ def test_triton_backend_with_prefill_graphs_matches_its_eager_passes():
     padded buffers run eagerly on the CPU) against the same Triton ops passed op by op: the Triton KDA, conv and MoE
     kernels meet the padding sequence and the empty entries."""
     from shard_svc.engine.prefill_graphs import PrefillGraphRunner
-    from tests.engine.test_prefill_graphs import PROMPTS, run as run_prompts
+    from tests.engine.test_prefill_graphs import PROMPTS
 
     moe_module(), mla_module(), linear_module()
     ops = select_ops(DEVICE, "triton")
@@ -63,7 +63,7 @@ def test_triton_backend_with_prefill_graphs_matches_its_eager_passes():
                                                                        num_kv_blocks=96, kv_block_size=4,
                                                                        prefill_token_budget=24))
 
-    plain = run_prompts(engine())
+    plain = run(engine(), prompts=PROMPTS)
     graphed = engine()
     decode = CudaGraphRunner(graphed.runner, (1, 2, 4), max_blocks_per_seq=16, capture=ON_GPU)
     decode.capture()
@@ -72,7 +72,7 @@ def test_triton_backend_with_prefill_graphs_matches_its_eager_passes():
                                  capture=ON_GPU)
     prefill.capture()
     graphed.runner.prefill_graphs = prefill
-    seqs = run_prompts(graphed)
+    seqs = run(graphed, prompts=PROMPTS)
     assert prefill.replays > 0
     for a, b in zip(plain, seqs, strict=True):
         assert a.output == b.output

@@ -89,10 +89,9 @@ def check_index(op: str, name: str, x: torch.Tensor, length: int) -> None:
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a tensor on `device` without a host sync: staged in pinned memory and copied asynchronously (the
     caching host allocator keeps the staging buffer until the copy has run). On the CPU, the tensor itself."""
-    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
