@@ -8,6 +8,10 @@ the message count), keeping those whose rendering begins the whole prompt (and s
 Then tokens: the text between two ends is encoded on its own, and an end is reported only while those pieces,
 concatenated, equal the whole prompt's ids up to it, so an offset is never reported where the tokenizer merges
 across the end (the Kimi format ends every turn with a special token, where encoding always splits).
+
+Where every end is a split the tokenizer is known to make (kimiserve/tokenizer_files/splits.py), the whole prompt's
+ids are its pieces' ids (`ids_by_pieces`): requests that share a long system prompt take its ids from the piece
+cache instead of encoding it again (3.3 ms a request for 3,700 tokens on one core).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable
 
+from kimiserve.tokenizer_files.splits import SplitRule
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.errors import RenderError
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate, Messages, Tools
@@ -59,6 +64,21 @@ def token_ends(encode: Callable[[str], list[int]], prompt: str, ids: list[int], 
         if 0 < at < len(ids) and (not out or at > out[-1]):
             out.append(at)
     return out
+
+
+def ids_by_pieces(rule: SplitRule, encode: Callable[[str], list[int]], prompt: str,
+                  ends: list[int]) -> tuple[list[int], list[int]] | None:
+    """`prompt`'s ids and the token offsets of `ends` (increasing char offsets inside it), from the ids of the pieces
+    between the ends, when the tokenizer splits at every end (`rule`); None when it may merge across one."""
+    if not all(rule.splits_at(prompt, end) for end in ends):
+        return None
+    ids, offsets, start = [], [], 0
+    for end in (*ends, len(prompt)):
+        ids += encode(prompt[start:end])
+        offsets.append(len(ids))
+        start = end
+    offsets.pop()  # the prompt's own end
+    return ids, sorted({at for at in offsets if 0 < at < len(ids)})
 
 
 class PieceEncoder:

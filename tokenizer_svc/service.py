@@ -19,6 +19,7 @@ import grpc
 from kimiserve import limits
 from kimiserve.text import clip
 from kimiserve.tokenizer_files.loading import LoadedTokenizer
+from kimiserve.tokenizer_files.splits import SplitRule
 from kimiserve.v1 import tokenizer_pb2 as pb
 from kimiserve.v1 import tokenizer_pb2_grpc
 from tokenizer_svc import message_ends, metrics
@@ -52,6 +53,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
         self._s = served
         self._work = work
         self._pieces = message_ends.PieceEncoder(served.tokenizer.encode, PIECE_CACHE_CHARS)
+        self._splits = SplitRule(served.tokenizer.hf)
 
     async def _off_loop(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._work, fn, *args)
@@ -101,8 +103,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def _render_chat(self, messages, tools, add_generation_prompt: bool) -> tuple[str, list[int], list[int]]:
         """The prompt, its ids and its messages' end offsets, in one trip to a work thread."""
         prompt = render_chat(self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
-        ids = self._s.tokenizer.encode(prompt)
         ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt)
+        by_pieces = message_ends.ids_by_pieces(self._splits, self._pieces, prompt, ends)
+        if by_pieces is not None:
+            return prompt, *by_pieces
+        ids = self._s.tokenizer.encode(prompt)
         return prompt, ids, message_ends.token_ends(self._pieces, prompt, ids, ends)
 
     @streaming("DetokenizeStream")

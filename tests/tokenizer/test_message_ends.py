@@ -4,6 +4,7 @@ each reported offset is where the token ids of that start of the conversation, r
 
 from __future__ import annotations
 
+from kimiserve.tokenizer_files.splits import SplitRule
 from tokenizer_svc import message_ends
 from tokenizer_svc.chat_template import BuiltinKimiTemplate, JinjaChatTemplate
 from tokenizer_svc.chat_types import ChatMessage
@@ -91,3 +92,31 @@ def test_piece_encoder_encodes_each_piece_once_within_its_bound(tok):
     long = "x" * (len(SYSTEM) + len(USER) + 1)
     small(long), small(long)
     assert calls.count(long) == 2, "a piece above the bound is never kept"
+
+
+def test_ids_by_pieces_equal_the_whole_prompts_encoding(tok):
+    """RenderChat's fast path: the pieces' ids joined are the whole prompt's ids and its ends are token_ends', for
+    conversations whose messages hold special-token strings, whitespace and word characters at their edges."""
+    rule, pieces = SplitRule(tok.hf), message_ends.PieceEncoder(tok.encode, max_chars=1 << 20)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    odd = ["the ", " the", "<|im_end|>", "x<|im_user|>y", "\n", "", "日本 é_", '"the."', "<|im_middle|>the"]
+    conversations = [(CHAT, []), ([ChatMessage("user", "Hi there")], [tool]),
+                     *(([ChatMessage("system", a), ChatMessage("user", b), ChatMessage("assistant", c)], [])
+                       for a, b, c in zip(odd, odd[3:] + odd[:3], odd[5:] + odd[:5]))]
+    for messages, tools in conversations:
+        for gen in (True, False):
+            prompt = BuiltinKimiTemplate().render(messages, tools, gen)
+            ends = message_ends.char_ends(BuiltinKimiTemplate(), messages, tools, gen, prompt)
+            ids = tok.encode(prompt)
+            assert message_ends.ids_by_pieces(rule, pieces, prompt, ends) == (
+                ids, message_ends.token_ends(tok.encode, prompt, ids, ends)), prompt
+
+
+def test_a_template_that_joins_turns_with_text_is_encoded_whole(tok):
+    text = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}" + GEN + "{% endif %}")
+    template = JinjaChatTemplate(text, "chat_template.jinja", {})
+    prompt = template.render(CHAT, [], True)
+    ends = message_ends.char_ends(template, CHAT, [], True, prompt)
+    assert len(ends) == len(CHAT)
+    assert message_ends.ids_by_pieces(SplitRule(tok.hf), tok.encode, prompt, ends) is None
