@@ -14,6 +14,8 @@ remembers), which costs only a missed hit.
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections import OrderedDict
 
 BLOCK = 16
@@ -22,10 +24,13 @@ DEFAULT_CAPACITY_BLOCKS = 1 << 16  # per shard: a million prompt tokens' names, 
 
 def block_names(prompt: list[int], salt: str = "") -> list[bytes]:
     """The chained name of every whole block of the prompt under `salt` (a trailing partial block is not named)."""
+    ids = array("I", prompt)  # each id as 4 bytes, little-endian below (OverflowError for ids outside 32 bits)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    data, step = ids.tobytes(), 4 * BLOCK
     names, previous = [], salt.encode()
-    for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
-        block = b"".join(t.to_bytes(4, "little") for t in prompt[start:start + BLOCK])
-        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+    for start in range(0, len(data) - step + 1, step):
+        previous = hashlib.blake2b(previous + data[start:start + step], digest_size=16).digest()
         names.append(previous)
     return names
 

@@ -65,6 +65,23 @@ def test_the_next_turn_of_a_conversation_goes_where_its_prefix_went_while_that_s
     assert _route(index, views, turn1 + [4]) != first
 
 
+def test_block_names_chain_each_blocks_ids_under_the_salt():
+    import hashlib
+    import random
+
+    rng = random.Random(0)
+    for length, salt in ((0, ""), (15, "s"), (16, ""), (100, "tenant\x00salt"), (4096, "x")):
+        prompt = [rng.randrange(1 << 32) for _ in range(length)]
+        want, previous = [], salt.encode()
+        for k in range(length // 16):
+            block = b"".join(t.to_bytes(4, "little") for t in prompt[16 * k:16 * (k + 1)])
+            previous = hashlib.blake2b(previous + block, digest_size=16).digest()
+            want.append(previous)
+        assert block_names(prompt, salt) == want
+    with pytest.raises(OverflowError):
+        block_names([1 << 32] * 16)
+
+
 def test_the_longest_match_wins_and_unseen_prompts_go_to_the_roomiest_shard():
     index, views = PrefixIndex(), [ShardView(n, healthy=True, free_slots=8) for n in ("s0", "s1")]
     system = list(range(100, 132))  # two blocks, shared
