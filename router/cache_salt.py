@@ -1,5 +1,6 @@
 """Prefix-cache isolation: the one salt a request's prefix-cache entries are keyed by, on the shard (Submit's
-cache_salt, shard_svc/engine/prefix_cache.py) and in the router's prefix index (router/prefix_index.py).
+cache_salt, shard_svc/engine/prefix_cache.py), in the router's prefix index (router/prefix_index.py) and in the
+tokenizer's cache of rendered chat pieces (RenderChatRequest.cache_salt, tokenizer_svc/message_ends.py).
 
 Requests share cached prefixes only under the same salt, so `cached_tokens` and timing tell a request nothing about
 prompts sent under another. The salt mixes the tenant (requests of different tenants never share) with the request's

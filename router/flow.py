@@ -26,7 +26,7 @@ from kimiserve.limits import MAX_N
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, router_pb2
 from router import prompts, tool_choice
-from router.cache_salt import check_request_salt
+from router.cache_salt import cache_salt_for, check_request_salt
 from router.errors import InvalidArgument
 from router.generation import Generation, Piece
 from router.request_ids import sequence_ids
@@ -87,13 +87,15 @@ async def completion_prompt(gen: Generation, req: router_pb2.GenerateRequest) ->
     return Prompt(await prompts.generate_prompt(gen, req), cache_salt=salt)
 
 
-async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> Prompt:
+async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest, tenant: Tenant) -> Prompt:
+    """`tenant`'s chat request rendered (the tokenizer caches its pieces under the request's whole salt)."""
     _no_client_tool_calls(req.sampling)
     offered = tool_choice.offered_tools(req.tools, req.tool_choice)
     if len(offered) != len(req.tools):
         req = _with_tools(req, offered)
     salt = check_request_salt(req.cache_salt)
-    ids, ends = await prompts.chat_prompt(gen, req)  # renders the tools: malformed ones are refused here, by index
+    # renders the tools: malformed ones are refused here, by index
+    ids, ends = await prompts.chat_prompt(gen, req, cache_salt_for(tenant.name, salt))
     parallel = not req.HasField("parallel_tool_calls") or req.parallel_tool_calls
     return Prompt(ids, chat=True, tool_choice=req.tool_choice, parallel_tool_calls=parallel,
                   constraint=tool_choice.constraint(offered, req.tool_choice, req.sampling, parallel),
@@ -146,7 +148,7 @@ async def request(gen: Generation, method: str, request_id: str,
     index, piece)."""
     count = choice_count(req.n)
     is_chat = isinstance(req, router_pb2.ChatRequest)
-    prompt = await (chat_prompt(gen, req) if is_chat else completion_prompt(gen, req))
+    prompt = await (chat_prompt(gen, req, tenant) if is_chat else completion_prompt(gen, req))
     async for item in choices(gen, method, request_id, [(prompt, req.sampling)], count, tenant):
         yield item
 

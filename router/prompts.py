@@ -51,10 +51,12 @@ async def generate_prompt(gen: Generation, req: router_pb2.GenerateRequest) -> l
     raise InvalidArgument("set either text or prompt_token_ids", "prompt")
 
 
-async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest) -> tuple[list[int], tuple[int, ...]]:
-    """The rendered prompt's ids and the offsets where its messages end."""
+async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest,
+                      cache_salt: str) -> tuple[list[int], tuple[int, ...]]:
+    """The rendered prompt's ids and the offsets where its messages end; `cache_salt` (the request's whole salt,
+    router/cache_salt.py) keys the tokenizer's cache of rendered pieces."""
     check_sizes(limits.check_chat, req)
     check_model(gen, req.model)
     if not req.messages:
         raise InvalidArgument("messages is empty", "messages")
-    return await gen.tokenizer.render_chat(req.messages, req.tools)
+    return await gen.tokenizer.render_chat(req.messages, req.tools, cache_salt)

@@ -44,12 +44,13 @@ class TokenizerClient:
             span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
 
-    async def render_chat(self, messages, tools) -> tuple[list[int], tuple[int, ...]]:
-        """The rendered prompt's ids and the offsets where its messages end (RenderChatResponse.message_ends)."""
+    async def render_chat(self, messages, tools, cache_salt: str = "") -> tuple[list[int], tuple[int, ...]]:
+        """The rendered prompt's ids and the offsets where its messages end (RenderChatResponse.message_ends).
+        `cache_salt`: the request's prefix-cache salt, which keys the tokenizer's cache of rendered pieces too."""
         with tracing.current().child("render_chat", kind="client", messages=len(messages)) as span:
+            request = tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools, cache_salt=cache_salt)
             try:
-                reply = await self.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools),
-                                                   timeout=self.timeout, metadata=span.metadata())
+                reply = await self.stub.RenderChat(request, timeout=self.timeout, metadata=span.metadata())
             except grpc.aio.AioRpcError as e:
                 raise _translate(e) from e
             span.set("tokens", len(reply.token_ids))

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from kimiserve.tokenizer_files.splits import SplitRule
+from tokenizer_svc import metrics
 from tokenizer_svc.chat_template import ChatTemplate
 from tokenizer_svc.errors import RenderError
 from tokenizer_svc.kimi_chat import BuiltinKimiTemplate, Messages, Tools
@@ -83,29 +84,36 @@ def ids_by_pieces(rule: SplitRule, encode: Callable[[str], list[int]], prompt: s
 
 class PieceEncoder:
     """`encode` with the ids of recent pieces kept: requests that share a system prompt or earlier turns render the
-    same pieces, and token_ends encodes each piece again after the whole prompt. Exact (encoding is deterministic);
-    bounded by the characters it holds, least recently used dropped first."""
+    same pieces. Exact (encoding is deterministic); keyed by the request's cache salt as well as the text, so a piece
+    is only ever found again under the salt it was encoded for; bounded by the characters it holds, least recently
+    used dropped first (salts count in the bound). `for_salt` gives the encode function of one request."""
 
     def __init__(self, encode: Callable[[str], list[int]], max_chars: int):
         self._encode, self._max_chars = encode, max_chars
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._ids: OrderedDict[tuple[str, str], tuple[int, ...]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()  # the service's work threads share one encoder
         self.misses = 0
 
-    def __call__(self, piece: str) -> list[int]:
+    def for_salt(self, salt: str) -> Callable[[str], list[int]]:
+        return lambda piece: self(piece, salt)
+
+    def __call__(self, piece: str, salt: str = "") -> list[int]:
+        key = (salt, piece)
         with self._lock:
-            ids = self._ids.get(piece)
+            ids = self._ids.get(key)
             if ids is not None:
-                self._ids.move_to_end(piece)
+                self._ids.move_to_end(key)
+                metrics.CHAT_PIECES.labels(cached="true").inc()
                 return list(ids)
         ids = tuple(self._encode(piece))
+        metrics.CHAT_PIECES.labels(cached="false").inc()
         with self._lock:
             self.misses += 1
-            if len(piece) <= self._max_chars and piece not in self._ids:
-                self._ids[piece] = ids
-                self._chars += len(piece)
+            if len(salt) + len(piece) <= self._max_chars and key not in self._ids:
+                self._ids[key] = ids
+                self._chars += len(salt) + len(piece)
                 while self._chars > self._max_chars:
-                    old, _ = self._ids.popitem(last=False)
-                    self._chars -= len(old)
+                    (old_salt, old), _ = self._ids.popitem(last=False)
+                    self._chars -= len(old_salt) + len(old)
         return list(ids)

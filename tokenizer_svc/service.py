@@ -96,19 +96,23 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             raise InvalidRequest(str(exc)) from exc
         add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
         messages, tools = messages_from_pb(request.messages), tools_from_pb(request.tools)
-        prompt, ids, ends = await self._off_loop(self._render_chat, messages, tools, add_generation_prompt)
+        prompt, ids, ends = await self._off_loop(self._render_chat, messages, tools, add_generation_prompt,
+                                                 request.cache_salt)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
         return pb.RenderChatResponse(prompt=prompt, token_ids=ids, message_ends=ends)
 
-    def _render_chat(self, messages, tools, add_generation_prompt: bool) -> tuple[str, list[int], list[int]]:
-        """The prompt, its ids and its messages' end offsets, in one trip to a work thread."""
+    def _render_chat(self, messages, tools, add_generation_prompt: bool,
+                     salt: str) -> tuple[str, list[int], list[int]]:
+        """The prompt, its ids and its messages' end offsets, in one trip to a work thread; pieces cached under
+        `salt` (RenderChatRequest.cache_salt)."""
         prompt = render_chat(self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
         ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt)
-        by_pieces = message_ends.ids_by_pieces(self._splits, self._pieces, prompt, ends)
+        pieces = self._pieces.for_salt(salt)
+        by_pieces = message_ends.ids_by_pieces(self._splits, pieces, prompt, ends)
         if by_pieces is not None:
             return prompt, *by_pieces
         ids = self._s.tokenizer.encode(prompt)
-        return prompt, ids, message_ends.token_ends(self._pieces, prompt, ids, ends)
+        return prompt, ids, message_ends.token_ends(pieces, prompt, ids, ends)
 
     @streaming("DetokenizeStream")
     async def DetokenizeStream(

@@ -15,7 +15,7 @@ METHOD = "HttpChat"  # the metrics' method label
 
 async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, receive):
     req, opts = openai_body.chat_request(body)
-    prompt = await flow.chat_prompt(gen, req)  # rendered once for the n choices
+    prompt = await flow.chat_prompt(gen, req, tenant)  # rendered once for the n choices
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], opts.n, tenant)
     head = dict(completion_id=f"chatcmpl-{request_id}", created=int(time.time()), model=gen.model_info().model_name)
     if not opts.stream:

@@ -30,7 +30,7 @@ METHOD = "HttpResponses"  # the metrics' method label
 
 async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, receive):
     req, opts = openai_responses.responses_request(body)
-    prompt = await flow.chat_prompt(gen, req)
+    prompt = await flow.chat_prompt(gen, req, tenant)
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], 1, tenant)
     head = Head(id=f"resp_{request_id}", created_at=int(time.time()), model=gen.model_info().model_name,
                 echo=opts.echo)

@@ -99,14 +99,22 @@ def _ids(n: int, seed: int) -> list[int]:
 def test_a_different_cache_salt_restores_nothing_and_the_same_salt_everything(stacks):
     cached, plain = stacks
     system, user = "You keep secrets.", "The vault code of Mr 893005 is 45. " * 8
+    tokenizer = cached.children["tokenizer"].metrics_url
+
+    def pieces_from_cache() -> float:  # the tokenizer's cache of rendered pieces is keyed by the salt too
+        return total(scrape(tokenizer), 'kimiserve_tokenizer_chat_pieces_total{cached="true"}')
+
     want, _ = _chat(plain, system, user)
     first, usage = _chat(cached, system, user, salt="tenant-a")
     assert first == want and usage.cached_prompt_tokens == 0
     for salt in ("tenant-b", ""):
+        before = pieces_from_cache()
         got, other = _chat(cached, system, user, salt=salt)
         assert (got, other.cached_prompt_tokens) == (want, 0), salt
+        assert pieces_from_cache() == before, salt
         again, same = _chat(cached, system, user, salt="tenant-a")  # the entry the other salt did not get is there
         assert (again, same.cached_prompt_tokens) == (want, same.prompt_tokens), salt
+        assert pieces_from_cache() == before + 3, salt  # system turn, user turn, generation prompt
     # over HTTP: completions and chat bodies carry it as vLLM's `cache_salt`
     prompt = _ids(300, 4)
     replies = [cached.openai.completions.create(model="", prompt=prompt, max_tokens=3, temperature=0,

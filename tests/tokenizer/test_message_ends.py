@@ -93,6 +93,14 @@ def test_piece_encoder_encodes_each_piece_once_within_its_bound(tok):
     small(long), small(long)
     assert calls.count(long) == 2, "a piece above the bound is never kept"
 
+    salted, calls[:] = message_ends.PieceEncoder(encode, max_chars=1 << 20), []
+    for salt in ("a", "b", "a", "b"):
+        assert salted.for_salt(salt)(SYSTEM) == tok.encode(SYSTEM)
+    assert calls == [SYSTEM, SYSTEM], "each salt encodes the piece once and finds only its own"
+    tight, calls[:] = message_ends.PieceEncoder(encode, max_chars=len(SYSTEM) + 2), []
+    tight(SYSTEM, "ab"), tight(SYSTEM, "ab"), tight(SYSTEM, "abc"), tight(SYSTEM, "abc")
+    assert calls == [SYSTEM] * 3, "the salt counts in the bound: SYSTEM under 'abc' is never kept"
+
 
 def test_ids_by_pieces_equal_the_whole_prompts_encoding(tok):
     """RenderChat's fast path: the pieces' ids joined are the whole prompt's ids and its ends are token_ends', for

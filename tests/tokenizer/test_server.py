@@ -127,6 +127,35 @@ def test_render_chat(server: Running) -> None:
     assert not server.stub.RenderChat(request).prompt.endswith(GEN_PROMPT)
 
 
+def _samples(server: Running) -> dict[str, float]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
+    lines = [line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#")]
+    return {name: float(value) for name, value in lines}
+
+
+def test_render_chat_takes_a_shared_system_prompt_from_its_cache_only_under_the_same_salt(server: Running) -> None:
+    cached = 'kimiserve_tokenizer_chat_pieces_total{cached="true"}'
+    encoded = 'kimiserve_tokenizer_chat_pieces_total{cached="false"}'
+
+    def render(salt: str, user: str) -> tuple[tokenizer_pb2.RenderChatResponse, float, float]:
+        before = _samples(server)
+        reply = server.stub.RenderChat(tokenizer_pb2.RenderChatRequest(cache_salt=salt, messages=[
+            common_pb2.ChatMessage(role="system", content="The shared rules, " * 20),
+            common_pb2.ChatMessage(role="user", content=user)]))
+        after = _samples(server)
+        return reply, after.get(cached, 0) - before.get(cached, 0), after[encoded] - before.get(encoded, 0)
+
+    first, hits, misses = render("tenant-a", "first question")
+    assert (hits, misses) == (0, 3)  # the system turn, the user turn, the generation prompt
+    again, hits, misses = render("tenant-a", "second question")
+    assert (hits, misses) == (2, 1), "the system turn and the generation prompt come from the cache"
+    other, hits, misses = render("tenant-b", "second question")
+    assert (hits, misses) == (0, 3), "another salt finds nothing another one cached"
+    for reply in (first, again, other):  # and every reply is the whole prompt's encoding
+        whole = server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=reply.prompt)).token_ids
+        assert list(reply.token_ids) == list(whole)
+
+
 def test_info(server: Running) -> None:
     info = server.stub.Info(tokenizer_pb2.TokenizerInfoRequest())
     assert (info.model, info.model_type, info.vocab_size) == ("tiny", "kimi_k3", 768)
@@ -205,17 +234,12 @@ def test_bad_input_is_rejected_and_the_server_keeps_serving(
 
 def test_metrics_scrape_counts_requests(server: Running) -> None:
     """Before/after deltas: the server is shared with earlier tests, which raised the same counters."""
-    def samples() -> dict[str, float]:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
-        lines = [line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#")]
-        return {name: float(value) for name, value in lines}
-
-    before = samples()
+    before = _samples(server)
     for text in ("count me", "and me"):
         server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text))
     with pytest.raises(grpc.RpcError):
         server.stub.Info(tokenizer_pb2.TokenizerInfoRequest(model="other"))
-    after = samples()
+    after = _samples(server)
     moved = {k: after[k] - before.get(k, 0.0) for k in (
         'kimiserve_tokenizer_requests_total{code="OK",rpc="Tokenize"}',
         'kimiserve_tokenizer_requests_total{code="NOT_FOUND",rpc="Info"}',
