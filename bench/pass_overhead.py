@@ -104,7 +104,7 @@ def measure(fn: Callable[[], None], device: torch.device, reps: int) -> dict:
 def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[], list[torch.Tensor]]:
     """A pass of `new` tokens for a sequence with `context` tokens computed; rerunnable (the sequence is put back
     to `context` after each: its state is then a later one's, which does not change the work)."""
-    prompt = [1 + (7919 * t) % 150000 for t in range(context + new)]
+    prompt = [1 + (7919 * t) % min(150000, engine.cfg.vocab_size - 1) for t in range(context + new)]
     seq = engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     engine.scheduler.schedule()  # admits: a slot and the prompt's KV blocks
     if context:
@@ -118,7 +118,7 @@ def continuation(engine: Engine, context: int, new: int, tag: str) -> Callable[[
 
 
 def decode_step(engine: Engine, context: int, tag: str) -> Callable[[], list[torch.Tensor]]:
-    prompt = [1 + (104729 * t) % 150000 for t in range(context)]
+    prompt = [1 + (104729 * t) % min(150000, engine.cfg.vocab_size - 1) for t in range(context)]
     seq = engine.add_request(tag, prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
     engine.scheduler.schedule()
     engine.runner.forward([(seq, context)], is_decode=False)
