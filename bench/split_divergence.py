@@ -7,7 +7,12 @@ call: the first call whose inputs are bit for bit the one pass's but whose outpu
 the pass's size; a first call whose inputs already differ puts the cause in the model code between it and the call
 before (torch ops outside the seam: products in the MLA absorption, the gates, ...).
 
-    python -m bench.split_divergence --out DIR [--layers 16] [--context 3712] [--tails 40,200]
+    python -m bench.split_divergence --out DIR [--layers 16] [--context 3712] [--tails 40,200] [--pad-linear-rows N]
+
+`--pad-linear-rows N` runs every linear on at least N rows (zero rows appended, the result cut back): both passes'
+products then have one shape, so a library that picks its kernel by M rounds them alike, and the next op to blame
+shows; `--expert-block-m N` fixes the routed experts' M-block (the Triton kernels otherwise pick it by the pass's
+size) and composes the shared expert from linear and glu.
 
 Writes DIR/split_divergence.json and prints one line per tail. `--device cpu --layers 2 --context 256` runs anywhere.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -107,6 +113,17 @@ def first_divergence(one_pass: list[Call], split: list[Call]) -> dict:
     return {**first, "calls": len(one_pass), "differing_outputs_by_op": differing}
 
 
+def padded_linear(linear: Callable, rows: int) -> Callable:
+    """`linear` on at least `rows` rows: x padded with zero rows, the product cut back to x's."""
+    def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] >= rows:
+            return linear(x, weight)
+        padded = torch.zeros(rows, x.shape[1], dtype=x.dtype, device=x.device)
+        padded[:x.shape[0]] = x
+        return linear(padded, weight)[:x.shape[0]]
+    return run
+
+
 def divergence(engine: Engine, context: int, tail: int) -> dict:
     whole = continuation(engine, 0, context + tail, "div-whole")
     split = continuation(engine, context, tail, "div-split")  # runs the context pass now, unrecorded
@@ -137,6 +154,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the 48B shape's 27")
     p.add_argument("--context", type=int, default=3712)
     p.add_argument("--tails", default="40,200")
+    p.add_argument("--pad-linear-rows", type=int, default=0, help="run every linear on at least this many rows")
+    p.add_argument("--expert-block-m", type=int, default=0, help="the routed experts' M-block (Triton backend)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +168,14 @@ def main() -> None:
     engine_cfg = EngineConfig(num_state_slots=4, kv_block_size=64, prefill_token_budget=1 << 20,
                               num_kv_blocks=2 * (args.context + max(tails)) // 64 + 8)
     engine = Engine(cfg, dummy_model(cfg, device, dtype), select_ops(device), device, engine_cfg)
-    result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
+    ops = engine.runner.ops
+    if args.pad_linear_rows:
+        ops = dataclasses.replace(ops, linear=padded_linear(ops.linear, args.pad_linear_rows))
+    if args.expert_block_m:
+        ops = dataclasses.replace(ops, moe_experts=functools.partial(ops.moe_experts, block_m=args.expert_block_m),
+                                  moe_experts_shared=None)
+    engine.runner.ops = ops
+    result = {"pad_linear_rows": args.pad_linear_rows, "expert_block_m": args.expert_block_m,"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
               "dtype": str(dtype), "op_backends": dict(engine.runner.ops.backends),
               "tails": [divergence(engine, args.context, t) for t in tails]}
     if device.type == "cuda":
