@@ -114,19 +114,21 @@ def _run_requests(stub, system: str, requests: int, doc: list[int], doc_shared: 
 
 
 def _metrics(url: str) -> dict[str, float]:
-    """The prefix cache's series of one shard, each summed over its labels but `kind`."""
+    """The prefix cache's series of one shard and its kernels first met after the warm-up, each summed over its
+    labels but `kind` and `kernel`."""
     import urllib.request
 
     out: dict[str, float] = {}
     for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if not line.startswith("kimiserve_shard_prefix_cache"):
+        if not line.startswith(("kimiserve_shard_prefix_cache", "kimiserve_shard_kernels_after_warmup")):
             continue
         series, value = line.rsplit(" ", 1)
         name = series.split("{")[0]
         if name.endswith("_created"):
             continue  # the counters' creation timestamps
-        if 'kind="' in series:
-            name += "." + series.split('kind="')[1].split('"')[0]
+        for label in ("kind", "kernel"):
+            if f'{label}="' in series:
+                name += "." + series.split(f'{label}="')[1].split('"')[0]
         out[name] = out.get(name, 0.0) + float(value)
     return out
 
@@ -202,7 +204,9 @@ def summary_text(report: dict) -> str:
             f"snapshots by kind {kinds}; entries {m.get('kimiserve_shard_prefix_cache_entries', 0):.0f}; state "
             f"{m.get('kimiserve_shard_prefix_cache_state_bytes', 0) / 2**20:.1f} of "
             f"{m.get('kimiserve_shard_prefix_cache_state_bytes_limit', 0) / 2**20:.1f} MiB; evictions "
-            f"{m.get('kimiserve_shard_prefix_cache_evictions_total', 0):.0f}\n")
+            f"{m.get('kimiserve_shard_prefix_cache_evictions_total', 0):.0f}\n"
+            f"kernels first met after the warm-up (cache stack): "
+            f"{ {k.rsplit('.', 1)[1]: int(v) for k, v in m.items() if k.startswith('kimiserve_shard_kernels')} }\n")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

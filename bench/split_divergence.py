@@ -175,8 +175,9 @@ def main() -> None:
         ops = dataclasses.replace(ops, moe_experts=functools.partial(ops.moe_experts, block_m=args.expert_block_m),
                                   moe_experts_shared=None)
     engine.runner.ops = ops
-    result = {"pad_linear_rows": args.pad_linear_rows, "expert_block_m": args.expert_block_m,"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
+    result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
               "dtype": str(dtype), "op_backends": dict(engine.runner.ops.backends),
+              "pad_linear_rows": args.pad_linear_rows, "expert_block_m": args.expert_block_m,
               "tails": [divergence(engine, args.context, t) for t in tails]}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()

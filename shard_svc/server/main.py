@@ -26,8 +26,9 @@ from shard_svc.engine.capacity import (
     CPU_KV_BLOCK_SIZE, CPU_KV_BLOCKS, CPU_PREFILL_TOKEN_BUDGET, CPU_PREFIX_CACHE_ENTRIES, CPU_STATE_SLOTS,
     DEFAULT_GPU_MEMORY_UTILIZATION, ENTRY_EVERY, GPU_KV_BLOCK_SIZE, GPU_PREFILL_TOKEN_BUDGET, HOST_KV_SHARE,
     MIN_AUTO_PREFIX_ENTRIES, CapacityDoesNotFit, CapacityRequest)
-from shard_svc.engine.engine import EngineConfig
+from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.engine.handoff import STATE_HOLD_SECONDS
+from shard_svc.engine.late_kernels import LateKernels
 from shard_svc.engine.prefill_graphs import token_buckets
 from shard_svc.engine.prefill_share import POLICIES, PrefillShare
 from shard_svc.engine.prefix_cache import DEFAULT_PREFIX_STATE_INTERVAL
@@ -226,7 +227,14 @@ def build_server(cfg: ShardServerConfig) -> tuple[grpc.Server, EngineLoop, healt
     # A shard group's rank 0 faces the router and keeps the followers in step (shard_svc/server/group_loop.py).
     loop = EngineLoop(engine, metrics) if built.leader is None else GroupEngineLoop(built.leader, metrics)
     if cfg.engine.warm_up and built.leader is None and engine.device.type == "cuda":
-        loop.before_serving = warm_request_paths  # the first request's paths, on the thread that will serve it
+        late = LateKernels(metrics.kernel_after_warmup)
+        late.install()
+
+        def warm_then_watch(engine: Engine) -> None:
+            warm_request_paths(engine)  # the first request's paths, on the thread that will serve it
+            late.watch()
+
+        loop.before_serving = warm_then_watch
     info = shard_pb2.ShardInfoResponse(
         model_name=Path(cfg.engine.model_dir).name, model_type=model_cfg.model_type, vocab_size=model_cfg.vocab_size,
         eos_token_ids=list(model_cfg.eos_token_ids), shard_id=cfg.shard_name, device=str(device),
