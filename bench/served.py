@@ -153,17 +153,6 @@ def _scrape(url: str) -> dict[str, float]:
             for line in body.splitlines() if line and not line.startswith("#")}
 
 
-def late_kernels(url: str) -> dict[str, float]:
-    """A shard's Triton kernels first met after its warm-up, by kernel (shard_svc/engine/late_kernels.py)."""
-    body = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line.startswith("kimiserve_shard_kernels_after_warmup_total{"):
-            kernel = line.split('kernel="')[1].split('"')[0]
-            out[kernel] = out.get(kernel, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def served(args, model: Path, result: dict, save) -> None:
     slots, blocks = capacity(args.levels, args.input_len, args.output_len)
     port, http_port = free_port(), free_port()
@@ -265,7 +254,8 @@ def multi_turn(args, model: Path, result: dict, save) -> None:
                 "entries": shard.get("kimiserve_shard_prefix_cache_entries", 0.0),
                 "entry_state_bytes": state_bytes,
                 "cache_only_kv_blocks": shard.get("kimiserve_shard_prefix_cache_kv_blocks", 0.0),
-                "kv_block_bytes": block_bytes, "kernels_after_warmup": late_kernels(children[1].metrics_url)}
+                "kv_block_bytes": block_bytes,
+                "kernels_after_warmup": shard.get("kimiserve_shard_kernels_after_warmup_total", 0.0)}
             save()
         finally:
             stop_stack(children, grace_s=30)
@@ -422,8 +412,8 @@ def table(result: dict) -> str:
         lines.append(f"multi-turn {mode}: TTFT p50 by turn (ms) {turns}; cached {m['cached_prompt_tokens']} of "
                      f"{m['prompt_tokens']} prompt tokens; {m['entries']:.0f} entries x "
                      f"{m['entry_state_bytes'] / 2**20:.1f} MiB + {m['cache_only_kv_blocks']:.0f} blocks x "
-                     f"{m['kv_block_bytes'] / 2**10:.0f} KiB; kernels first met after the warm-up "
-                     f"{m.get('kernels_after_warmup', {})}")
+                     f"{m['kv_block_bytes'] / 2**10:.0f} KiB; kernels first met after the warm-up: "
+                     f"{m.get('kernels_after_warmup', 0):.0f}")
     if "shared_prefix" in result:
         lines.append(shared_prefix.summary_text(result["shared_prefix"]).rstrip("\n"))
     return "\n".join(lines) + "\n"

@@ -5,8 +5,8 @@ compiler. A kernel variant it missed (a new specialization: another M-block, ano
 a request first needs it: 0.5-1.4 s on the 48B shape, with every other request of the pass waiting behind it
 (README, multi-turn replay on the H200). Triton calls `knobs.runtime.jit_cache_hook` whenever a kernel variant is not
 yet in the process's memory (compiled, or loaded from the on-disk cache); after the warm-up each such call is logged
-with the kernel's name and specialization and counted in `kimiserve_shard_kernels_after_warmup_total{kernel}`, so a
-gap in the warm-up shows in production and in every benchmark run.
+with the kernel's name and specialization and counted in `kimiserve_shard_kernels_after_warmup_total`, so a gap in
+the warm-up shows in production and in every benchmark run.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class LateKernels:
-    """Watches Triton's kernel cache misses: ignored until `watch()` (the warm-up's own), then each one reported to
-    `on_late(kernel name)` and logged."""
+    """Watches Triton's kernel cache misses: ignored until `watch()` (the warm-up's own), then each one logged and
+    reported to `on_late()`."""
 
-    def __init__(self, on_late: Callable[[str], None]):
+    def __init__(self, on_late: Callable[[], None]):
         self._on_late = on_late
         self._watching = False
         self._previous: Callable | None = None
@@ -50,7 +50,7 @@ class LateKernels:
             name = getattr(fn, "name", str(fn))
             log.warning("kernel first met after the warm-up: a request waited for it to compile or load",
                         extra={"kernel": name, "specialization": repr})
-            self._on_late(name)
+            self._on_late()
         if self._previous is not None:
             return self._previous(fn=fn, repr=repr, **kwargs)
         return None

@@ -223,6 +223,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]], str]]]] = [
          [per_pass_mean("kimiserve_shard_prefill_pass_graphed", "replayed")],
          "Share of prefill passes replayed from the prefill graphs (small passes: --prefill-graph-tokens) rather "
          "than launched op by op: on a GPU, a replayed pass costs its GPU time, not the host's launches."),
+        ("Kernels first met after the warm-up", "short",
+         [(f"sum by (shard) (increase(kimiserve_shard_kernels_after_warmup_total{{{SEL}}}[{RATE}]))",
+           "{{shard}}")],
+         "Triton kernel variants a request waited for (compiled or loaded; 0.5-1.4 s each on the 48B shape, every "
+         "request of the pass behind it): each is a gap in the shard's warm-up, named with its specialization in "
+         "the shard's log line \"kernel first met after the warm-up\"."),
         ("Prompt length per shard", "short",
          quantiles("kimiserve_shard_request_prompt_tokens", "shard", (0.5, 0.99)),
          "Prompt tokens of the requests each shard finished (bucket bounds x4)."),
