@@ -131,7 +131,9 @@ def first_vs_warm(result: dict, stub, http_port: int, input_len: int) -> None:
 
 
 def _load_args(args) -> tuple[str, ...]:
-    return () if args.tiny else ("--load-format", "dummy")
+    """The shards' weights (dummy at the 48B shape) and, with --batch-invariant, their ops."""
+    invariant = ("--batch-invariant",) if args.batch_invariant else ()
+    return (*(() if args.tiny else ("--load-format", "dummy")), *invariant)
 
 
 def _shard_args(args, slots: int, blocks: int, max_len: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -454,6 +456,8 @@ def main() -> None:
     p.add_argument("--tiny", action="store_true", help="the tiny kimi_linear checkpoint instead of the 48B shape")
     p.add_argument("--layers", type=int, default=None,
                    help="the 48B shape with only this many layers (a GPU that cannot hold all 27; figures scale)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every shard with --batch-invariant (shard_svc/ops/batch_invariant.py)")
     p.add_argument("--dry-run", action="store_true",
                    help="the whole path on the CPU: --tiny --device cpu, levels 1,2, 32 prompt and 4 output tokens, "
                         "prefill budget 64, --auto-capacity")

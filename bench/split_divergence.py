@@ -7,7 +7,8 @@ call: the first call whose inputs are bit for bit the one pass's but whose outpu
 the pass's size; a first call whose inputs already differ puts the cause in the model code between it and the call
 before (torch ops outside the seam: products in the MLA absorption, the gates, ...).
 
-    python -m bench.split_divergence --out DIR [--layers 16] [--context 3712] [--tails 40,200] [--pad-linear-rows N]
+    python -m bench.split_divergence --out DIR [--layers 16] [--context 3712] [--tails 40,200] [--batch-invariant]
+        [--pad-linear-rows N] [--expert-block-m N]
 
 `--pad-linear-rows N` runs every linear on at least N rows (zero rows appended, the result cut back): both passes'
 products then have one shape, so a library that picks its kernel by M rounds them alike, and the next op to blame
@@ -37,6 +38,7 @@ from bench.pass_overhead import continuation, eager
 from shard_svc.config import ModelConfig
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
+from shard_svc.ops.batch_invariant import batch_invariant
 
 log = logging.getLogger("bench.split_divergence")
 
@@ -156,6 +158,7 @@ def main() -> None:
     p.add_argument("--tails", default="40,200")
     p.add_argument("--pad-linear-rows", type=int, default=0, help="run every linear on at least this many rows")
     p.add_argument("--expert-block-m", type=int, default=0, help="the routed experts' M-block (Triton backend)")
+    p.add_argument("--batch-invariant", action="store_true", help="the shard's --batch-invariant ops")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +171,7 @@ def main() -> None:
     engine_cfg = EngineConfig(num_state_slots=4, kv_block_size=64, prefill_token_budget=1 << 20,
                               num_kv_blocks=2 * (args.context + max(tails)) // 64 + 8)
     engine = Engine(cfg, dummy_model(cfg, device, dtype), select_ops(device), device, engine_cfg)
-    ops = engine.runner.ops
+    ops = batch_invariant(engine.runner.ops) if args.batch_invariant else engine.runner.ops
     if args.pad_linear_rows:
         ops = dataclasses.replace(ops, linear=padded_linear(ops.linear, args.pad_linear_rows))
     if args.expert_block_m:
@@ -177,7 +180,8 @@ def main() -> None:
     engine.runner.ops = ops
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
               "dtype": str(dtype), "op_backends": dict(engine.runner.ops.backends),
-              "pad_linear_rows": args.pad_linear_rows, "expert_block_m": args.expert_block_m,
+              "batch_invariant": args.batch_invariant, "pad_linear_rows": args.pad_linear_rows,
+              "expert_block_m": args.expert_block_m,
               "tails": [divergence(engine, args.context, t) for t in tails]}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name()

@@ -144,6 +144,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                  "`kimiserve shard --help`)")
     for flag, kind in SHARD_FLAGS:
         shard.add_argument(flag, type=kind, default=None)
+    shard.add_argument("--batch-invariant", action="store_true",
+                       help="shards whose ops round a token's rows alike in any pass: prefix-cache restores give a "
+                            "cold prompt's bits (Triton backend)")
 
 
 # Shard flags `up` passes through when given.
@@ -160,6 +163,8 @@ def shard_flags(args: argparse.Namespace) -> tuple[str, ...]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
+    if getattr(args, "batch_invariant", False):
+        out.append("--batch-invariant")
     return tuple(out)
 
 

@@ -27,6 +27,7 @@ from shard_svc.engine.step_sync import ALONE, StepSync
 from shard_svc.engine.warmup import warm_up
 from shard_svc.model import KimiForCausalLM
 from shard_svc.ops import select_ops
+from shard_svc.ops.batch_invariant import batch_invariant
 from shard_svc.weight_streaming.metrics import StreamingMetrics
 from shard_svc.weight_streaming.mode import WeightsArgs, load_for_serving
 from shard_svc.weight_streaming.streamer import WeightStreamer
@@ -60,6 +61,7 @@ class EngineOptions:
     # device memory on a GPU, the fixed defaults elsewhere; `config` then gives only the block size, the prefix state
     # interval and host entries. None: `config` is used as it is (benchmarks, tests, `kimiserve generate`).
     capacity: CapacityRequest | None = None
+    batch_invariant: bool = False  # ops that round a row alike in any pass (shard_svc/ops/batch_invariant.py)
 
     @property
     def world(self) -> int:
@@ -96,6 +98,8 @@ def assemble_engine(opts: EngineOptions, device: torch.device, cfg: ModelConfig,
     grammars = (Grammars.for_checkpoint(Path(opts.model_dir), cfg.vocab_size, cfg.eos_token_ids)
                 if opts.grammars else None)
     ops = select_ops(device, opts.op_backend)
+    if opts.batch_invariant:
+        ops = batch_invariant(ops)
 
     def build(config: EngineConfig) -> Engine:
         engine = Engine(cfg, model, ops, device, graph_engine_config(config, device, eager), sync=sync,

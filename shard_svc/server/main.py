@@ -126,6 +126,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "most this many (least recently used dropped first), and a hit there is copied back before "
                         "the request's prefill. Each holds a state slot's bytes plus its prefix's KV. 0: off")
     p.add_argument("--op-backend", default="auto", help="auto | eager | triton")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="ops that compute a token's rows alike whatever shares its pass (Triton backend): a prompt "
+                        "restored from the prefix cache or prefilled in other chunks gives one pass's bits, at some "
+                        "cost in speed (shard_svc/ops/batch_invariant.py)")
     p.add_argument("--load-format", choices=sorted(LOAD_FORMATS), default="safetensors",
                    help="dummy: random weights from config.json alone (benchmarks)")
     p.add_argument("--enforce-eager", action="store_true",
@@ -208,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ShardServerConfig:
                             fold_decodes=args.fold_decodes, prefill_graph_tokens=args.prefill_graph_tokens)
     engine = EngineOptions(args.model, device, args.dtype, args.op_backend, args.load_format,
                            capacity, weights_args(args), args.enforce_eager, warm_up=True, tp=args.tp, ep=args.ep,
+                           batch_invariant=args.batch_invariant,
                            group_timeout_s=args.group_timeout, cpu_threads=args.cpu_threads, capacity=request)
     tls = security.server_tls_from_args(args)
     token_file = internal_auth.check_server_args(args, args.host, tls, "shard")
