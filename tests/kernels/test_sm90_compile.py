@@ -17,6 +17,7 @@ from tests.engine.conftest import linear_config, random_model
 from tests.kernels.conftest import ON_GPU, kernel_module
 from tests.kernels.sm90 import SHARED_MEMORY_LIMIT, compile_all, recorded_launches
 from tests.kernels.test_glu import glu_module
+from tests.kernels.test_invariant_linear import module as invariant_module
 from tests.kernels.test_linear import linear_module
 from tests.kernels.test_mla_decode import make_decode_batch, mla_module
 from tests.kernels.test_mla_prefill import make_prefill_batch, prefill_module
@@ -96,6 +97,10 @@ def decode_48b_launches() -> None:
         torch.tensor([0, 1]))
     args = make_prefill_batch([4096], [512], 32, 128, 64, 128, 512, 64, BF16)
     prefill_module().mla_prefill(*args, 0.1)
+    inv = invariant_module()  # batch-invariant mode's linear, on the GPU's tiling, at a prefill's rows
+    for n, k in ((12288, D), (D, 4096)):
+        inv.invariant_linear(torch.empty(3712, k, dtype=BF16), torch.empty(1, k, dtype=BF16).expand(n, k),
+                             inv.GPU_TILES)
 
 
 def kda_prefill_48b_launches() -> None:
@@ -125,6 +130,8 @@ def fp32_launches() -> None:
     x, weights, ids, w1, w3, w2 = make_inputs(5, 64, 32, 6, 3, F32)
     moe_module().moe_experts(x, weights, ids, w1, w3, w2, "situ", (4.0, 25.0))
     linear_module().skinny_linear(torch.randn(2, 256), torch.randn(32, 256))
+    inv = invariant_module()
+    inv.invariant_linear(torch.empty(40, 256), torch.empty(32, 256), inv.GPU_TILES)
 
 
 @pytest.mark.slow  # ~1 minute: out of `make test-fast`

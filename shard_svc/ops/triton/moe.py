@@ -87,8 +87,10 @@ def _place_pairs(ids, scratch, sorted_ids, o, N, E, NB, E_PAD: tl.constexpr, K: 
 
 
 # E: routed experts; NB: experts with runs (E, or E + 1 with the shared expert); K: routed choices per token.
+# Counts that follow a pass's size (pairs, M-blocks) are not specialized: Triton would otherwise compile a variant
+# for each divisibility class a pass meets, and one the warm-up missed costs a request a compile (late_kernels.py).
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E, NB,
                           BM: tl.constexpr, E_PAD: tl.constexpr, C: tl.constexpr, RB: tl.constexpr, K: tl.constexpr,
                           SHARED: tl.constexpr, PDL: tl.constexpr):
@@ -103,7 +105,7 @@ def _moe_align_one_kernel(ids, sorted_ids, expert_ids, num_padded, scratch, N, E
         _place_pairs(ids, scratch, sorted_ids, c0 + tl.arange(0, C), N, E, NB, E_PAD, K, SHARED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_hist_kernel(ids, scratch, N, E, NB, E_PAD: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                      SHARED: tl.constexpr):
     o = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
@@ -112,14 +114,14 @@ def _moe_hist_kernel(ids, scratch, N, E, NB, E_PAD: tl.constexpr, C: tl.constexp
     tl.atomic_add(scratch + E_PAD + o_e, hist, mask=(o_e < NB) & (hist > 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_runs_kernel(scratch, sorted_ids, expert_ids, num_padded, N, NB,
                      BM: tl.constexpr, E_PAD: tl.constexpr, RB: tl.constexpr):
     counts = tl.load(scratch + E_PAD + tl.arange(0, E_PAD))
     _write_runs(counts, scratch, sorted_ids, expert_ids, num_padded, N, NB, E_PAD, BM, RB)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _moe_place_kernel(ids, sorted_ids, scratch, N, E, NB, E_PAD: tl.constexpr, C: tl.constexpr, K: tl.constexpr,
                       SHARED: tl.constexpr):
     _place_pairs(ids, scratch, sorted_ids, tl.program_id(0).to(tl.int64) * C + tl.arange(0, C), N, E, NB, E_PAD, K,
@@ -198,7 +200,7 @@ def expert_block(sorted_ids, expert_ids, pid_m, pid_n, n_pairs, N, BM: tl.conste
     return o_p, pair, pair < n_pairs, e, o_n, o_n < N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _moe_gate_up_kernel(
     x, w1, w3, sw1, sw3, h, sorted_ids, expert_ids, num_padded,
     n_pairs, num_m, E, D, I, stride_x, stride_we, stride_wn, stride_h,
@@ -261,7 +263,7 @@ def store_glu(acc1, acc3, h, o_p, o_n, m_n, stride_h, beta, beta_lin, ACT: tl.co
     tl.store(p_h, round_to(act, dt, RNE), mask=m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs", "num_m"])
 def _moe_down_kernel(
     h, w2, sw2, y, sorted_ids, expert_ids, num_padded,
     n_pairs, num_m, E, D, I, stride_h, stride_we, stride_wn, stride_y,

@@ -21,7 +21,7 @@ from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision,
 from shard_svc.ops.triton.jit_helpers import pdl_prologue
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the pass's tokens: one variant for all
 def _router_logits_kernel(x, w, logits, T, D, E, k_span, stride_x, stride_w, stride_l, stride_split,
                           BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, DOT_FP32: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -46,7 +46,7 @@ def _router_logits_kernel(x, w, logits, T, D, E, k_span, stride_x, stride_w, str
              mask=m_t[:, None] & m_e[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # the pass's tokens: one variant for all
 def _router_topk_kernel(logits, bias, weights, ids, T, E, stride_l, stride_split, scaling,
                         K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr,
                         SPLIT: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):

@@ -55,7 +55,7 @@ def _tile_rows(x, t0, T, stride_x, o_c, m_c, W: tl.constexpr, BT: tl.constexpr, 
     return rows
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "n_seqs", "span"])  # sizes of the pass: one compiled variant for all
 def _conv_fwd_kernel(
     x, weight, conv_state, slots, cu_seqlens, out,
     T, C, n_seqs, span, stride_x, stride_o, stride_s_slot, stride_s_c,
@@ -186,6 +186,13 @@ def _conv_seq_kernel(
     tl.store(p_s[:, None] + tl.arange(0, WP)[None, :], new, mask=m)
 
 
+def search_steps(n_seqs: int) -> int:
+    """Binary-search steps that find any of n_seqs sequences, rounded up to 4, 8, 16 or 32 (extra steps change
+    nothing): a constexpr of few values, so passes of 1-7 sequences share one compiled kernel, 8-127 another."""
+    need = math.ceil(math.log2(n_seqs + 1)) + 1
+    return next(s for s in (4, 8, 16, 32) if s >= need)
+
+
 def _prefill_warps(c: int) -> int:
     """4 warps (512 channels), fewer when C would leave most of the block masked."""
     warps = 4
@@ -239,7 +246,7 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor, 
     nb = tiles_per_program if tiles_per_program is not None else max(1, min(8, triton.cdiv(t, bt) * n_cb // 3072))
     _conv_fwd_kernel[(triton.cdiv(t, bt * nb), n_cb)](
         x, weight, conv_state, slots, cu_seqlens, out, t, c, n, bt * nb, strides[0], out.stride(0), strides[1],
-        strides[2], W=width, BT=bt, BC=bc, SEARCH_STEPS=max(1, math.ceil(math.log2(n + 1)) + 1),
+        strides[2], W=width, BT=bt, BC=bc, SEARCH_STEPS=search_steps(n),
         EVEN_C=c % bc == 0, num_warps=warps)
     bc = 128
     _conv_state_kernel[(n, triton.cdiv(c, bc))](
