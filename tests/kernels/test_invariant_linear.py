@@ -65,3 +65,21 @@ def test_3d_inputs_empty_rows_and_named_errors():
         mod.invariant_linear(x[:, :16], w)
     with pytest.raises(mod.TritonKernelError, match=r"linear: weight \(8, 32\) torch.bfloat16 .*dtype"):
         mod.invariant_linear(x, w.bfloat16())
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU smoke run; on a GPU run the benchmark itself")
+def test_the_benchmarks_pieces_run_on_a_tiny_model():
+    """bench/invariant_linear.py: a pass's linears from the model, timed both ways, the tail rows checked."""
+    from bench import invariant_linear as bench
+    from bench.linear_micro import wall_timer
+    from shard_svc.config import ModelConfig
+    from tests.engine.conftest import linear_config
+
+    module()
+    shapes = bench.pass_linears(ModelConfig.from_dict(linear_config()))
+    assert shapes and all(calls >= 1 for _, _, calls in shapes)
+    result = {"passes": [bench.time_pass(shapes, m, torch.float32, torch.device("cpu"), wall_timer)
+                         for m in (8, 64)]}
+    assert all(s["invariant_tail_bitwise"] for s in result["passes"][1]["shapes"])
+    assert result["passes"][0]["shapes"][0]["invariant_tail_bitwise"] is None  # fewer rows than the tail
+    assert "64" in bench.table(result)
