@@ -3,7 +3,8 @@
 On a GPU the first pass of each shape compiles its Triton kernels (seconds each); a shard that reported SERVING
 before that made its first users wait for the compiler (a 6 s first TTFT against 47 ms warm on the 48B shape).
 The requests below cover a prefill of one sequence and of several packed ones, prompt lengths on and off the
-kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, packed passes filling a quarter, half
+kernels' 16- and 64-token tiles, a chunked prompt when the budget splits it, one longer than the MLA prefill's key
+workspace where the context allows it, packed passes filling a quarter, half
 and all of the prefill budget (kernels pick tiles by a pass's token count), and decode at batch 1 and at the
 batches the packed rounds reach. Finished requests give back their slots and blocks, so the pools are as fresh as
 before (a slot is zeroed when it is handed out). The prefix cache is off meanwhile: synthetic prompts have no place
@@ -29,10 +30,15 @@ OUTPUT_TOKENS = 3
 
 
 def prompt_lengths(engine: Engine) -> list[int]:
-    """Lengths that fit one request's context and the KV cache, on and off the tiles, up to a chunked prompt."""
+    """Lengths that fit one request's context and the KV cache, on and off the tiles, up to a chunked prompt, and
+    one past the MLA prefill's key workspace (its attention then runs in merged launches: another kernel variant,
+    met otherwise by the first prompt longer than it)."""
     longest = engine.max_model_len - OUTPUT_TOKENS
     budget = engine.engine_cfg.prefill_token_budget
     wanted = {1, 15, 16, 63, 64, 65, 1000, 1024, budget, budget + 17}
+    workspace = int(getattr(engine.runner.ops.mla_prefill, "context_workspace_tokens", 0))
+    if workspace:
+        wanted.add(workspace + 17)
     return sorted(n for n in wanted if 1 <= n <= longest)
 
 

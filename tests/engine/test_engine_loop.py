@@ -193,6 +193,26 @@ def test_warm_up_leaves_no_trace_in_pools_or_outputs():
                                                                                         "after").output
 
 
+def test_warm_up_runs_a_prompt_past_the_mla_prefills_key_workspace_where_the_context_allows():
+    import dataclasses
+
+    from shard_svc.engine.warmup import prompt_lengths, warm_up
+
+    engine = make_engine(linear_config(), num_state_slots=4, num_kv_blocks=32, kv_block_size=16,
+                         prefill_token_budget=48)
+    assert 140 not in prompt_lengths(engine)  # the eager op expands every key at once: nothing to warm
+    eager = engine.runner.ops.mla_prefill
+
+    def attention(*args, **kwargs):
+        return eager(*args, **kwargs)
+
+    attention.context_workspace_tokens = 123  # a backend that merges launches past 123 keys
+    engine.runner.ops = dataclasses.replace(engine.runner.ops, mla_prefill=attention)
+    assert 140 in warm_up(engine)["single_lengths"]
+    engine.max_model_len = 100
+    assert 140 not in prompt_lengths(engine), "only where a request's context reaches it"
+
+
 def test_warm_up_runs_with_the_prefix_cache_off_and_leaves_it_empty_and_on():
     """Snapshot points would split the warm-up's passes below the shapes it compiles; synthetic prompts must not
     become entries or count as snapshots."""
