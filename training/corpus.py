@@ -3,7 +3,8 @@
 The novels (1811-1818) are in the public domain; the package is MIT-licensed (Julia Silge) and ships them as R data.
 `python3 -m training.corpus --deb r-cran-janeaustenr_1.0.0-1_all.deb` (from `apt-get download r-cran-janeaustenr`)
 derives `training/data/austen.txt` from the .deb alone, byte for byte the same every time: each novel from its first
-chapter heading to its end, headings, end marks and scene breaks dropped, each paragraph's lines joined by spaces, `_emphasis_` marks removed.
+chapter heading to its end, headings, end marks and scene breaks dropped, each paragraph's lines joined by spaces,
+`_emphasis_` marks removed.
 Novels are separated by a form feed line; paragraphs by one blank line. Training reads only the derived file, so
 nothing is downloaded at run time.
 """

@@ -18,7 +18,8 @@ from tokenizer_svc.kimi_chat import BuiltinKimiTemplate
 
 # title, year, heroine, characters (as the text names them)
 NOVELS = [
-    ("Sense and Sensibility", 1811, "Elinor Dashwood", ["Elinor", "Marianne", "Edward", "Colonel Brandon", "Willoughby"]),
+    ("Sense and Sensibility", 1811, "Elinor Dashwood",
+     ["Elinor", "Marianne", "Edward", "Colonel Brandon", "Willoughby"]),
     ("Pride and Prejudice", 1813, "Elizabeth Bennet",
      ["Elizabeth", "Mr. Darcy", "Jane", "Mr. Bingley", "Mr. Bennet", "Mrs. Bennet", "Lydia", "Wickham"]),
     ("Mansfield Park", 1814, "Fanny Price", ["Fanny", "Edmund", "Sir Thomas", "Mrs. Norris", "Henry Crawford"]),

@@ -60,7 +60,8 @@ def training_context(ops: Ops, device: torch.device) -> ForwardContext:
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     batch = ForwardBatch(cu_seqlens=empty, ctx_lens=empty, state_slots=empty, block_tables=empty,
                          slot_mapping=empty, is_decode=False)
-    return ForwardContext(batch=batch, kda_pool=_NoKDAState(), kv_cache=_LatentsOfThisPass(), ops=ops)  # type: ignore[arg-type]
+    return ForwardContext(batch=batch, kda_pool=_NoKDAState(),  # type: ignore[arg-type]
+                          kv_cache=_LatentsOfThisPass(), ops=ops)
 
 
 def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool = False,
@@ -133,7 +134,8 @@ def training_ops(batch: int, seq_len: int, chunk: int = 32, mxfp4_experts: bool 
 
 def chunked_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                 chunk: int) -> torch.Tensor:
-    """KDA from zero state for [B, L, H, *] fp32 inputs (q, k normalised; g log-decay; beta [B, L, H]) -> o [B, L, H, V].
+    """KDA from zero state for [B, L, H, *] fp32 inputs (q, k normalised; g log-decay; beta [B, L, H])
+    -> o [B, L, H, V].
 
     The UT/WY form of ops/kda/eager.py::_chunk_kda with every chunk's intra-chunk part computed at once; only the
     state passes from chunk to chunk. Pairwise decays exp(G_i - G_j) are taken for j <= i only (exponents <= 0).

@@ -41,8 +41,8 @@ def learn_bpe(texts: Iterable[str], base_vocab: int) -> tuple[dict[bytes, int], 
     ranks = {to_bytes(token): i for token, i in model["vocab"].items()}
     merges = [tuple(to_bytes(part) for part in (m.split(" ") if isinstance(m, str) else m)) for m in model["merges"]]
     if len(ranks) != base_vocab or sorted(ranks.values()) != list(range(base_vocab)):
-        raise TokenizerTrainingError(f"BPE trainer gave {len(ranks)} tokens with ids "
-                                     f"{min(ranks.values())}..{max(ranks.values())}, wanted exactly 0..{base_vocab - 1}")
+        raise TokenizerTrainingError(f"BPE trainer gave {len(ranks)} tokens with ids {min(ranks.values())}.."
+                                     f"{max(ranks.values())}, wanted exactly 0..{base_vocab - 1}")
     return ranks, merges  # type: ignore[return-value]
 
 
