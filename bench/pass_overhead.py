@@ -44,6 +44,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def dummy_48b(device: torch.device, layers: int | None) -> tuple[ModelConfig, torch.nn.Module]:
+    """The 48B shape (or its first `layers` layers) with dummy weights: bf16 on a GPU, fp32 on the CPU."""
+    from shard_svc.checkpoint.dummy import dummy_model
+
+    cfg = ModelConfig.from_dict(with_layers(KIMI_LINEAR_48B, layers))
+    return cfg, dummy_model(cfg, device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
 def wall_ms(fn: Callable[[], None], device: torch.device, reps: int) -> float:
     fn()
     _sync(device)
@@ -261,11 +269,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    cfg = ModelConfig.from_dict(with_layers(KIMI_LINEAR_48B, args.layers))
-    from shard_svc.checkpoint.dummy import dummy_model
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = dummy_model(cfg, device, dtype)
+    cfg, model = dummy_48b(device, args.layers)
     news = [int(n) for n in args.new.split(",")]
     engine_cfg = EngineConfig(num_state_slots=len(news) + 8, kv_block_size=64, prefill_token_budget=1 << 20,
                               num_kv_blocks=(len(news) + 7) * (args.context + max(news) + 3072) // 64 + 8)

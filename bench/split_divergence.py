@@ -33,9 +33,7 @@ from typing import Callable
 
 import torch
 
-from bench.configs import KIMI_LINEAR_48B, with_layers
-from bench.pass_overhead import continuation, eager
-from shard_svc.config import ModelConfig
+from bench.pass_overhead import continuation, dummy_48b, eager
 from shard_svc.engine.engine import Engine, EngineConfig
 from shard_svc.ops import select_ops
 from shard_svc.ops.batch_invariant import batch_invariant
@@ -163,14 +161,11 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    cfg = ModelConfig.from_dict(with_layers(KIMI_LINEAR_48B, args.layers))
-    from shard_svc.checkpoint.dummy import dummy_model
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg, model = dummy_48b(device, args.layers)
     tails = [int(t) for t in args.tails.split(",") if t]
     engine_cfg = EngineConfig(num_state_slots=4, kv_block_size=64, prefill_token_budget=1 << 20,
                               num_kv_blocks=2 * (args.context + max(tails)) // 64 + 8)
-    engine = Engine(cfg, dummy_model(cfg, device, dtype), select_ops(device), device, engine_cfg)
+    engine = Engine(cfg, model, select_ops(device), device, engine_cfg)
     ops = batch_invariant(engine.runner.ops) if args.batch_invariant else engine.runner.ops
     if args.pad_linear_rows:
         ops = dataclasses.replace(ops, linear=padded_linear(ops.linear, args.pad_linear_rows))
@@ -179,7 +174,7 @@ def main() -> None:
                                   moe_experts_shared=None)
     engine.runner.ops = ops
     result = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "layers": cfg.num_layers,
-              "dtype": str(dtype), "op_backends": dict(engine.runner.ops.backends),
+              "dtype": str(next(model.parameters()).dtype), "op_backends": dict(engine.runner.ops.backends),
               "batch_invariant": args.batch_invariant, "pad_linear_rows": args.pad_linear_rows,
               "expert_block_m": args.expert_block_m,
               "tails": [divergence(engine, args.context, t) for t in tails]}
