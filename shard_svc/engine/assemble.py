@@ -98,12 +98,14 @@ def assemble_engine(opts: EngineOptions, device: torch.device, cfg: ModelConfig,
     grammars = (Grammars.for_checkpoint(Path(opts.model_dir), cfg.vocab_size, cfg.eos_token_ids)
                 if opts.grammars else None)
     ops = select_ops(device, opts.op_backend)
-    if opts.batch_invariant:
-        ops = batch_invariant(ops)
+    # Batch invariance is for prompt rows (a restore's short tail must round as one pass over the prompt would);
+    # decode-only passes keep the fast ops.
+    prefill_ops = batch_invariant(ops) if opts.batch_invariant else ops
 
     def build(config: EngineConfig) -> Engine:
-        engine = Engine(cfg, model, ops, device, graph_engine_config(config, device, eager), sync=sync,
-                        kv_metrics=metrics, grammars=grammars, advertised=config)
+        engine = Engine(cfg, model, prefill_ops, device, graph_engine_config(config, device, eager), sync=sync,
+                        kv_metrics=metrics, grammars=grammars, advertised=config,
+                        decode_ops=None if prefill_ops is ops else ops)
         if streamer is not None:
             streamer.attach(engine.runner)
         return engine
@@ -112,7 +114,7 @@ def assemble_engine(opts: EngineOptions, device: torch.device, cfg: ModelConfig,
     if opts.capacity is not None:
         config = sized_config(opts.capacity, opts.config, cfg, device, dtype, build,
                               None if eager else enable_cuda_graphs, in_group=in_group,
-                              peak_context=functools.partial(attention_peak_context, ops))
+                              peak_context=functools.partial(attention_peak_context, prefill_ops))
     engine = build(config)
     if not eager:
         enable_cuda_graphs(engine)  # off, with the reason logged, where the device or ops rule graphs out

@@ -127,7 +127,7 @@ class CudaGraphRunner:
                              state_slots=self.meta[2, :bucket], block_tables=self.tables[:bucket],
                              slot_mapping=self.meta[3, :bucket], is_decode=True)
         r = self.runner
-        return self.meta[0, :bucket], ForwardContext(batch, r.kda_pool, r.kv_cache, r.ops)
+        return self.meta[0, :bucket], ForwardContext(batch, r.kda_pool, r.kv_cache, r.decode_ops)
 
     def _write(self, padded: PaddedRows) -> None:
         """Synchronous copies: the host buffers may be rewritten as soon as they return."""
@@ -189,7 +189,7 @@ def enable_cuda_graphs(engine, buckets: tuple[int, ...] | None = None) -> CudaGr
     if engine.device.type != "cuda":
         log.info("decode graphs off: not a CUDA device", extra={"device": str(engine.device)})
         return None
-    unsafe = unsafe_decode_ops(runner.ops)
+    unsafe = unsafe_decode_ops(runner.decode_ops)
     if unsafe:
         log.warning("decode graphs off: these decode ops are not graph-safe", extra={"ops": unsafe})
         return None

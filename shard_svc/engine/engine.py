@@ -106,8 +106,9 @@ class Engine:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
                  engine_cfg: EngineConfig = EngineConfig(), sync: StepSync = ALONE,
                  kv_metrics: StreamingMetrics | None = None,
-                 grammars: Grammars | None = None, advertised: EngineConfig | None = None):
-        """kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
+                 grammars: Grammars | None = None, advertised: EngineConfig | None = None,
+                 decode_ops: Ops | None = None):
+        """decode_ops: what decode-only passes run (None: `ops`; ModelRunner). kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
         grammars: the checkpoint's vocabulary for response_format (None: such requests are refused).
         advertised: the capacity the shard reports (engine_cfg less the decode graphs' padding slot and block;
         None: engine_cfg)."""
@@ -119,7 +120,7 @@ class Engine:
         self.runner = ModelRunner(cfg, model, ops, device,
                                   engine_cfg.num_state_slots + engine_cfg.prefix_cache_entries,
                                   engine_cfg.num_kv_blocks, engine_cfg.kv_block_size,
-                                  kda_heads=sync.kda_heads)
+                                  kda_heads=sync.kda_heads, decode_ops=decode_ops)
         self.kv_offload = (HostKVOffload.for_budget(self.runner.kv_cache, cfg, engine_cfg.host_kv_bytes, kv_metrics)
                            if engine_cfg.host_kv_bytes else None)
         pools = self.runner

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -23,9 +24,13 @@ log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, model: KimiForCausalLM, ops: Ops, device: torch.device,
-                 num_slots: int, num_blocks: int, block_size: int, kda_heads: int | None = None):
-        """kda_heads: this rank's KDA heads in a shard group (None: all of the model's)."""
+                 num_slots: int, num_blocks: int, block_size: int, kda_heads: int | None = None,
+                 decode_ops: Ops | None = None):
+        """kda_heads: this rank's KDA heads in a shard group (None: all of the model's). decode_ops: what
+        decode-only passes run (None: `ops`); batch-invariant mode keeps the fast ops there, since only prompt
+        rows must round alike in any split (shard_svc/ops/batch_invariant.py)."""
         self.cfg, self.model, self.ops, self.device = cfg, model, ops, device
+        self._decode_ops = decode_ops
         # Once, after loading, tensor parallelism and weight streaming have edited the model: the weights of linears
         # that multiply the same input packed, so each such group runs as one product (names and values unchanged).
         log.info("packed %d groups of weights", pack_weights(model))
@@ -42,6 +47,17 @@ class ModelRunner:
         # one packed forward today, so this holds one entry; a runner that splits passes appends one per forward.
         self.chunk_tokens: list[int] = []
         self.graphed = False  # whether the last pass replayed CUDA graphs (the pass record)
+
+    @property
+    def decode_ops(self) -> Ops:
+        """The ops of decode-only passes: `ops` itself (so replacing `ops` replaces both) unless set apart."""
+        return self._decode_ops or self.ops
+
+    def map_ops(self, fn: Callable[[Ops], Ops]) -> None:
+        """Applies fn to every op set this runner holds (the weight streamer wraps them all)."""
+        self.ops = fn(self.ops)
+        if self._decode_ops is not None:
+            self._decode_ops = fn(self._decode_ops)
 
     def _batch(self, work: list[tuple[Sequence, int]], is_decode: bool,
                points: dict[str, list[tuple[int, int]]]) -> tuple[torch.Tensor, ForwardBatch]:
@@ -97,7 +113,7 @@ class ModelRunner:
             self.chunk_tokens, self.graphed = [int(hidden.shape[0])], True
         else:
             input_ids, batch = self._batch(work, is_decode, points)
-            ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.ops)
+            ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.decode_ops if is_decode else self.ops)
             self.chunk_tokens, self.graphed = [int(input_ids.shape[0])], False
             if self.weights is None:
                 hidden = self.model(input_ids, ctx)
@@ -113,7 +129,8 @@ class ModelRunner:
             rows.extend(at + list(range(first, end)))
             if seq.params.prompt_logprobs is not None and seq.is_prefilling:
                 self._score(seq, hidden, end - n, n)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], self.ops)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
+                                           self.decode_ops if is_decode else self.ops)
         for seq, n in work:
             seq.num_computed += n
         return list(logits.split(spans))

@@ -11,6 +11,8 @@ long one (bench/split_divergence.py found them in this order on an H100; README 
   runs only small passes. Here one M-block for every pass, and the model composes the shared expert from linear and
   glu.
 Also `mla_prefill` keeps the Triton kernel for every length (no cuDNN for long sequences: one kernel, one order).
+Decode-only passes keep the fast ops (assemble.py hands both sets to the runner): only prompt rows have to round
+alike in any split, and the invariant GEMM at decode's few rows cost 2.3x the TPOT at batch 1 on an H100.
 What this costs in speed is measured by the benchmarks with the flag; what it leaves variant, if anything, by
 `python -m bench.split_divergence --batch-invariant`.
 """

@@ -226,7 +226,7 @@ class WeightStreamer:
 
     def attach(self, runner) -> None:
         """Hooks into a ModelRunner: it enters `pass_scope` around each forward and calls the wrapped ops."""
-        runner.ops = self.wrap_ops(runner.ops)
+        runner.map_ops(self.wrap_ops)
         runner.weights = self
 
     # -- per pass -------------------------------------------------------------------------------------------------
