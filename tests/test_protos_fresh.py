@@ -16,7 +16,8 @@ def test_committed_stubs_match_protos(tmp_path: Path) -> None:
     assert not extra, f"stale stubs without a .proto: {[str(p) for p in extra]}; delete them and run `make protos`"
     for rel in fresh:
         if (tmp_path / rel).read_bytes() != (protogen.REPO_ROOT / rel).read_bytes():
-            raise AssertionError(f"{rel} is stale: it differs from what protos/ generates; run `make protos` and commit")
+            raise AssertionError(f"{rel} is stale: it differs from what protos/ generates; "
+                                 "run `make protos` and commit")
 
 
 def test_generation_is_deterministic(tmp_path: Path) -> None:

@@ -108,7 +108,8 @@ class Engine:
                  kv_metrics: StreamingMetrics | None = None,
                  grammars: Grammars | None = None, advertised: EngineConfig | None = None,
                  decode_ops: Ops | None = None):
-        """decode_ops: what decode-only passes run (None: `ops`; ModelRunner). kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
+        """decode_ops: what decode-only passes run (None: `ops`; ModelRunner).
+        kv_metrics: where the host KV offload (engine_cfg.host_kv_bytes) reports the pages it moves.
         grammars: the checkpoint's vocabulary for response_format (None: such requests are refused).
         advertised: the capacity the shard reports (engine_cfg less the decode graphs' padding slot and block;
         None: engine_cfg)."""

@@ -62,7 +62,8 @@ STREAMING_SHARD = "shard-0"
 RESIDENT_VALUES = ("--set-json", 'shard.extraArgs=["--prefix-cache-entries", "2", "--prefix-host-entries", "8"]')
 STREAMING_VALUES = ("--set", "shard.weights.mode=stream", "--set", "shard.weights.prefetchDepth=2",
                     "--set", "shard.weights.slots=4", "--set-json", "shard.weights.pinnedMemoryGb=0.5",
-                    "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4", "--set", "shard.numKvBlocks=18",
+                    "--set-json", "shard.hostKvGb=0.01", "--set", "shard.kvBlockSize=4",
+                    "--set", "shard.numKvBlocks=18",
                     "--set-json", 'shard.extraArgs=["--prefix-cache-entries", "0"]')
 
 

@@ -40,7 +40,8 @@ def test_running_sequences_sent_since_the_last_answer_do_count():
             await busy.submit(shard_pb2.ShardRequest.Submit(request_id=f"r{i}"))
         busy.forget("unknown")  # an id this client never sent changes nothing
         assert busy.view.headroom == 1
-        assert pick_shard([ShardView("idle", healthy=True, free_slots=4), busy.view], {"127.0.0.1:2": 320}).name == "idle"
+        idle = ShardView("idle", healthy=True, free_slots=4)
+        assert pick_shard([idle, busy.view], {"127.0.0.1:2": 320}).name == "idle"
         await busy.close()
 
     asyncio.run(scenario())

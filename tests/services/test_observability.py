@@ -22,7 +22,8 @@ def after_traffic(stack):
 
 
 ROUTER_SERIES = ["kimiserve_router_requests_total", "kimiserve_router_time_to_first_token_seconds_count",
-                 "kimiserve_router_time_per_output_token_seconds_count", "kimiserve_router_request_duration_seconds_count",
+                 "kimiserve_router_time_per_output_token_seconds_count",
+                 "kimiserve_router_request_duration_seconds_count",
                  "kimiserve_router_queue_seconds_count", "kimiserve_router_prompt_tokens_total",
                  "kimiserve_router_generation_tokens_total", "kimiserve_router_shard_healthy",
                  "kimiserve_router_prefill_seconds_count", "kimiserve_router_inter_token_latency_seconds_count",
@@ -85,7 +86,8 @@ def test_per_request_and_prefill_series_move_by_what_the_requests_did(stack):
     assert moved("kimiserve_router_request_generation_tokens_sum", router) == generated
     key = 'kimiserve_router_finished_requests_total{finish_reason="length",method="Generate"}'
     assert after[0][key] - before[0].get(key, 0) == n
-    for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds", "time_to_first_token_seconds",
+    for name in ("request_queue_seconds", "request_wait_seconds", "request_prefill_seconds",
+                 "time_to_first_token_seconds",
                  "time_per_output_token_seconds", "request_duration_seconds", "request_prompt_tokens"):
         assert moved(f"kimiserve_shard_{name}_count", shards) == n, name
     assert moved("kimiserve_shard_request_prompt_tokens_sum", shards) == prompt

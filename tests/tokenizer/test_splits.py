@@ -14,7 +14,8 @@ from kimiserve.tokenizer_files.splits import SplitRule
 from launcher.up import DEFAULT_MODEL_DIR
 
 FRAGMENTS = ("<|im_end|>", "<|im_user|>", "<|im_system|>", "<|im_middle|>", "[BOS]", "<think>", "</think>", "<",
-             ">", "|", "!", "!<", "><", "x<", " ", "  ", "\n", "the", "a", "_", "é", "日本", "1", ".", '"', "--", ",",
+             ">", "|", "!", "!<", "><", "x<", " ", "  ", "\n", "the", "a", "_", "é", "日本", "1", ".", '"', "--",
+             ",",
              "<|z|>", "<|w|>", "<|v|>")
 
 

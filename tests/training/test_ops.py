@@ -74,7 +74,8 @@ def test_mxfp4_round_equals_quantize_then_dequantize():
 
 
 # K3 with MXFP4-sized experts (widths multiples of 32), so the straight-through rounding is on the path too.
-@pytest.mark.parametrize("raw", [linear_config(), k3_config(13, routed_expert_hidden_size=32, moe_intermediate_size=32)],
+@pytest.mark.parametrize("raw", [linear_config(),
+                                 k3_config(13, routed_expert_hidden_size=32, moe_intermediate_size=32)],
                          ids=["linear", "k3-13-mxfp4"])
 def test_gradients_reach_every_parameter(raw):
     cfg, model = random_model(raw, seed=0)
