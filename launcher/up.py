@@ -163,7 +163,7 @@ def shard_flags(args: argparse.Namespace) -> tuple[str, ...]:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             out += [flag, str(value)]
-    if getattr(args, "batch_invariant", False):
+    if args.batch_invariant:
         out.append("--batch-invariant")
     return tuple(out)
 

@@ -104,6 +104,7 @@ class ModelRunner:
         KDA states after its first m new tokens go into `slot`, and its rows start with one more per point, the
         logits at the position before it. Advances each sequence's num_computed."""
         points = points or {}
+        ops = self.decode_ops if is_decode else self.ops
         if is_decode and self.graphs is not None and self.weights is None and self.graphs.fits(len(work)):
             hidden = self.graphs.replay(work)  # -- decode graph hook: one row per sequence --
             self.chunk_tokens, self.graphed = [len(work)], True
@@ -113,7 +114,7 @@ class ModelRunner:
             self.chunk_tokens, self.graphed = [int(hidden.shape[0])], True
         else:
             input_ids, batch = self._batch(work, is_decode, points)
-            ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, self.decode_ops if is_decode else self.ops)
+            ctx = ForwardContext(batch, self.kda_pool, self.kv_cache, ops)
             self.chunk_tokens, self.graphed = [int(input_ids.shape[0])], False
             if self.weights is None:
                 hidden = self.model(input_ids, ctx)
@@ -129,8 +130,7 @@ class ModelRunner:
             rows.extend(at + list(range(first, end)))
             if seq.params.prompt_logprobs is not None and seq.is_prefilling:
                 self._score(seq, hidden, end - n, n)
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)],
-                                           self.decode_ops if is_decode else self.ops)
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)], ops)
         for seq, n in work:
             seq.num_computed += n
         return list(logits.split(spans))

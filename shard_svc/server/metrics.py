@@ -103,9 +103,6 @@ PREFIX_GAUGES = {  # by the values set_prefix_cache sets
 
 
 class ShardMetrics:
-    def kernel_after_warmup(self) -> None:
-        self.kernels_after_warmup.labels(**self.labels).inc()
-
     def __init__(self, shard: str, rank: int = 0, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.labels = {"shard": shard, "rank": str(rank)}
@@ -154,6 +151,9 @@ class ShardMetrics:
         self._handoff_seen = {"imported_tokens": 0, "exports": 0, "imports": 0}
         self._prefix_seen = dict.fromkeys(PREFIX_COUNTERS, 0)
         self._snapshots_seen = dict.fromkeys(SNAPSHOT_KINDS, 0)
+
+    def kernel_after_warmup(self) -> None:
+        self.kernels_after_warmup.labels(**self.labels).inc()
 
     def _histograms(self, table: dict[str, tuple[str, str, tuple[float, ...]]]) -> dict[str, Histogram]:
         return {key: Histogram(name, doc, LABELS, registry=self.registry, buckets=bounds)
