@@ -442,7 +442,8 @@ def main() -> None:
                    help="with --auto-capacity: one prompt of this many tokens (e.g. 262144), admitted or refused")
     p.add_argument("--long-context", action="store_true",
                    help="also the fair-prefill comparison: long-prompt interference and c=256 per policy variant")
-    p.add_argument("--long-len", type=int, default=262_000, help="long-context: the long prompt's tokens")
+    p.add_argument("--long-len", type=int, default=None,
+                   help="long-context: the long prompt's tokens (default 262,000; 4,096 with --dry-run)")
     p.add_argument("--long-variants", default="fcfs,fair", help=f"long-context: of {', '.join(LONG_VARIANTS)}")
     p.add_argument("--long-output-len", type=int, default=32,
                    help="long-context: the short clients' reply length (short enough that each client sends several "
@@ -460,11 +461,13 @@ def main() -> None:
                    help="every shard with --batch-invariant (shard_svc/ops/batch_invariant.py)")
     p.add_argument("--dry-run", action="store_true",
                    help="the whole path on the CPU: --tiny --device cpu, levels 1,2, 32 prompt and 4 output tokens, "
-                        "prefill budget 64, --auto-capacity")
+                        "prefill budget 64, --auto-capacity, long prompts of 4,096 tokens, c=256 runs of 64 requests")
     args = p.parse_args()
     if args.dry_run:
         args.tiny, args.device, args.levels, args.input_len, args.output_len = True, "cpu", "1,2", 32, 4
         args.prefill_budget, args.auto_capacity, args.long_prompt = 64, True, args.long_prompt or 4096
+        args.long_len, args.throughput_prompts = args.long_len or 4096, min(args.throughput_prompts, 64)
+    args.long_len = args.long_len or 262_000
     args.levels = [int(x) for x in args.levels.split(",")]
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
