@@ -3,6 +3,8 @@
     python bench/kda_kernels.py [--out DIR] [--sweep] [--quick]
 
 --sweep also times 16- and 32-row chunks on every prefill shape, and kernel layouts on B=1 T=16k.
+--k3 times K3's lower-bound gate (-5) on FlashKDA's shapes (1 x 8k / 16k / 64k, 8 x 1k and 8 x 4k packed) against
+fla and FlashKDA (`flash_kda`, built on the GPU from its repository; absent, its columns say so).
 
 Kimi-Linear-48B head shape: H=32, K=V=128, bf16 inputs, fp32 state. Prefill: B=1 x T=4k/16k/64k and B=8 x 4k
 (ours packed varlen with cu_seqlens, fla in batch form on the same data; fla gets the gate precomputed as in
@@ -22,12 +24,15 @@ import time
 import torch
 import triton
 
+# fla dispatches chunk_kda to FlashKDA when it is installed; "fla" here means fla's own Triton kernels.
+os.environ.setdefault("FLA_FLASH_KDA", "0")
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
 from bench.measure import copy_bytes_per_s, gpu_ms, graph_us  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
-from shard_svc.ops.triton.kda_chunk import kda_prefill, kda_prefill_stages  # noqa: E402
+from shard_svc.ops.triton.kda_chunk import CHUNKS, kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
 
 H, K, V = 32, 128, 128
@@ -35,6 +40,8 @@ DEV = torch.device("cuda")
 # Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (kda_prefill_stages' intra_* arguments).
 INTRA_SWEEP = [dict(intra_warps=warps) for warps in (2, 4, 8, 16)]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
+K3_LENS = [[8192], [16384], [65536], [1024] * 8, [4096] * 8]  # FlashKDA's anchor shapes
+K3_LOWER_BOUND = -5.0
 DECODE = [1, 16, 64, 256, 1024]
 
 
@@ -135,6 +142,70 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
     return rows
 
 
+def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
+    """K3's gate on packed input: ours (each chunk size) vs fla chunk_kda vs FlashKDA, zero initial state."""
+    try:
+        import flash_kda
+    except ImportError as e:
+        flash_kda, missing = None, f"flash_kda not importable: {e}"
+    rows = []
+    for lens in K3_LENS:
+        n_tok, n = sum(lens), len(lens)
+        q, k, v, f, bl, a_log, dt_bias = inputs(n_tok, seed=n_tok + n)
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=DEV, dtype=torch.int64)
+        slots = torch.arange(n, device=DEV)
+        pool = torch.zeros(n, H, K, V, device=DEV)
+        args = (q, k, v, f, bl, a_log, dt_bias, K3_LOWER_BOUND)
+        row = {"lens": f"{n}x{lens[0]}", "T": n_tok}
+        varlen = dict(cu_seqlens=cu) if n > 1 else {}
+        with torch.inference_mode():
+            fla_call = lambda: fla.chunk_kda(  # noqa: E731
+                q[None], k[None], v[None], f[None], bl[None], initial_state=torch.zeros(n, H, V, K, device=DEV),
+                output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=K3_LOWER_BOUND, A_log=a_log,
+                dt_bias=dt_bias, state_v_first=True, **varlen)
+            o_fla, s_fla = fla_call()
+            o_fla = o_fla[0]
+            if flash_kda is not None:
+                out = torch.zeros(1, n_tok, H, V, device=DEV, dtype=torch.bfloat16)
+                s0 = torch.zeros(n, H, V, K, device=DEV)
+                s1 = torch.zeros_like(s0)
+                fk_call = lambda: flash_kda.fwd(  # noqa: E731
+                    q[None], k[None], v[None], f[None], bl[None], K**-0.5, out, A_log=a_log,
+                    dt_bias=dt_bias.view(H, K), lower_bound=K3_LOWER_BOUND, initial_state=s0, final_state=s1,
+                    **varlen)
+                fk_call()
+                o_ref, s_ref, ref = out[0].clone(), s1.transpose(-1, -2).clone(), "flashkda"
+                row["err_fla_vs_flashkda"] = rel(o_fla, o_ref)
+                row["flashkda_ms"] = gpu_ms(fk_call)
+            else:
+                o_ref, s_ref, ref = o_fla, s_fla.transpose(-1, -2), "fla"
+                row["flashkda_error"] = missing
+            row["fla_ms"] = gpu_ms(fla_call)
+        for chunk in chunks:
+            pool.zero_()
+            o = kda_prefill(*args, pool, slots, cu, chunk=chunk)
+            _, intra, state = kda_prefill_stages(*args, pool, slots, cu, chunk=chunk)
+            row[f"ours_c{chunk}"] = {f"err_o_vs_{ref}": rel(o, o_ref), f"err_state_vs_{ref}": rel(pool, s_ref),
+                                     "ms": gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu, chunk=c)),
+                                     "intra_ms": gpu_ms(intra), "state_ms": gpu_ms(state)}
+            if chunk == 16 and len(chunks) > 1:  # the 16-row walk: 4x the steps, so its tile matters more
+                row["ours_c16"]["state_sweep_ms"] = {
+                    f"bv{bv}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, block_v=bv,
+                                                              state_warps=w)[2])
+                    for bv, w in ((16, 4), (64, 4), (64, 8), (128, 8))}
+        best = min(chunks, key=lambda c: row[f"ours_c{c}"]["ms"])
+        row["ours_best_chunk"], row["ours_ms"] = best, row[f"ours_c{best}"]["ms"]
+        row["vs_fla"] = row["fla_ms"] / row["ours_ms"]
+        if "flashkda_ms" in row:
+            row["vs_flashkda"] = row["flashkda_ms"] / row["ours_ms"]
+        print("k3", json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, f, pool, o_fla, s_fla, o_ref, s_ref
+        torch.cuda.empty_cache()
+    return rows
+
+
 def decode_rows(fla, sweep: bool, copy_tbps: float):
     from fla.ops.kda.gate import naive_kda_gate
 
@@ -219,6 +290,14 @@ def table(res) -> str:
             lines.append(f"    chunk {chunk:<3}                 {c['ms']:7.3f}  ({c['intra_ms']:.3f}+"
                          f"{c['state_ms']:.3f})  {r['fla_ms']:8.3f}  {r['fla_ms'] / c['ms']:6.2f}x  {'':9}  "
                          f"{c['err_o_vs_fla']:.1e}/{c['err_state_vs_fla']:.1e}")
+    if res.get("k3"):
+        lines += ["", "K3 gate (lower bound -5), zero state   ours ms (chunk)   fla ms   FlashKDA ms   vs fla  "
+                  "vs FlashKDA"]
+        for r in res["k3"]:
+            fk = f"{r['flashkda_ms']:11.3f}" if "flashkda_ms" in r else f"{'n/a':>11}"
+            vf = f"{r['vs_flashkda']:9.2f}x" if "vs_flashkda" in r else f"{'n/a':>10}"
+            lines.append(f"  {r['lens']:<10}                        {r['ours_ms']:7.3f} ({r['ours_best_chunk']:>2})  "
+                         f"{r['fla_ms']:7.3f}  {fk}  {r['vs_fla']:6.2f}x  {vf}")
     lines += ["", "decode (one token/seq)  do_bench: ours us  fla us  speedup | graph: ours us  fla us  "
               "ours TB/s  ours/copy | err o/state vs fla"]
     for r in res["decode"]:
@@ -272,6 +351,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also time kernel configurations and report the best")
     ap.add_argument("--quick", action="store_true", help="only the two smallest prefill shapes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of fla and ours at B=1 T=16k")
+    ap.add_argument("--k3", action="store_true", help="K3's gate against fla and FlashKDA on FlashKDA's shapes")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
     a = ap.parse_args()
     import fla
@@ -286,6 +366,8 @@ def main() -> None:
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
     json.dump(res, open(path, "w"), indent=1)
     res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
+    json.dump(res, open(path, "w"), indent=1)
+    res["k3"] = k3_rows(fla_kda, CHUNKS if a.sweep else (64,)) if a.k3 else []
     res["plots"] = plots(res, a.out)
     json.dump(res, open(path, "w"), indent=1)
     print(table(res))

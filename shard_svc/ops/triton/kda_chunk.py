@@ -45,6 +45,10 @@ CHUNK = 64  # BT: rows per chunk
 # them against each other.
 CHUNKS = (16, 32, 64)
 SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
+# With K3's bounded gate (>= lower_bound nats a step) a 16-row chunk spans at most 8 |lower_bound| log2(e) on each
+# side of its middle row, so one product per matrix, factors 2^(G_i - G_mid) and 2^(G_mid - G_j), stays inside
+# fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
+REF_SPAN_LOG2 = 100.0
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 
 
@@ -102,7 +106,7 @@ def _kda_chunk_intra_kernel(
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr, SINGLE_REF: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -150,6 +154,12 @@ def _kda_chunk_intra_kernel(
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
         diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
+        if SINGLE_REF:  # one product per matrix: every factor 2^(+-x) has x <= REF_SPAN_LOG2 (see kda_prefill_stages)
+            g_mid = tl.sum(tl.where(o_t[:, None] == BT // 2, b_G, 0.0), 0)
+            e_row = tl.exp2(b_G - g_mid[None, :])
+            k_col = tl.trans(b_k * tl.exp2(g_mid[None, :] - b_G))
+            a_qk += tl.dot(b_q * e_row, k_col, input_precision=PRECISION)
+            a_kk += tl.dot(b_k * e_row, k_col, input_precision=PRECISION)
         # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
         # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
         for lvl in tl.static_range(FAR_LEVELS):
@@ -159,7 +169,7 @@ def _kda_chunk_intra_kernel(
             a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
             a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
         # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
-        for lvl in tl.static_range(NEAR_LEVELS):
+        for lvl in tl.static_range(0 if SINGLE_REF else NEAR_LEVELS):
             e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
             k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
             same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
@@ -173,7 +183,12 @@ def _kda_chunk_intra_kernel(
     rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
-    a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)) * rq[:, None] * rk_col
+    if SINGLE_REF:  # the products hold every pair; keep the causal ones (A_kk's diagonal is the identity's)
+        a_qk = tl.where(o_i >= o_j, a_qk, 0.0) * rq[:, None] * rk_col
+        d_kk = tl.reshape(tl.where(o_i > o_j, a_kk, 0.0), [NB, BC, BC])
+    else:
+        a_qk = a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
+        a_qk = a_qk * rq[:, None] * rk_col
     tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
              mask=m_t[:, None])
     d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
@@ -363,6 +378,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
+    single_ref = chunk == SUB and lower_bound is not None and -lb * math.log2(math.e) * (chunk // 2) <= REF_SPAN_LOG2
     bv = block_v or min(bvp, 32)
 
     def intra():
@@ -374,7 +390,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
-            PRECISION=dot_precision(v.dtype), num_warps=intra_warps,
+            PRECISION=dot_precision(v.dtype), SINGLE_REF=single_ref, num_warps=intra_warps,
         )
 
     def state():
