@@ -23,6 +23,7 @@ CASES = {
     "one-128-H2-huge-decay": ([128], 2, 16, 16, None, torch.float32, "huge_decay"),
     "one-96-H2-identical-keys": ([96], 2, 16, 16, None, torch.float32, "same_keys"),
     "one-128-H2-lower-bound-saturated": ([128], 2, 16, 16, -5.0, torch.float32, "lb_saturated"),
+    "one-80-H2-K64-split-span": ([80], 2, 64, 16, None, torch.float32, "split_span"),
 }
 GPU_CASES = {
     "gpu-varlen-1000,3000,96-H32-K128-bf16": ([1000, 3000, 96], 32, 128, 128, None, torch.bfloat16, "plain"),
@@ -48,6 +49,10 @@ def make_inputs(lens, heads, dk, dv, dtype, flavour, num_slots=7, seed=0):
         k = k[:1].expand_as(k).contiguous()
         f, a_log = torch.full_like(f, -30.0), torch.full_like(a_log, -8.0)
         beta_logits = torch.full_like(beta_logits, 8.0)
+    elif flavour == "split_span":  # channels 0-31 barely decay, 32-63 by ~e^-70 a step: one slice each side of
+        # the 16-row chunks' one-reference bound (REF_SPAN_LOG2)
+        f = torch.cat([f[..., :32] - 10.0, f[..., 32:] + 10.0], -1)
+        a_log = torch.full_like(a_log, 2.0)
     elif flavour == "lb_saturated":  # every step at the lower bound: a chunk decays by e^-320
         f = torch.full_like(f, 30.0)
     slots = torch.randperm(num_slots, generator=g)[: len(lens)].to(DEVICE)
@@ -93,7 +98,7 @@ def test_kda_prefill_matches_reference(case):
 @pytest.mark.parametrize("chunk", [16, 32])
 @pytest.mark.parametrize("case", ["varlen-1,2,63,65-H3-K16-lower-bound", "one-128-H2-huge-decay",
                                   "one-96-H2-identical-keys", "varlen-65,63-H2-K32-bf16",
-                                  "one-128-H2-lower-bound-saturated"])
+                                  "one-128-H2-lower-bound-saturated", "one-80-H2-K64-split-span"])
 def test_kda_prefill_smaller_chunks_match_reference(case, chunk):
     """16- and 32-row chunks (FlashKDA's size; the benchmark times them against 64): the same results, boundaries
     now on and off a finer grid. At 16 rows K3's bounded gate takes the one-reference products (REF_SPAN_LOG2),

@@ -22,6 +22,8 @@ first row r of the second half of the smallest power-of-two block (64, 32, ..., 
 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
 on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
 over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
+A 16-row chunk whose channels span at most REF_SPAN_LOG2 on each side of its middle row (always, for K3's gate;
+per channel slice, checked, for the softplus gate) skips the levels: one product per matrix around that row.
 Products run in tf32 (fp32 operands), as fla's intra-chunk kernels; in exact fp32 when the model computes in fp32
 (`common.dot_precision`).
 """
@@ -106,7 +108,7 @@ def _kda_chunk_intra_kernel(
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr, SINGLE_REF: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr, REF_MODE: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -153,42 +155,49 @@ def _kda_chunk_intra_kernel(
                                         b_a, lower_bound, K, BK, USE_LOWER_BOUND)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
-        diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
-        if SINGLE_REF:  # one product per matrix: every factor 2^(+-x) has x <= REF_SPAN_LOG2 (see kda_prefill_stages)
-            g_mid = tl.sum(tl.where(o_t[:, None] == BT // 2, b_G, 0.0), 0)
+        g_mid = tl.sum(tl.where(o_t[:, None] == BT // 2, b_G, 0.0), 0)
+        if REF_MODE == 2:  # the slice's own span decides: G falls, so its extremes are rows 0 and BT - 1
+            span = tl.max(tl.maximum(tl.sum(tl.where(o_t[:, None] == 0, b_G, 0.0), 0) - g_mid,
+                                     g_mid - tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)), 0)
+            one_ref = span <= REF_SPAN_LOG2
+        else:
+            one_ref = REF_MODE == 1
+        if one_ref:  # one product per matrix: every factor 2^(+-x) has x <= REF_SPAN_LOG2 (see kda_prefill_stages)
             e_row = tl.exp2(b_G - g_mid[None, :])
             k_col = tl.trans(b_k * tl.exp2(g_mid[None, :] - b_G))
             a_qk += tl.dot(b_q * e_row, k_col, input_precision=PRECISION)
             a_kk += tl.dot(b_k * e_row, k_col, input_precision=PRECISION)
-        # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
-        # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
-        for lvl in tl.static_range(FAR_LEVELS):
-            e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
-            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
-            same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
-            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
-            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
-        # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
-        for lvl in tl.static_range(0 if SINGLE_REF else NEAR_LEVELS):
-            e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
-            k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
-            same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
-            q3 = tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS])
-            k3 = tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS])
-            d_qk += tl.where(same, tl.dot(q3, k_f, input_precision=PRECISION), 0.0)
-            d_kk += tl.where(same, tl.dot(k3, k_f, input_precision=PRECISION), 0.0)
+        else:
+            diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
+            # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
+            # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
+            for lvl in tl.static_range(FAR_LEVELS):
+                e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
+                k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+                same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
+                a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
+                a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
+            # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
+            for lvl in tl.static_range(NEAR_LEVELS):
+                e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
+                k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
+                same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
+                q3 = tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS])
+                k3 = tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS])
+                d_qk += tl.where(same, tl.dot(q3, k_f, input_precision=PRECISION), 0.0)
+                d_kk += tl.where(same, tl.dot(k3, k_f, input_precision=PRECISION), 0.0)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
     rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
-    if SINGLE_REF:  # the products hold every pair; keep the causal ones (A_kk's diagonal is the identity's)
-        a_qk = tl.where(o_i >= o_j, a_qk, 0.0) * rq[:, None] * rk_col
-        d_kk = tl.reshape(tl.where(o_i > o_j, a_kk, 0.0), [NB, BC, BC])
-    else:
-        a_qk = a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
-        a_qk = a_qk * rq[:, None] * rk_col
+    # One-reference products hold every pair (the levels' far products only pairs below the diagonal blocks):
+    # keep the causal ones. A_kk's own diagonal is the identity's.
+    a_qk = tl.where(o_i >= o_j, a_qk, 0.0) + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
+    a_qk = a_qk * rq[:, None] * rk_col
+    if REF_MODE != 0:  # BT == BC: the whole strictly lower A_kk is the one block
+        d_kk += tl.reshape(tl.where(o_i > o_j, a_kk, 0.0), [NB, BC, BC])
     tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
              mask=m_t[:, None])
     d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
@@ -378,7 +387,14 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
-    single_ref = chunk == SUB and lower_bound is not None and -lb * math.log2(math.e) * (chunk // 2) <= REF_SPAN_LOG2
+    # 16-row chunks: one-reference products, always (bounded gate within REF_SPAN_LOG2) or per channel slice whose
+    # span allows it (2); longer chunks: the levels (0)
+    if chunk != SUB:
+        ref_mode = 0
+    elif lower_bound is not None and -lb * math.log2(math.e) * (chunk // 2) <= REF_SPAN_LOG2:
+        ref_mode = 1
+    else:
+        ref_mode = 2
     bv = block_v or min(bvp, 32)
 
     def intra():
@@ -390,7 +406,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
-            PRECISION=dot_precision(v.dtype), SINGLE_REF=single_ref, num_warps=intra_warps,
+            PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps,
         )
 
     def state():
