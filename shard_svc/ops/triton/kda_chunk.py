@@ -193,7 +193,8 @@ def _kda_chunk_intra_kernel(
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
     # One-reference products hold every pair (the levels' far products only pairs below the diagonal blocks):
-    # keep the causal ones. A_kk's own diagonal is the identity's.
+    # keep the causal ones. A pair above the diagonal grows as 2^(G_j - G_i) and may be inf or NaN there; the
+    # select drops it before anything multiplies it. A_kk's own diagonal is the identity's.
     a_qk = tl.where(o_i >= o_j, a_qk, 0.0) + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
     a_qk = a_qk * rq[:, None] * rk_col
     if REF_MODE != 0:  # BT == BC: the whole strictly lower A_kk is the one block
@@ -351,6 +352,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int = 4,  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
+                       intra_slice: int = SLICE,
                        chunk: int = CHUNK):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
@@ -403,7 +405,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
-            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, SLICE), BT=chunk, BC=SUB,
+            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, intra_slice), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps,
