@@ -107,6 +107,15 @@ def test_kda_prefill_smaller_chunks_match_reference(case, chunk):
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("case", ["varlen-1,2,63,65-H3-K16-lower-bound", "varlen-65,63-H2-K32-bf16"])
+def test_kda_prefill_levels_only_match_reference(case, chunk):
+    """`block_ref=False`: the pairs inside every 16-row block by levels alone (what a slice whose gate spans too far
+    takes), on inputs where the one-reference products would otherwise serve."""
+    lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk, block_ref=False)
+
+
 def test_kda_prefill_refuses_other_chunks():
     from shard_svc.ops.triton.common import TritonKernelError
     from shard_svc.ops.triton.kda_chunk import kda_prefill

@@ -22,8 +22,9 @@ first row r of the second half of the smallest power-of-two block (64, 32, ..., 
 2^(G_i - G_j) = 2^(G_i - G_r) * 2^(G_r - G_j) with both factors <= 1, so each level is a masked matrix product
 on the tensor cores (batched [16, 16] tiles for levels up to 16 rows). (I + A_kk)^-1 is built by block merges
 over the same levels, [[X11, 0], [-X22 A21 X11, X22]], which only multiply already-bounded blocks.
-A 16-row chunk whose channels span at most REF_SPAN_LOG2 on each side of its middle row (always, for K3's gate;
-per channel slice, checked, for the softplus gate) skips the levels: one product per matrix around that row.
+Inside a 16-row block whose channels span at most REF_SPAN_LOG2 on each side of its middle row (always, for K3's
+gate; per channel slice, checked, for the softplus gate) the levels give way to one product per matrix around that
+row.
 Products run in tf32 (fp32 operands), as fla's intra-chunk kernels; in exact fp32 when the model computes in fp32
 (`common.dot_precision`).
 """
@@ -47,11 +48,20 @@ CHUNK = 64  # BT: rows per chunk
 # them against each other.
 CHUNKS = (16, 32, 64)
 SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
-# With K3's bounded gate (>= lower_bound nats a step) a 16-row chunk spans at most 8 |lower_bound| log2(e) on each
+# With K3's bounded gate (>= lower_bound nats a step) a 16-row block spans at most 8 |lower_bound| log2(e) on each
 # side of its middle row, so one product per matrix, factors 2^(G_i - G_mid) and 2^(G_mid - G_j), stays inside
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
 REF_SPAN_LOG2 = 100.0
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
+
+
+@triton.jit
+def _ref_rows(b_G, BT: tl.constexpr, BKS: tl.constexpr, S: tl.constexpr):
+    """G of the reference row r of each S-row block (the first row of its second half), on every row of the block."""
+    NS: tl.constexpr = BT // S
+    g3 = tl.reshape(b_G, [NS, S, BKS])
+    g_ref = tl.sum(tl.where(tl.arange(0, S)[None, :, None] == S // 2, g3, 0.0), 1)  # [NS, BKS]
+    return tl.reshape(tl.broadcast_to(g_ref[:, None, :], [NS, S, BKS]), [BT, BKS])
 
 
 @triton.jit
@@ -61,12 +71,8 @@ def _ref_factor(b_G, BT: tl.constexpr, BKS: tl.constexpr, S: tl.constexpr):
     Rows i of the second half get 2^(G_i - G_r) (i >= r), rows j of the first half 2^(G_r - G_j) (j < r): both
     exponents are <= 0, and for a pair (i, j) split by r their product is the exact decay 2^(G_i - G_j).
     """
-    HALF: tl.constexpr = S // 2
-    NS: tl.constexpr = BT // S
-    g3 = tl.reshape(b_G, [NS, S, BKS])
-    g_ref = tl.sum(tl.where(tl.arange(0, S)[None, :, None] == HALF, g3, 0.0), 1)  # [NS, BKS]
-    g_ref = tl.reshape(tl.broadcast_to(g_ref[:, None, :], [NS, S, BKS]), [BT, BKS])
-    second = ((tl.arange(0, BT) % S) >= HALF)[:, None]
+    g_ref = _ref_rows(b_G, BT, BKS, S)
+    second = ((tl.arange(0, BT) % S) >= S // 2)[:, None]
     return tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G)), second
 
 
@@ -155,29 +161,31 @@ def _kda_chunk_intra_kernel(
                                         b_a, lower_bound, K, BK, USE_LOWER_BOUND)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
-        g_mid = tl.sum(tl.where(o_t[:, None] == BT // 2, b_G, 0.0), 0)
-        if REF_MODE == 2:  # the slice's own span decides: G falls, so its extremes are rows 0 and BT - 1
-            span = tl.max(tl.maximum(tl.sum(tl.where(o_t[:, None] == 0, b_G, 0.0), 0) - g_mid,
-                                     g_mid - tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)), 0)
-            one_ref = span <= REF_SPAN_LOG2
+        # Every pair i > j in different BC-blocks is split by exactly one far level: the smallest power-of-two
+        # block holding both. Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block halves.
+        for lvl in tl.static_range(FAR_LEVELS):
+            e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
+            k_f = tl.trans(tl.where(second, 0.0, b_k * e))
+            same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
+            a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
+            a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
+        # Pairs inside a BC-block: one product per matrix around each block's middle row where the gate's span
+        # allows (REF_MODE 1: always; 2: this slice, checked), else levels of BC, BC/2, ..., 2 rows.
+        if REF_MODE != 0:
+            g_mid = _ref_rows(b_G, BT, BKS, BC)
+            if REF_MODE == 2:
+                one_ref = tl.max(tl.max(tl.abs(b_G - g_mid), 1), 0) <= REF_SPAN_LOG2
+            else:
+                one_ref = True
         else:
-            one_ref = REF_MODE == 1
-        if one_ref:  # one product per matrix: every factor 2^(+-x) has x <= REF_SPAN_LOG2 (see kda_prefill_stages)
-            e_row = tl.exp2(b_G - g_mid[None, :])
-            k_col = tl.trans(b_k * tl.exp2(g_mid[None, :] - b_G))
-            a_qk += tl.dot(b_q * e_row, k_col, input_precision=PRECISION)
-            a_kk += tl.dot(b_k * e_row, k_col, input_precision=PRECISION)
+            one_ref = False
+        if one_ref:  # batched [BC, BC] products, every factor 2^(+-x) with x <= REF_SPAN_LOG2
+            e_row = tl.exp2(b_G - g_mid)
+            k_f = tl.permute(tl.reshape(b_k * tl.exp2(g_mid - b_G), [NB, BC, BKS]), (0, 2, 1))
+            d_qk += tl.dot(tl.reshape(b_q * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
+            d_kk += tl.dot(tl.reshape(b_k * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
         else:
             diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
-            # Every pair i > j is split by exactly one level: the smallest power-of-two block holding both.
-            # Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block (second, first) halves.
-            for lvl in tl.static_range(FAR_LEVELS):
-                e, second = _ref_factor(b_G, BT, BKS, BT >> lvl)
-                k_f = tl.trans(tl.where(second, 0.0, b_k * e))
-                same = (o_i // (BT >> lvl)) == (o_j // (BT >> lvl))
-                a_qk += tl.where(same, tl.dot(tl.where(second, b_q * e, 0.0), k_f, input_precision=PRECISION), 0.0)
-                a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
-            # Levels of BC, BC/2, ..., 2 rows: batched [BC, BC] products per BC-block.
             for lvl in tl.static_range(NEAR_LEVELS):
                 e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
                 k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
@@ -192,13 +200,13 @@ def _kda_chunk_intra_kernel(
     rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
-    # One-reference products hold every pair (the levels' far products only pairs below the diagonal blocks):
-    # keep the causal ones. A pair above the diagonal grows as 2^(G_j - G_i) and may be inf or NaN there; the
-    # select drops it before anything multiplies it. A_kk's own diagonal is the identity's.
-    a_qk = tl.where(o_i >= o_j, a_qk, 0.0) + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
+    # One-reference products hold every pair of a block (the levels only pairs below its diagonal): keep the causal
+    # ones. A pair above the diagonal grows as 2^(G_j - G_i) and may be inf or NaN there; the select drops it before
+    # anything multiplies it. A_kk's own diagonal is the identity's.
+    d_qk = tl.where(ri >= cj, d_qk, 0.0)
+    d_kk = tl.where(ri > cj, d_kk, 0.0)
+    a_qk = a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
     a_qk = a_qk * rq[:, None] * rk_col
-    if REF_MODE != 0:  # BT == BC: the whole strictly lower A_kk is the one block
-        d_kk += tl.reshape(tl.where(o_i > o_j, a_kk, 0.0), [NB, BC, BC])
     tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
              mask=m_t[:, None])
     d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
@@ -352,7 +360,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int = 4,  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
-                       intra_slice: int = SLICE,
+                       intra_slice: int = SLICE, block_ref: bool = True,
                        chunk: int = CHUNK):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
     op = "kda_prefill"
@@ -389,11 +397,11 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
-    # 16-row chunks: one-reference products, always (bounded gate within REF_SPAN_LOG2) or per channel slice whose
-    # span allows it (2); longer chunks: the levels (0)
-    if chunk != SUB:
+    # Pairs inside a 16-row block: one-reference products always (a bounded gate within REF_SPAN_LOG2: 1) or in
+    # each channel slice whose span allows it (2); `block_ref=False`: the levels only (0).
+    if not block_ref:
         ref_mode = 0
-    elif lower_bound is not None and -lb * math.log2(math.e) * (chunk // 2) <= REF_SPAN_LOG2:
+    elif lower_bound is not None and -lb * math.log2(math.e) * (SUB // 2) <= REF_SPAN_LOG2:
         ref_mode = 1
     else:
         ref_mode = 2
