@@ -91,6 +91,8 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         row["ours_ms"] = gpu_ms(lambda: kda_prefill(*args, pool, slots, cu))
         _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
         row["ours_intra_ms"], row["ours_state_ms"] = gpu_ms(intra), gpu_ms(state)
+        # the intra kernel as it was before the one-reference block products (levels everywhere)
+        row["ours_intra_levels_only_ms"] = gpu_ms(kda_prefill_stages(*args, pool, slots, cu, block_ref=False)[1])
         if sweep:  # chunk sizes, every shape: FlashKDA's 16 rows trade intra-chunk work for state steps
             row["sweep_chunk"] = {}
             for chunk in (16, 32):
@@ -188,7 +190,10 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
             _, intra, state = kda_prefill_stages(*args, pool, slots, cu, chunk=chunk)
             row[f"ours_c{chunk}"] = {f"err_o_vs_{ref}": rel(o, o_ref), f"err_state_vs_{ref}": rel(pool, s_ref),
                                      "ms": gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu, chunk=c)),
-                                     "intra_ms": gpu_ms(intra), "state_ms": gpu_ms(state)}
+                                     "intra_ms": gpu_ms(intra), "state_ms": gpu_ms(state),
+                                     "intra_levels_only_ms": gpu_ms(kda_prefill_stages(*args, pool, slots, cu,
+                                                                                       chunk=chunk,
+                                                                                       block_ref=False)[1])}
             if chunk == 16 and len(chunks) > 1:  # the 16-row walk: 4x the steps, so its tile matters more
                 row["ours_c16"]["state_sweep_ms"] = {
                     f"bv{bv}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, block_v=bv,
