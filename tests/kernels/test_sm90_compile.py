@@ -104,7 +104,8 @@ def decode_48b_launches() -> None:
 
 
 def kda_prefill_48b_launches() -> None:
-    """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet."""
+    """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet, and
+    K3's gate (one-reference block products always) and the levels alone at every chunk size."""
     from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
 
     kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
@@ -113,6 +114,10 @@ def kda_prefill_48b_launches() -> None:
     for chunk in (16, 32):
         pool = torch.zeros(7, 2, 128, 128)
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk)
+    for chunk in (16, 32, 64):
+        pool = torch.zeros(7, 2, 128, 128)
+        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, chunk=chunk)
+        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk, block_ref=False)
 
 
 def fp32_launches() -> None:

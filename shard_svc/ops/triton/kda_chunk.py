@@ -51,7 +51,7 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 # With K3's bounded gate (>= lower_bound nats a step) a 16-row block spans at most 8 |lower_bound| log2(e) on each
 # side of its middle row, so one product per matrix, factors 2^(G_i - G_mid) and 2^(G_mid - G_j), stays inside
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
-REF_SPAN_LOG2 = 100.0
+REF_SPAN_LOG2 = tl.constexpr(100.0)
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 
 
@@ -74,6 +74,39 @@ def _ref_factor(b_G, BT: tl.constexpr, BKS: tl.constexpr, S: tl.constexpr):
     g_ref = _ref_rows(b_G, BT, BKS, S)
     second = ((tl.arange(0, BT) % S) >= S // 2)[:, None]
     return tl.exp2(tl.where(second, b_G - g_ref, g_ref - b_G)), second
+
+
+@triton.jit
+def _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr,
+                 NEAR_LEVELS: tl.constexpr, PRECISION: tl.constexpr):
+    """A slice's pairs inside each BC-block by levels of BC, BC/2, ..., 2 rows (batched [BC, BC] products, every
+    factor <= 1), and the diagonal's q.k."""
+    NB: tl.constexpr = BT // BC
+    ri = tl.arange(0, BC)[None, :, None]
+    cj = tl.arange(0, BC)[None, None, :]
+    for lvl in tl.static_range(NEAR_LEVELS):
+        e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
+        k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
+        same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
+        q3 = tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS])
+        k3 = tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS])
+        d_qk += tl.where(same, tl.dot(q3, k_f, input_precision=PRECISION), 0.0)
+        d_kk += tl.where(same, tl.dot(k3, k_f, input_precision=PRECISION), 0.0)
+    return diag_qk + tl.sum(b_q * b_k, 1), d_qk, d_kk
+
+
+@triton.jit
+def _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT: tl.constexpr, BKS: tl.constexpr, BC: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """A slice's pairs inside each BC-block as one batched product per matrix around the block's middle row
+    (factors 2^(G_i - G_mid), 2^(G_mid - G_j): the caller has bounded them). Every pair, the diagonal and those above
+    it included: the caller keeps the causal ones."""
+    NB: tl.constexpr = BT // BC
+    e_row = tl.exp2(b_G - g_mid)
+    k_f = tl.permute(tl.reshape(b_k * tl.exp2(g_mid - b_G), [NB, BC, BKS]), (0, 2, 1))
+    d_qk += tl.dot(tl.reshape(b_q * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
+    d_kk += tl.dot(tl.reshape(b_k * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
+    return d_qk, d_kk
 
 
 @triton.jit
@@ -171,29 +204,18 @@ def _kda_chunk_intra_kernel(
             a_kk += tl.where(same, tl.dot(tl.where(second, b_k * e, 0.0), k_f, input_precision=PRECISION), 0.0)
         # Pairs inside a BC-block: one product per matrix around each block's middle row where the gate's span
         # allows (REF_MODE 1: always; 2: this slice, checked), else levels of BC, BC/2, ..., 2 rows.
-        if REF_MODE != 0:
+        if REF_MODE == 0:
+            diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
+                                               PRECISION)
+        else:
             g_mid = _ref_rows(b_G, BT, BKS, BC)
-            if REF_MODE == 2:
-                one_ref = tl.max(tl.max(tl.abs(b_G - g_mid), 1), 0) <= REF_SPAN_LOG2
+            if REF_MODE == 1:
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
+            elif tl.max(tl.max(tl.abs(b_G - g_mid), 1), 0) <= REF_SPAN_LOG2:
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
             else:
-                one_ref = True
-        else:
-            one_ref = False
-        if one_ref:  # batched [BC, BC] products, every factor 2^(+-x) with x <= REF_SPAN_LOG2
-            e_row = tl.exp2(b_G - g_mid)
-            k_f = tl.permute(tl.reshape(b_k * tl.exp2(g_mid - b_G), [NB, BC, BKS]), (0, 2, 1))
-            d_qk += tl.dot(tl.reshape(b_q * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
-            d_kk += tl.dot(tl.reshape(b_k * e_row, [NB, BC, BKS]), k_f, input_precision=PRECISION)
-        else:
-            diag_qk += tl.sum(b_q * b_k, 1)  # i == j: no decay
-            for lvl in tl.static_range(NEAR_LEVELS):
-                e, second = _ref_factor(b_G, BT, BKS, BC >> lvl)
-                k_f = tl.permute(tl.reshape(tl.where(second, 0.0, b_k * e), [NB, BC, BKS]), (0, 2, 1))
-                same = (ri // (BC >> lvl)) == (cj // (BC >> lvl))
-                q3 = tl.reshape(tl.where(second, b_q * e, 0.0), [NB, BC, BKS])
-                k3 = tl.reshape(tl.where(second, b_k * e, 0.0), [NB, BC, BKS])
-                d_qk += tl.where(same, tl.dot(q3, k_f, input_precision=PRECISION), 0.0)
-                d_kk += tl.where(same, tl.dot(k3, k_f, input_precision=PRECISION), 0.0)
+                diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
+                                                   PRECISION)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
@@ -401,7 +423,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     # each channel slice whose span allows it (2); `block_ref=False`: the levels only (0).
     if not block_ref:
         ref_mode = 0
-    elif lower_bound is not None and -lb * math.log2(math.e) * (SUB // 2) <= REF_SPAN_LOG2:
+    elif lower_bound is not None and -lb * math.log2(math.e) * (SUB // 2) <= REF_SPAN_LOG2.value:
         ref_mode = 1
     else:
         ref_mode = 2
