@@ -374,9 +374,9 @@ def main() -> None:
     skip = set(a.skip.split(","))
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
     json.dump(res, open(path, "w"), indent=1)
-    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
-    json.dump(res, open(path, "w"), indent=1)
     res["k3"] = k3_rows(fla_kda, CHUNKS if a.sweep else (64,)) if a.k3 else []
+    json.dump(res, open(path, "w"), indent=1)
+    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
     res["plots"] = plots(res, a.out)
     json.dump(res, open(path, "w"), indent=1)
     print(table(res))
