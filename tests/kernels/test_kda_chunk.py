@@ -95,13 +95,13 @@ def test_kda_prefill_matches_reference(case):
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype))
 
 
-@pytest.mark.parametrize("chunk", [16, 32])
+@pytest.mark.parametrize("chunk", [16, 32, 64])
 @pytest.mark.parametrize("case", ["varlen-1,2,63,65-H3-K16-lower-bound", "one-128-H2-huge-decay",
                                   "one-96-H2-identical-keys", "varlen-65,63-H2-K32-bf16",
                                   "one-128-H2-lower-bound-saturated", "one-80-H2-K64-split-span"])
-def test_kda_prefill_smaller_chunks_match_reference(case, chunk):
-    """16- and 32-row chunks (FlashKDA's size; the benchmark times them against 64): the same results, boundaries
-    now on and off a finer grid. At 16 rows K3's bounded gate takes the one-reference products (REF_SPAN_LOG2),
+def test_kda_prefill_each_chunk_matches_reference(case, chunk):
+    """Every chunk size, whichever is the gate's default (16 for K3's, 64 for the softplus gate): the same results,
+    boundaries on and off each grid. K3's bounded gate takes the one-reference block products (REF_SPAN_LOG2),
     saturated at the bound: factors up to 2^58."""
     lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk)
@@ -165,11 +165,13 @@ SNAPSHOT_CASES = {
 }
 
 
+@pytest.mark.parametrize("lb", [None, -5.0], ids=["softplus", "lower-bound"])
 @pytest.mark.parametrize("case", list(SNAPSHOT_CASES), ids=list(SNAPSHOT_CASES))
 @pytest.mark.parametrize("op", ["triton", "eager"])
-def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
+def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op, lb):
     """The state after the first m tokens of a sequence lands in the point's slot, as the token loop run over those
-    m tokens alone leaves it; the outputs and final states are the pass's without points; no other slot is written."""
+    m tokens alone leaves it; the outputs and final states are the pass's without points; no other slot is written.
+    Both gates, so both default chunk sizes (64 and K3's 16)."""
     from shard_svc.ops.kda.snapshots import StateSnapshots
     from shard_svc.ops.triton.kda_chunk import kda_prefill as triton_prefill
 
@@ -183,8 +185,8 @@ def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
     snapshots = StateSnapshots.build(cu.tolist(), slots.tolist(), points, q.device)
     pool = poisoned_pool((9, heads, dk, dv), slots)
     plain_pool, snap_pool = pool.clone(), pool.clone()
-    want = prefill(q, k, v, f, bl, a_log, dt_bias, None, plain_pool, slots, cu)
-    got = prefill(q, k, v, f, bl, a_log, dt_bias, None, snap_pool, slots, cu, snapshots=snapshots)
+    want = prefill(q, k, v, f, bl, a_log, dt_bias, lb, plain_pool, slots, cu)
+    got = prefill(q, k, v, f, bl, a_log, dt_bias, lb, snap_pool, slots, cu, snapshots=snapshots)
     tol = _tol(dtype)
     assert_close("o with points vs without", got, want, tol)
     assert_close("final states with points vs without", snap_pool[slots], plain_pool[slots], tol)
@@ -195,7 +197,7 @@ def test_kda_prefill_writes_the_state_at_each_snapshot_point(case, op):
         ref_pool = pool.double()
         one = slots[b:b + 1]
         naive_kda_varlen(*(x[start:start + m].double() for x in (q, k, v, f, bl)), a_log.double(), dt_bias.double(),
-                         None, ref_pool, one, cu_seqlens([m]))
+                         lb, ref_pool, one, cu_seqlens([m]))
         assert_close(f"state at point {m} of sequence {b}", snap_pool[target], ref_pool[int(one)], tol)
 
 

@@ -1,5 +1,5 @@
-"""KDA chunked prefill over packed variable-length sequences (chunk 64, or 16 / 32 on request), state read from and
-written to the pool.
+"""KDA chunked prefill over packed variable-length sequences (chunks of 64 rows with the softplus gate, 16 with K3's
+bounded gate, 16 / 32 / 64 on request), state read from and written to the pool.
 
 Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (UT/WY chunk form, docs/models.md#chunked-prefill) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
@@ -41,8 +41,9 @@ from shard_svc.ops.kda.snapshots import StateSnapshots
 from shard_svc.ops.triton.common import (TritonKernelError, check, check_index, dot_precision, interpreting,
                                          pow2_at_least)
 from shard_svc.ops.triton.kda_gate import kda_gate_log2
+from shard_svc.ops.triton.linear import sm_count
 
-CHUNK = 64  # BT: rows per chunk
+CHUNK = 64  # BT: rows per chunk, the softplus gate's default (K3's gate: SUB)
 # Chunks a caller may ask for (`chunk=`): FlashKDA runs 16-row chunks, which moves work from the intra kernel (its
 # cost per token grows with the chunk) to the state walk (more, smaller steps); bench/kda_kernels.py --sweep times
 # them against each other.
@@ -381,12 +382,23 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-                       intra_warps: int = 4,  # 4: 2.25 ms vs 3.08 ms at 8 warps (H200, B=1 T=16k)
-                       intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int = CHUNK):
-    """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage."""
+                       intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
+                       chunk: int | None = None):
+    """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
+
+    Defaults (bench/results/kda_kernels_k3_h100_2026-12-06.json, one H100, K3's gate, against FlashKDA):
+    - chunk: 16 with K3's gate (its blocks are one product each; every FlashKDA shape, 8k-64k single and 8 x 1k /
+      8 x 4k packed, at least as fast as 64), 64 with the softplus gate (not yet measured against 16).
+    - intra_warps: 2 for 16-row chunks (0.75 vs 1.02 ms at 16k), 4 for longer (2.25 vs 3.08 ms at 8, H200).
+    - block_v: 64 for 16-row chunks when that still gives every SM a (sequence, head, V-block) program (8 x 1k:
+      0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
+    """
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
+    if chunk is None:
+        chunk = SUB if lower_bound is not None else CHUNK
+    if intra_warps is None:
+        intra_warps = 2 if chunk == SUB else 4
     if chunk not in CHUNKS:
         raise TritonKernelError(f"{op}: chunk {chunk} is not one of {CHUNKS}")
     t, heads, dk = q.shape
@@ -427,7 +439,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
         ref_mode = 1
     else:
         ref_mode = 2
-    bv = block_v or min(bvp, 32)
+    bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
 
     def intra():
         _kda_chunk_intra_kernel[(max_chunks, heads)](
