@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast soak venv lock protos clean bench-gpu bench-decode train-gpu
+.PHONY: up test test-fast soak venv lock protos clean bench-gpu bench-decode train-gpu flashkda
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -62,11 +62,19 @@ soak: $(STAMP)
 GPU_PY ?= python3
 BENCH_OUT ?= bench_out
 GPU_ENV = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
+# FlashKDA, the KDA prefill anchor (CUTLASS, sm_90a), for bench/kda_kernels.py --k3: FLASHKDA_DIR is its repository
+# with CUTLASS's include/, tools/util/include/ and examples/common/ under cutlass/ (a copy; the GPU machine cannot
+# fetch the submodule), built in place there in about a minute. Without it the --k3 rows say FlashKDA is missing.
+FLASHKDA_DIR ?=
+flashkda:
+	cd $(FLASHKDA_DIR) && FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=16 $(GPU_PY) setup.py build_ext --inplace
+
 bench-gpu:
 	$(GPU_ENV) $(GPU_PY) -m bench.capacity --out $(BENCH_OUT)/capacity
 	$(GPU_ENV) $(GPU_PY) -m bench.served --out $(BENCH_OUT)/served --auto-capacity --long-prompt 262144
 	$(GPU_ENV) $(GPU_PY) -m bench.mla_prefill_long --out $(BENCH_OUT)/mla_prefill_long
-	$(GPU_ENV) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep --profile
+	$(GPU_ENV)$(if $(FLASHKDA_DIR),:$(FLASHKDA_DIR)) $(GPU_PY) bench/kda_kernels.py --out $(BENCH_OUT)/kda --sweep \
+		--profile --k3
 	$(GPU_ENV) $(GPU_PY) -m bench.model_bench --out $(BENCH_OUT)/model --profile
 	$(GPU_ENV) $(GPU_PY) -m bench.op_parity --out $(BENCH_OUT)/parity
 	$(GPU_ENV) $(GPU_PY) -m bench.linear_micro --out $(BENCH_OUT)/linear

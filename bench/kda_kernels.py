@@ -202,7 +202,7 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
                 row["ours_c16"]["intra_sweep_ms"] = {
                     f"slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, intra_slice=sl,
                                                                  intra_warps=w)[1])
-                    for sl, w in ((32, 2), (64, 4), (128, 4), (128, 8))}
+                    for sl, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (128, 4))}
         best = min(chunks, key=lambda c: row[f"ours_c{c}"]["ms"])
         row["ours_best_chunk"], row["ours_ms"] = best, row[f"ours_c{best}"]["ms"]
         row["vs_fla"] = row["fla_ms"] / row["ours_ms"]
