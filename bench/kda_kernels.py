@@ -145,7 +145,7 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
 
 
 def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
-    """K3's gate on packed input: ours (each chunk size) vs fla chunk_kda vs FlashKDA, zero initial state."""
+    """K3's gate on single and packed sequences: ours (each chunk size) vs fla chunk_kda vs FlashKDA, zero state."""
     try:
         import flash_kda
     except ImportError as e:
