@@ -203,6 +203,18 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
                     f"slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, intra_slice=sl,
                                                                  intra_warps=w)[1])
                     for sl, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (128, 4))}
+                # several 16-row chunks to an intra program: bigger tiles, fewer programs
+                row["ours_c16"]["intra_chunks_sweep_ms"] = {
+                    f"cpp{cpp}_slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16,
+                                                                          intra_chunks=cpp, intra_slice=sl,
+                                                                          intra_warps=w)[1])
+                    for cpp, sl, w in ((2, 32, 2), (2, 32, 4), (4, 32, 2), (4, 32, 4), (4, 64, 4), (8, 32, 4),
+                                       (8, 32, 8))}
+                pool.zero_()
+                o4 = kda_prefill(*args, pool, slots, cu, chunk=16, intra_chunks=4)
+                row["ours_c16"]["cpp4"] = {f"err_o_vs_{ref}": rel(o4, o_ref), f"err_state_vs_{ref}": rel(pool, s_ref),
+                                           "ms": gpu_ms(lambda: kda_prefill(*args, pool, slots, cu, chunk=16,
+                                                                            intra_chunks=4))}
         best = min(chunks, key=lambda c: row[f"ours_c{c}"]["ms"])
         row["ours_best_chunk"], row["ours_ms"] = best, row[f"ours_c{best}"]["ms"]
         row["vs_fla"] = row["fla_ms"] / row["ours_ms"]

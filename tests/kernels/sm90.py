@@ -116,7 +116,7 @@ def main(path: str) -> None:
                                     target=GPUTarget(*SM90), options=spec["options"])
             result["shared"] = kernel.metadata.shared
         except Exception as e:  # noqa: BLE001 - reported per spec; the test names them all
-            result["error"] = f"{type(e).__name__}: {str(e)[-1500:]}"
+            result["error"] = f"{type(e).__name__}: {str(e)[-1500:]} {e.__cause__!r}"
         print(json.dumps(result), flush=True)
 
 

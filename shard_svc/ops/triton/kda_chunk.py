@@ -54,6 +54,9 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
 REF_SPAN_LOG2 = tl.constexpr(100.0)
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
+# Chunks one intra program may take (`intra_chunks=`, 16-row chunks only): bigger tiles for the tiny 16-row chunks,
+# and fewer programs, each searching its sequence once.
+INTRA_CHUNKS = (1, 2, 4, 8)
 
 
 @triton.jit
@@ -120,8 +123,10 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
-                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
+                K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BT: tl.constexpr, CPP: tl.constexpr,
+                USE_LOWER_BOUND: tl.constexpr):
+    """Raw q, k [CPP * BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G inside each of the
+    program's CPP chunks (rows past the end flat)."""
     m_ks = o_ks < K
     if K == BK:
         m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
@@ -137,62 +142,90 @@ def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, s
     # Padded rows and columns get g = 0, so G stays flat past the end and G[BT-1] is the last real row's.
     b_g = tl.where(m_t[:, None] & m_ks[None, :], kda_gate_log2(b_f, b_dt[None, :], a, lower_bound, USE_LOWER_BOUND),
                    0.0)
-    return b_q, b_k, tl.cumsum(b_g, axis=0), m
+    if CPP == 1:
+        b_G = tl.cumsum(b_g, axis=0)
+    else:
+        b_G = tl.reshape(tl.cumsum(tl.reshape(b_g, [CPP, BT, BKS]), axis=1), [CPP * BT, BKS])
+    return b_q, b_k, b_G, m
+
+
+@triton.jit
+def _chunk_last(b_G, BT: tl.constexpr, BKS: tl.constexpr, CPP: tl.constexpr):
+    """G of each chunk's last row: [CPP, BKS], and on every row of its chunk: [CPP * BT, BKS]."""
+    g3 = tl.reshape(b_G, [CPP, BT, BKS])
+    g_last = tl.sum(tl.where(tl.arange(0, BT)[None, :, None] == BT - 1, g3, 0.0), 1)
+    return g_last, tl.reshape(tl.broadcast_to(g_last[:, None, :], [CPP, BT, BKS]), [CPP * BT, BKS])
+
+
+@triton.jit
+def _apply_inverse(b_x, b, NB: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    """(I + A_kk)^-1 b for a [NB * BC, BKS] tile; b_x is [NB, BC, BC] (one block per chunk: ONE_BLOCK) or
+    [BT, BT]."""
+    if ONE_BLOCK:
+        out = tl.reshape(tl.dot(b_x, tl.reshape(b, [NB, BC, BKS]), input_precision=PRECISION), [NB * BC, BKS])
+    else:
+        out = tl.dot(b_x, b, input_precision=PRECISION)
+    return out
 
 
 @triton.jit
 def _kda_chunk_intra_kernel(
-    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets, program_offsets,
     w, u, qg, kg, aqk, decay,
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, CPP: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr, REF_MODE: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
+    i_p = tl.program_id(0)
     i_h = tl.program_id(1)
-    # The sequence owning global chunk i_c: chunk_offsets[n] <= i_c < chunk_offsets[n + 1] (binary search, so
-    # the grid needs no host copy of the sequence lengths).
-    lo = i_c * 0
+    # The sequence owning this program's rows: program_offsets[n] <= i_p < program_offsets[n + 1] (binary search,
+    # so the grid needs no host copy of the sequence lengths). A program takes CPP consecutive chunks of it.
+    lo = i_p * 0
     hi = lo + n_seqs
     for _step in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
-        right = i_c >= end
+        end = tl.load(program_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
+        right = i_p >= end
         active = lo < hi
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & (right == 0), mid, hi)
-    if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
+    if lo >= n_seqs:  # the grid is an upper bound on the number of programs
         return
     bos = tl.load(cu_seqlens + lo).to(tl.int64)
     eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT  # int64 only in scalar bases
+    i_local = (i_p - tl.load(program_offsets + lo)).to(tl.int64)
+    t0 = bos + i_local * (CPP * BT)  # int64 only in scalar bases
+    c0 = tl.load(chunk_offsets + lo) + i_local * CPP  # the program's first chunk
 
-    NB: tl.constexpr = BT // BC
-    o_t = tl.arange(0, BT)
+    R: tl.constexpr = CPP * BT  # rows of the program
+    NB: tl.constexpr = R // BC
+    ONE_BLOCK: tl.constexpr = BT == BC  # every chunk is one BC-block: no far levels, no [BT, BT] tiles
+    o_t = tl.arange(0, R)
     m_t = (t0 + o_t) < eos
     b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
     b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
                                               other=0.0).to(tl.float32)), 0.0)
 
     # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
-    # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure).
-    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks
+    # scalings applied afterwards, so [R, BKS] tiles suffice (register pressure).
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks (CPP == 1 here)
     a_kk = tl.zeros([BT, BT], dtype=tl.float32)
     d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # pairs inside a BC-block, one [BC, BC] tile per block
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    diag_qk = tl.zeros([BT], dtype=tl.float32)
-    ssq_q = tl.zeros([BT], dtype=tl.float32)
-    ssq_k = tl.zeros([BT], dtype=tl.float32)
-    o_i = o_t[:, None]
-    o_j = o_t[None, :]
+    diag_qk = tl.zeros([R], dtype=tl.float32)
+    ssq_q = tl.zeros([R], dtype=tl.float32)
+    ssq_k = tl.zeros([R], dtype=tl.float32)
+    o_i = tl.arange(0, BT)[:, None]
+    o_j = tl.arange(0, BT)[None, :]
     ri = tl.arange(0, BC)[None, :, None]
     cj = tl.arange(0, BC)[None, None, :]
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+                                        b_a, lower_bound, K, BK, BKS, BT, CPP, USE_LOWER_BOUND)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
         # Every pair i > j in different BC-blocks is split by exactly one far level: the smallest power-of-two
@@ -206,34 +239,39 @@ def _kda_chunk_intra_kernel(
         # Pairs inside a BC-block: one product per matrix around each block's middle row where the gate's span
         # allows (REF_MODE 1: always; 2: this slice, checked), else levels of BC, BC/2, ..., 2 rows.
         if REF_MODE == 0:
-            diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
+            diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, R, BKS, BC, NEAR_LEVELS,
                                                PRECISION)
         else:
-            g_mid = _ref_rows(b_G, BT, BKS, BC)
+            g_mid = _ref_rows(b_G, R, BKS, BC)
             if REF_MODE == 1:
-                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, R, BKS, BC, PRECISION)
             elif tl.max(tl.max(tl.abs(b_G - g_mid), 1), 0) <= REF_SPAN_LOG2:
-                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, R, BKS, BC, PRECISION)
             else:
-                diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
+                diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, R, BKS, BC, NEAR_LEVELS,
                                                    PRECISION)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
     # One-reference products hold every pair of a block (the levels only pairs below its diagonal): keep the causal
     # ones. A pair above the diagonal grows as 2^(G_j - G_i) and may be inf or NaN there; the select drops it before
     # anything multiplies it. A_kk's own diagonal is the identity's.
-    d_qk = tl.where(ri >= cj, d_qk, 0.0)
+    d_qk = tl.where(ri >= cj, d_qk, 0.0) + tl.where(ri == cj, tl.reshape(diag_qk, [NB, BC])[:, :, None], 0.0)
     d_kk = tl.where(ri > cj, d_kk, 0.0)
-    a_qk = a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
-    a_qk = a_qk * rq[:, None] * rk_col
-    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
-             mask=m_t[:, None])
+    if ONE_BLOCK:  # A_qk's rows are the blocks' own
+        o_c = tl.arange(0, BT)
+        a3 = d_qk * tl.reshape(rq, [NB, BC])[:, :, None] * rk3[:, None, :]
+        tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_c[None, :]),
+                 tl.reshape(a3, [R, BT]).to(aqk.dtype.element_ty), mask=m_t[:, None])
+    else:
+        rk_col = rk[None, :]
+        a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT)) * rq[:, None] * rk_col
+        tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]),
+                 a_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
+        a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
     d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
-    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
 
     # (I + A_kk)^-1 by block merges, 2 rows up to BT: with X block-diagonal holding the inverses of the halves,
     # the doubled block's inverse is X - X (A21 X), A21 its lower-left quadrant. Only bounded blocks multiply,
@@ -244,28 +282,34 @@ def _kda_chunk_intra_kernel(
         quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
         x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3, input_precision=PRECISION),
                          input_precision=PRECISION)
-    b_x = _block_diag(x3, NB, BC, BT)
-    for lvl in tl.static_range(FAR_LEVELS):
-        span = BC * (2 << lvl)
-        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
-        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
-                           input_precision=PRECISION)
+    if ONE_BLOCK:
+        b_x = x3
+    else:
+        b_x = _block_diag(x3, NB, BC, BT)
+        for lvl in tl.static_range(FAR_LEVELS):
+            span = BC * (2 << lvl)
+            quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
+            b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
+                               input_precision=PRECISION)
 
     # Pass 2 over channel slices (inputs again, from L2): q 2^G, k 2^(G_last - G), 2^G_last and w.
     base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
+    o_p = tl.arange(0, CPP)
+    m_p = (t0 + o_p * BT) < eos  # the program's chunks that exist
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-        b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
+                                       b_a, lower_bound, K, BK, BKS, BT, CPP, USE_LOWER_BOUND)
+        g_last, g_last_rows = _chunk_last(b_G, BT, BKS, CPP)
         b_eg = tl.exp2(b_G)
         b_k = b_k * rk[:, None]
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
         tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
-        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
-        b_w = tl.dot(b_x, b_k * (b_beta[:, None] * b_eg), input_precision=PRECISION)
+        tl.store(kg + off, (b_k * tl.exp2(g_last_rows - b_G)).to(kg.dtype.element_ty), mask=m)
+        b_w = _apply_inverse(b_x, b_k * (b_beta[:, None] * b_eg), NB, BC, BKS, ONE_BLOCK, PRECISION)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m)
-        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
+        tl.store(decay + ((c0 + o_p[:, None]) * H + i_h) * K + o_ks[None, :], tl.exp2(g_last),
+                 mask=m_p[:, None] & (o_ks < K)[None, :])
     for i_v in range(0, BV // BKS):
         o_vs = i_v * BKS + tl.arange(0, BKS)
         if V == BV:
@@ -274,8 +318,9 @@ def _kda_chunk_intra_kernel(
             m_v = m_t[:, None] & (o_vs < V)[None, :]
         b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
                       other=0.0).to(tl.float32)
-        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
-                 tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION).to(u.dtype.element_ty), mask=m_v)
+        b_u = _apply_inverse(b_x, b_v * b_beta[:, None], NB, BC, BKS, ONE_BLOCK, PRECISION)
+        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]), b_u.to(u.dtype.element_ty),
+                 mask=m_v)
 
 
 @triton.jit
@@ -383,7 +428,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int | None = None):
+                       chunk: int | None = None, intra_chunks: int = 1):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
 
     Defaults (bench/results/kda_kernels_k3_h100_2026-12-06.json, one H100, K3's gate, against FlashKDA):
@@ -401,6 +446,9 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
         intra_warps = 2 if chunk == SUB else 4
     if chunk not in CHUNKS:
         raise TritonKernelError(f"{op}: chunk {chunk} is not one of {CHUNKS}")
+    if intra_chunks not in INTRA_CHUNKS or (intra_chunks > 1 and chunk != SUB):
+        raise TritonKernelError(f"{op}: intra_chunks {intra_chunks} (chunks per intra program) must be one of "
+                                f"{INTRA_CHUNKS}, and 1 unless the chunk is {SUB} rows (chunk {chunk})")
     t, heads, dk = q.shape
     dv = v.shape[-1]
     n = slots.shape[0]
@@ -422,6 +470,12 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     chunk_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=q.device)
     torch.cumsum((lens + chunk - 1) // chunk, 0, out=chunk_offsets[1:])
     max_chunks = t // chunk + num_segments  # sum of ceil(len / chunk) <= floor(T / chunk) + segments
+    rows = chunk * intra_chunks  # per intra program, inside one segment
+    if intra_chunks == 1:
+        program_offsets = chunk_offsets
+    else:
+        program_offsets = torch.zeros_like(chunk_offsets)
+        torch.cumsum((lens + rows - 1) // rows, 0, out=program_offsets[1:])
     inter = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     w = torch.empty(t, heads, dk, dtype=inter, device=q.device)
     qg = torch.empty_like(w)
@@ -442,13 +496,13 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
 
     def intra():
-        _kda_chunk_intra_kernel[(max_chunks, heads)](
-            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
+        _kda_chunk_intra_kernel[(t // rows + num_segments, heads)](
+            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets, program_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, intra_slice), BT=chunk, BC=SUB,
-            FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
+            CPP=intra_chunks, FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps,
         )
