@@ -91,6 +91,9 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         row["ours_ms"] = gpu_ms(lambda: kda_prefill(*args, pool, slots, cu))
         _, intra, state = kda_prefill_stages(*args, pool, slots, cu)
         row["ours_intra_ms"], row["ours_state_ms"] = gpu_ms(intra), gpu_ms(state)
+        if b == 1:  # a lone sequence: walk of one token range beside the next one's intra kernel
+            row["ours_pieces_ms"] = {p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, pieces=p))
+                                     for p in (2, 4, 8)}
         # the intra kernel as it was before the one-reference block products (levels everywhere)
         row["ours_intra_levels_only_ms"] = gpu_ms(kda_prefill_stages(*args, pool, slots, cu, block_ref=False)[1])
         if sweep:  # chunk sizes, every shape: FlashKDA's 16 rows trade intra-chunk work for state steps
@@ -104,6 +107,9 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
                                              "state_ms": gpu_ms(st),
                                              "ms": gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu,
                                                                                       chunk=c))}
+                if b == 1:
+                    row["sweep_chunk"][chunk]["pieces4_ms"] = gpu_ms(lambda c=chunk: kda_prefill(
+                        *args, pool, slots, cu, chunk=c, pieces=4))
                 del o_c, p_c
             print("chunk sweep", b, t, json.dumps(row["sweep_chunk"]), flush=True)
         if sweep and (b, t) == (1, 16384):  # configurations are timed on one representative shape
@@ -194,6 +200,9 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
                                      "intra_levels_only_ms": gpu_ms(kda_prefill_stages(*args, pool, slots, cu,
                                                                                        chunk=chunk,
                                                                                        block_ref=False)[1])}
+            if len(lens) == 1 and len(chunks) > 1:
+                row[f"ours_c{chunk}"]["pieces4_ms"] = gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu,
+                                                                                         chunk=c, pieces=4))
             if chunk == 16 and len(chunks) > 1:  # the 16-row walk: 4x the steps, so its tile matters more
                 row["ours_c16"]["state_sweep_ms"] = {
                     f"bv{bv}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, block_v=bv,
@@ -210,6 +219,18 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
                                                                           intra_warps=w)[1])
                     for cpp, sl, w in ((2, 32, 2), (2, 32, 4), (4, 32, 2), (4, 32, 4), (4, 64, 4), (8, 32, 4),
                                        (8, 32, 8))}
+                if len(lens) == 1:  # a lone sequence: walk of one token range beside the next one's intra kernel
+                    row["ours_c16"]["pieces_ms"] = {
+                        f"p{p}_cpp{cpp}": gpu_ms(lambda p=p, cpp=cpp: kda_prefill(*args, pool, slots, cu, chunk=16,
+                                                                                  pieces=p, intra_chunks=cpp))
+                        for p in (2, 4, 8, 16) for cpp in (1, 4)}
+                    # the side stream must not change a bit: pipelined against one piece, same initial state
+                    pool.zero_()
+                    o_pp = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=8, intra_chunks=4)
+                    s_pp = pool.clone()
+                    pool.zero_()
+                    o_1 = kda_prefill(*args, pool, slots, cu, chunk=16)
+                    row["ours_c16"]["pieces8_bit_equal"] = torch.equal(o_pp, o_1) and torch.equal(s_pp, pool)
                 pool.zero_()
                 o4 = kda_prefill(*args, pool, slots, cu, chunk=16, intra_chunks=4)
                 row["ours_c16"]["cpp4"] = {f"err_o_vs_{ref}": rel(o4, o_ref), f"err_state_vs_{ref}": rel(pool, s_ref),

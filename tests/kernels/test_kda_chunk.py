@@ -127,6 +127,25 @@ def test_kda_prefill_several_chunks_per_intra_program(case, intra_chunks):
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=16, intra_chunks=intra_chunks)
 
 
+@pytest.mark.parametrize("pieces", [2, 3, 8])
+@pytest.mark.parametrize("case,chunk", [("one-130-H2-K32-V16-softplus", 64), ("one-128-H2-lower-bound-saturated", 16),
+                                        ("one-80-H2-K64-split-span", 16)])
+def test_kda_prefill_in_pieces_is_the_one_piece_result(case, chunk, pieces):
+    """A lone sequence cut into pipelined token ranges: each range's walk continues from the state the previous one
+    left in the slot, so output and final state equal the one-piece call's bit for bit (and the token loop's)."""
+    from shard_svc.ops.triton.kda_chunk import kda_prefill
+
+    lens, heads, dk, dv, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk, pieces=pieces)
+    (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, heads, dk, dv, dtype, flavour)
+    pool = poisoned_pool((7, heads, dk, dv), slots)
+    pools = [pool.clone() for _ in range(2)]
+    outs = [kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, pool, slots, cu_seqlens(lens), chunk=chunk, pieces=n)
+            for pool, n in zip(pools, (1, pieces))]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(pools[0][slots], pools[1][slots])
+
+
 def test_kda_prefill_refuses_other_chunks():
     from shard_svc.ops.triton.common import TritonKernelError
     from shard_svc.ops.triton.kda_chunk import kda_prefill

@@ -428,7 +428,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int | None = None, intra_chunks: int = 1):
+                       chunk: int | None = None, intra_chunks: int = 1, out: torch.Tensor | None = None):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
 
     Defaults (bench/results/kda_kernels_k3_h100_2026-12-06.json, one H100, K3's gate, against FlashKDA):
@@ -440,8 +440,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     """
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
-    if chunk is None:
-        chunk = SUB if lower_bound is not None else CHUNK
+    chunk = chunk or default_chunk(lower_bound)
     if intra_warps is None:
         intra_warps = 2 if chunk == SUB else 4
     if chunk not in CHUNKS:
@@ -452,7 +451,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     t, heads, dk = q.shape
     dv = v.shape[-1]
     n = slots.shape[0]
-    o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
+    o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device) if out is None else out
     if t == 0 or n == 0:
         return o, lambda: None, lambda: None
     # Both kernels see segments: the sequences, or with snapshots the sequences cut at their points (the intra
@@ -520,14 +519,66 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     return o, intra, state
 
 
+def default_chunk(lower_bound: float | None) -> int:
+    return SUB if lower_bound is not None else CHUNK
+
+
 def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                snapshots: StateSnapshots | None = None, **config) -> torch.Tensor:
-    """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype."""
-    o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                                         cu_seqlens, snapshots, **config)
-    intra()
-    state()
+                snapshots: StateSnapshots | None = None, pieces: int = 1, **config) -> torch.Tensor:
+    """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype.
+
+    `pieces` > 1 cuts a lone sequence into that many token ranges on the chunk grid and pipelines them: the state
+    walk of one range runs on a high-priority side stream while the intra kernel of the next fills the SMs the walk
+    leaves idle (it holds one program per head and V-block). Each range's walk starts from the state the previous
+    one left in the slot, so the result is bit for bit the one-piece result. Packed sequences and passes with
+    snapshot points run as one piece (their walks already hold more programs).
+    """
+    if pieces < 1:
+        raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
+    t = q.shape[0]
+    chunk = config.get("chunk") or default_chunk(lower_bound)
+    length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
+    if pieces == 1 or slots.shape[0] != 1 or snapshots is not None or length >= t:
+        o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                                             cu_seqlens, snapshots, **config)
+        intra()
+        state()
+        return o
+    o = torch.empty(t, q.shape[1], v.shape[-1], dtype=v.dtype, device=v.device)
+    launches = []
+    for lo in range(0, t, length):
+        r = slice(lo, min(t, lo + length))
+        cu = (cu_seqlens - lo).clamp(0, r.stop - lo)  # the lone sequence [0, T) -> [0, this range's length]
+        _, intra, state = kda_prefill_stages(q[r], k[r], v[r], f[r], beta_logits[r], a_log, dt_bias, lower_bound,
+                                             state_pool, slots, cu, out=o[r], **config)
+        launches.append((intra, state))
+    _run_pipelined(launches, q.device)
     return o
+
+
+_WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _run_pipelined(launches: list, device: torch.device) -> None:
+    """Intra kernels in order on the current stream, each range's walk after its own intra kernel and the previous
+    walk on the side stream; the current stream waits for the last walk. The launches keep every buffer referenced
+    until then, so none is reused while the side stream still reads it."""
+    if device.type != "cuda":
+        for intra, state in launches:
+            intra()
+            state()
+        return
+    main = torch.cuda.current_stream(device)
+    if device not in _WALK_STREAMS:
+        _WALK_STREAMS[device] = torch.cuda.Stream(device, priority=-100)  # clamped to the highest the GPU has
+    side = _WALK_STREAMS[device]
+    side.wait_stream(main)
+    for intra, state in launches:
+        intra()
+        side.wait_event(main.record_event())
+        with torch.cuda.stream(side):
+            state()
+    main.wait_stream(side)
 
 
 # No host sync; buffers and grids sized from shapes only. Snapshot layouts are built by the runner before the pass
