@@ -2,7 +2,8 @@
 
     python bench/kda_kernels.py [--out DIR] [--sweep] [--quick]
 
---sweep also times 16- and 32-row chunks on every prefill shape, and kernel layouts on B=1 T=16k.
+--sweep also times 32- and 64-row chunks beside the default 16 on every shape (`--chunks` picks them), kernel layouts
+(B=1 T=16k; with --k3 the 16-row layouts on every K3 shape) and the pipelined token ranges of a lone sequence.
 --k3 times K3's lower-bound gate (-5) on FlashKDA's shapes (1 x 8k / 16k / 64k, 8 x 1k and 8 x 4k packed) against
 fla and FlashKDA (`flash_kda`, built on the GPU from its repository; absent, its columns say so).
 
@@ -32,13 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.kernel_profile import format_profile, kernel_profile  # noqa: E402
 from bench.measure import copy_bytes_per_s, gpu_ms, graph_us  # noqa: E402
 from shard_svc.ops.kda import eager  # noqa: E402
-from shard_svc.ops.triton.kda_chunk import CHUNKS, kda_prefill, kda_prefill_stages  # noqa: E402
+from shard_svc.ops.triton.kda_chunk import CHUNK, CHUNKS, kda_prefill, kda_prefill_stages  # noqa: E402
 from shard_svc.ops.triton.kda_decode import kda_decode  # noqa: E402
 
 H, K, V = 32, 128, 128
 DEV = torch.device("cuda")
 # Layouts of the intra-chunk kernel timed by --sweep at B=1, T=16k (kda_prefill_stages' intra_* arguments).
-INTRA_SWEEP = [dict(intra_warps=warps) for warps in (2, 4, 8, 16)]
+INTRA_SWEEP = [dict(intra_warps=warps) for warps in (1, 2, 4)]
 PREFILL = [(1, 4096), (1, 16384), (1, 65536), (8, 4096)]
 K3_LENS = [[8192], [16384], [65536], [1024] * 8, [4096] * 8]  # FlashKDA's anchor shapes
 K3_LOWER_BOUND = -5.0
@@ -60,7 +61,7 @@ def inputs(n_tok: int, seed: int):
     return q, k, v, f, bl, a_log, dt_bias
 
 
-def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
+def prefill_rows(fla, sweep: bool, quick: bool, chunks: tuple[int, ...], profile: bool = False):
     from fla.ops.kda.gate import naive_kda_gate
 
     rows = []
@@ -93,12 +94,12 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
         row["ours_intra_ms"], row["ours_state_ms"] = gpu_ms(intra), gpu_ms(state)
         if b == 1:  # a lone sequence: walk of one token range beside the next one's intra kernel
             row["ours_pieces_ms"] = {p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, pieces=p))
-                                     for p in (2, 4, 8)}
+                                     for p in (1, 2, 4, 8)}
         # the intra kernel as it was before the one-reference block products (levels everywhere)
         row["ours_intra_levels_only_ms"] = gpu_ms(kda_prefill_stages(*args, pool, slots, cu, block_ref=False)[1])
         if sweep:  # chunk sizes, every shape: FlashKDA's 16 rows trade intra-chunk work for state steps
             row["sweep_chunk"] = {}
-            for chunk in (16, 32):
+            for chunk in [c for c in chunks if c != CHUNK]:
                 p_c = pool0.clone()
                 o_c = kda_prefill(*args, p_c, slots, cu, chunk=chunk)
                 _, it, st = kda_prefill_stages(*args, pool, slots, cu, chunk=chunk)
@@ -150,8 +151,9 @@ def prefill_rows(fla, sweep: bool, quick: bool, profile: bool = False):
     return rows
 
 
-def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
-    """K3's gate on single and packed sequences: ours (each chunk size) vs fla chunk_kda vs FlashKDA, zero state."""
+def k3_rows(fla, chunks: tuple[int, ...], sweep: bool) -> list[dict]:
+    """K3's gate on single and packed sequences: ours (each chunk size) vs fla chunk_kda vs FlashKDA, zero state;
+    `sweep` adds the 16-row layouts and pipelined ranges."""
     try:
         import flash_kda
     except ImportError as e:
@@ -200,42 +202,29 @@ def k3_rows(fla, chunks: tuple[int, ...]) -> list[dict]:
                                      "intra_levels_only_ms": gpu_ms(kda_prefill_stages(*args, pool, slots, cu,
                                                                                        chunk=chunk,
                                                                                        block_ref=False)[1])}
-            if len(lens) == 1 and len(chunks) > 1:
-                row[f"ours_c{chunk}"]["pieces4_ms"] = gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu,
-                                                                                         chunk=c, pieces=4))
-            if chunk == 16 and len(chunks) > 1:  # the 16-row walk: 4x the steps, so its tile matters more
+            if len(lens) == 1:  # a lone sequence runs in pipelined token ranges by default: without them
+                row[f"ours_c{chunk}"]["pieces1_ms"] = gpu_ms(lambda c=chunk: kda_prefill(*args, pool, slots, cu,
+                                                                                         chunk=c, pieces=1))
+            if chunk == 16 and sweep:  # the 16-row walk: 4x the steps, so its tile matters more
                 row["ours_c16"]["state_sweep_ms"] = {
                     f"bv{bv}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, block_v=bv,
                                                               state_warps=w)[2])
-                    for bv, w in ((16, 4), (64, 4), (64, 8), (128, 8))}
+                    for bv, w in ((32, 4), (64, 4), (128, 8))}
                 row["ours_c16"]["intra_sweep_ms"] = {
                     f"slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, intra_slice=sl,
                                                                  intra_warps=w)[1])
-                    for sl, w in ((16, 1), (32, 1), (32, 2), (32, 4), (64, 2), (128, 4))}
-                # several 16-row chunks to an intra program: bigger tiles, fewer programs
-                row["ours_c16"]["intra_chunks_sweep_ms"] = {
-                    f"cpp{cpp}_slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16,
-                                                                          intra_chunks=cpp, intra_slice=sl,
-                                                                          intra_warps=w)[1])
-                    for cpp, sl, w in ((2, 32, 2), (2, 32, 4), (4, 32, 2), (4, 32, 4), (4, 64, 4), (8, 32, 4),
-                                       (8, 32, 8))}
-                if len(lens) == 1:  # a lone sequence: walk of one token range beside the next one's intra kernel
+                    for sl, w in ((16, 1), (32, 1), (64, 1), (128, 1), (32, 2))}
+                if len(lens) == 1:
                     row["ours_c16"]["pieces_ms"] = {
-                        f"p{p}_cpp{cpp}": gpu_ms(lambda p=p, cpp=cpp: kda_prefill(*args, pool, slots, cu, chunk=16,
-                                                                                  pieces=p, intra_chunks=cpp))
-                        for p in (2, 4, 8, 16) for cpp in (1, 4)}
+                        p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, chunk=16, pieces=p))
+                        for p in (2, 4, 8, 16)}
                     # the side stream must not change a bit: pipelined against one piece, same initial state
                     pool.zero_()
-                    o_pp = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=8, intra_chunks=4)
+                    o_pp = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=8)
                     s_pp = pool.clone()
                     pool.zero_()
-                    o_1 = kda_prefill(*args, pool, slots, cu, chunk=16)
+                    o_1 = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=1)
                     row["ours_c16"]["pieces8_bit_equal"] = torch.equal(o_pp, o_1) and torch.equal(s_pp, pool)
-                pool.zero_()
-                o4 = kda_prefill(*args, pool, slots, cu, chunk=16, intra_chunks=4)
-                row["ours_c16"]["cpp4"] = {f"err_o_vs_{ref}": rel(o4, o_ref), f"err_state_vs_{ref}": rel(pool, s_ref),
-                                           "ms": gpu_ms(lambda: kda_prefill(*args, pool, slots, cu, chunk=16,
-                                                                            intra_chunks=4))}
         best = min(chunks, key=lambda c: row[f"ours_c{c}"]["ms"])
         row["ours_best_chunk"], row["ours_ms"] = best, row[f"ours_c{best}"]["ms"]
         row["vs_fla"] = row["fla_ms"] / row["ours_ms"]
@@ -394,6 +383,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only the two smallest prefill shapes")
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time of fla and ours at B=1 T=16k")
     ap.add_argument("--k3", action="store_true", help="K3's gate against fla and FlashKDA on FlashKDA's shapes")
+    ap.add_argument("--chunks", default="", help="comma list of chunk sizes to time (default: all with --sweep)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: prefill,decode")
     a = ap.parse_args()
     import fla
@@ -407,9 +397,10 @@ def main() -> None:
     skip = set(a.skip.split(","))
     res["decode"] = [] if "decode" in skip else decode_rows(fla_kda, a.sweep, res["copy_TBps"])
     json.dump(res, open(path, "w"), indent=1)
-    res["k3"] = k3_rows(fla_kda, CHUNKS if a.sweep else (64,)) if a.k3 else []
+    chunks = tuple(int(c) for c in a.chunks.split(",")) if a.chunks else (CHUNKS if a.sweep else (CHUNK,))
+    res["k3"] = k3_rows(fla_kda, chunks, a.sweep) if a.k3 else []
     json.dump(res, open(path, "w"), indent=1)
-    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, a.profile)
+    res["prefill"] = [] if "prefill" in skip else prefill_rows(fla_kda, a.sweep, a.quick, chunks, a.profile)
     res["plots"] = plots(res, a.out)
     json.dump(res, open(path, "w"), indent=1)
     print(table(res))

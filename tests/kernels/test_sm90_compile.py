@@ -105,8 +105,7 @@ def decode_48b_launches() -> None:
 
 def kda_prefill_48b_launches() -> None:
     """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet, and
-    K3's gate (one-reference block products always) and the levels alone at every chunk size, and 16-row chunks taken
-    several to an intra program."""
+    K3's gate (one-reference block products always) and the levels alone at every chunk size."""
     from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
 
     kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
@@ -119,10 +118,6 @@ def kda_prefill_48b_launches() -> None:
         pool = torch.zeros(7, 2, 128, 128)
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, chunk=chunk)
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk, block_ref=False)
-    for intra_chunks in (2, 4, 8):  # 16-row chunks, several to an intra program, both gates
-        pool = torch.zeros(7, 2, 128, 128)
-        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, chunk=16, intra_chunks=intra_chunks)
-        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=16, intra_chunks=intra_chunks)
 
 
 def fp32_launches() -> None:

@@ -1,5 +1,5 @@
-"""KDA chunked prefill over packed variable-length sequences (chunks of 64 rows with the softplus gate, 16 with K3's
-bounded gate, 16 / 32 / 64 on request), state read from and written to the pool.
+"""KDA chunked prefill over packed variable-length sequences (chunks of 16 rows, 32 or 64 on request), state read from
+and written to the pool.
 
 Reference: `shard_svc/ops/kda/eager.py::kda_prefill` (UT/WY chunk form, docs/models.md#chunked-prefill) and the token
 loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
@@ -43,10 +43,10 @@ from shard_svc.ops.triton.common import (TritonKernelError, check, check_index, 
 from shard_svc.ops.triton.kda_gate import kda_gate_log2
 from shard_svc.ops.triton.linear import sm_count
 
-CHUNK = 64  # BT: rows per chunk, the softplus gate's default (K3's gate: SUB)
-# Chunks a caller may ask for (`chunk=`): FlashKDA runs 16-row chunks, which moves work from the intra kernel (its
-# cost per token grows with the chunk) to the state walk (more, smaller steps); bench/kda_kernels.py --sweep times
-# them against each other.
+# BT: rows per chunk. 16 rows (as FlashKDA) move work from the intra kernel, whose cost per token grows with the chunk,
+# to the state walk (more, smaller steps); one H100 run, both gates (bench/results/kda_kernels_k3_h100_2026-12-06b):
+# 16 beats 64 on every shape, by 1.24-1.27x with the softplus gate at 4k and 16k. 32 and 64 stay on request.
+CHUNK = 16
 CHUNKS = (16, 32, 64)
 SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
 # With K3's bounded gate (>= lower_bound nats a step) a 16-row block spans at most 8 |lower_bound| log2(e) on each
@@ -54,9 +54,11 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
 REF_SPAN_LOG2 = tl.constexpr(100.0)
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
-# Chunks one intra program may take (`intra_chunks=`, 16-row chunks only): bigger tiles for the tiny 16-row chunks,
-# and fewer programs, each searching its sequence once.
-INTRA_CHUNKS = (1, 2, 4, 8)
+# A lone sequence runs as T // PIECE_TOKENS pipelined token ranges (`kda_prefill`'s pieces), at most MAX_PIECES: each
+# range costs the host two launches and some small ops (~0.2 ms), so ranges much below 4k tokens lose more than the
+# overlap wins (H100, K3's gate: 8k 0.81 vs 0.86 ms in 2 ranges, 16k 1.51 vs 1.66 in 4, 64k 5.38 vs 6.49 in 8).
+PIECE_TOKENS = 4096
+MAX_PIECES = 8
 
 
 @triton.jit
@@ -123,10 +125,8 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 @triton.jit
 def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
-                K: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BT: tl.constexpr, CPP: tl.constexpr,
-                USE_LOWER_BOUND: tl.constexpr):
-    """Raw q, k [CPP * BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G inside each of the
-    program's CPP chunks (rows past the end flat)."""
+                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
     m_ks = o_ks < K
     if K == BK:
         m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
@@ -142,90 +142,62 @@ def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, s
     # Padded rows and columns get g = 0, so G stays flat past the end and G[BT-1] is the last real row's.
     b_g = tl.where(m_t[:, None] & m_ks[None, :], kda_gate_log2(b_f, b_dt[None, :], a, lower_bound, USE_LOWER_BOUND),
                    0.0)
-    if CPP == 1:
-        b_G = tl.cumsum(b_g, axis=0)
-    else:
-        b_G = tl.reshape(tl.cumsum(tl.reshape(b_g, [CPP, BT, BKS]), axis=1), [CPP * BT, BKS])
-    return b_q, b_k, b_G, m
-
-
-@triton.jit
-def _chunk_last(b_G, BT: tl.constexpr, BKS: tl.constexpr, CPP: tl.constexpr):
-    """G of each chunk's last row: [CPP, BKS], and on every row of its chunk: [CPP * BT, BKS]."""
-    g3 = tl.reshape(b_G, [CPP, BT, BKS])
-    g_last = tl.sum(tl.where(tl.arange(0, BT)[None, :, None] == BT - 1, g3, 0.0), 1)
-    return g_last, tl.reshape(tl.broadcast_to(g_last[:, None, :], [CPP, BT, BKS]), [CPP * BT, BKS])
-
-
-@triton.jit
-def _apply_inverse(b_x, b, NB: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """(I + A_kk)^-1 b for a [NB * BC, BKS] tile; b_x is [NB, BC, BC] (one block per chunk: ONE_BLOCK) or
-    [BT, BT]."""
-    if ONE_BLOCK:
-        out = tl.reshape(tl.dot(b_x, tl.reshape(b, [NB, BC, BKS]), input_precision=PRECISION), [NB * BC, BKS])
-    else:
-        out = tl.dot(b_x, b, input_precision=PRECISION)
-    return out
+    return b_q, b_k, tl.cumsum(b_g, axis=0), m
 
 
 @triton.jit
 def _kda_chunk_intra_kernel(
-    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets, program_offsets,
+    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
     w, u, qg, kg, aqk, decay,
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, CPP: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, FAR_LEVELS: tl.constexpr, NEAR_LEVELS: tl.constexpr,
     SEARCH_STEPS: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, PRECISION: tl.constexpr, REF_MODE: tl.constexpr,
 ):
-    i_p = tl.program_id(0)
+    i_c = tl.program_id(0)
     i_h = tl.program_id(1)
-    # The sequence owning this program's rows: program_offsets[n] <= i_p < program_offsets[n + 1] (binary search,
-    # so the grid needs no host copy of the sequence lengths). A program takes CPP consecutive chunks of it.
-    lo = i_p * 0
+    # The sequence owning global chunk i_c: chunk_offsets[n] <= i_c < chunk_offsets[n + 1] (binary search, so
+    # the grid needs no host copy of the sequence lengths).
+    lo = i_c * 0
     hi = lo + n_seqs
     for _step in tl.static_range(SEARCH_STEPS):
         mid = (lo + hi) // 2
-        end = tl.load(program_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
-        right = i_p >= end
+        end = tl.load(chunk_offsets + tl.minimum(mid, n_seqs - 1) + 1).to(tl.int32)
+        right = i_c >= end
         active = lo < hi
         lo = tl.where(active & right, mid + 1, lo)
         hi = tl.where(active & (right == 0), mid, hi)
-    if lo >= n_seqs:  # the grid is an upper bound on the number of programs
+    if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
         return
     bos = tl.load(cu_seqlens + lo).to(tl.int64)
     eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
-    i_local = (i_p - tl.load(program_offsets + lo)).to(tl.int64)
-    t0 = bos + i_local * (CPP * BT)  # int64 only in scalar bases
-    c0 = tl.load(chunk_offsets + lo) + i_local * CPP  # the program's first chunk
+    t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT  # int64 only in scalar bases
 
-    R: tl.constexpr = CPP * BT  # rows of the program
-    NB: tl.constexpr = R // BC
-    ONE_BLOCK: tl.constexpr = BT == BC  # every chunk is one BC-block: no far levels, no [BT, BT] tiles
-    o_t = tl.arange(0, R)
+    NB: tl.constexpr = BT // BC
+    o_t = tl.arange(0, BT)
     m_t = (t0 + o_t) < eos
     b_a = tl.exp(tl.load(a_log + i_h).to(tl.float32))
     b_beta = tl.where(m_t, tl.sigmoid(tl.load(beta_logits + t0 * stride_b + i_h + o_t * stride_b, mask=m_t,
                                               other=0.0).to(tl.float32)), 0.0)
 
     # Pass 1 over channel slices: every A entry is a sum over channels, and the L2 norms are row / column
-    # scalings applied afterwards, so [R, BKS] tiles suffice (register pressure).
-    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks (CPP == 1 here)
+    # scalings applied afterwards, so [BT, BKS] tiles suffice (register pressure).
+    a_qk = tl.zeros([BT, BT], dtype=tl.float32)  # pairs in different BC-blocks
     a_kk = tl.zeros([BT, BT], dtype=tl.float32)
     d_qk = tl.zeros([NB, BC, BC], dtype=tl.float32)  # pairs inside a BC-block, one [BC, BC] tile per block
     d_kk = tl.zeros([NB, BC, BC], dtype=tl.float32)
-    diag_qk = tl.zeros([R], dtype=tl.float32)
-    ssq_q = tl.zeros([R], dtype=tl.float32)
-    ssq_k = tl.zeros([R], dtype=tl.float32)
-    o_i = tl.arange(0, BT)[:, None]
-    o_j = tl.arange(0, BT)[None, :]
+    diag_qk = tl.zeros([BT], dtype=tl.float32)
+    ssq_q = tl.zeros([BT], dtype=tl.float32)
+    ssq_k = tl.zeros([BT], dtype=tl.float32)
+    o_i = o_t[:, None]
+    o_j = o_t[None, :]
     ri = tl.arange(0, BC)[None, :, None]
     cj = tl.arange(0, BC)[None, None, :]
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, _m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                        b_a, lower_bound, K, BK, BKS, BT, CPP, USE_LOWER_BOUND)
+                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
         ssq_q += tl.sum(b_q * b_q, 1)
         ssq_k += tl.sum(b_k * b_k, 1)
         # Every pair i > j in different BC-blocks is split by exactly one far level: the smallest power-of-two
@@ -239,39 +211,34 @@ def _kda_chunk_intra_kernel(
         # Pairs inside a BC-block: one product per matrix around each block's middle row where the gate's span
         # allows (REF_MODE 1: always; 2: this slice, checked), else levels of BC, BC/2, ..., 2 rows.
         if REF_MODE == 0:
-            diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, R, BKS, BC, NEAR_LEVELS,
+            diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
                                                PRECISION)
         else:
-            g_mid = _ref_rows(b_G, R, BKS, BC)
+            g_mid = _ref_rows(b_G, BT, BKS, BC)
             if REF_MODE == 1:
-                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, R, BKS, BC, PRECISION)
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
             elif tl.max(tl.max(tl.abs(b_G - g_mid), 1), 0) <= REF_SPAN_LOG2:
-                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, R, BKS, BC, PRECISION)
+                d_qk, d_kk = _near_one_ref(b_q, b_k, b_G, g_mid, d_qk, d_kk, BT, BKS, BC, PRECISION)
             else:
-                diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, R, BKS, BC, NEAR_LEVELS,
+                diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
                                                    PRECISION)
 
     rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
     rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
+    rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
     # One-reference products hold every pair of a block (the levels only pairs below its diagonal): keep the causal
     # ones. A pair above the diagonal grows as 2^(G_j - G_i) and may be inf or NaN there; the select drops it before
     # anything multiplies it. A_kk's own diagonal is the identity's.
-    d_qk = tl.where(ri >= cj, d_qk, 0.0) + tl.where(ri == cj, tl.reshape(diag_qk, [NB, BC])[:, :, None], 0.0)
+    d_qk = tl.where(ri >= cj, d_qk, 0.0)
     d_kk = tl.where(ri > cj, d_kk, 0.0)
-    if ONE_BLOCK:  # A_qk's rows are the blocks' own
-        o_c = tl.arange(0, BT)
-        a3 = d_qk * tl.reshape(rq, [NB, BC])[:, :, None] * rk3[:, None, :]
-        tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_c[None, :]),
-                 tl.reshape(a3, [R, BT]).to(aqk.dtype.element_ty), mask=m_t[:, None])
-    else:
-        rk_col = rk[None, :]
-        a_qk = (a_qk + _block_diag(d_qk, NB, BC, BT)) * rq[:, None] * rk_col
-        tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]),
-                 a_qk.to(aqk.dtype.element_ty), mask=m_t[:, None])
-        a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
+    a_qk = a_qk + _block_diag(d_qk, NB, BC, BT) + tl.where(o_i == o_j, diag_qk[:, None], 0.0)
+    a_qk = a_qk * rq[:, None] * rk_col
+    tl.store(aqk + (t0 * H + i_h) * BT + (o_t[:, None] * (H * BT) + o_t[None, :]), a_qk.to(aqk.dtype.element_ty),
+             mask=m_t[:, None])
     d_kk = d_kk * rkb3[:, :, None] * rk3[:, None, :]  # beta_i k_i . k_j (strictly lower by construction)
+    a_kk = a_kk * (rk * b_beta)[:, None] * rk_col
 
     # (I + A_kk)^-1 by block merges, 2 rows up to BT: with X block-diagonal holding the inverses of the halves,
     # the doubled block's inverse is X - X (A21 X), A21 its lower-left quadrant. Only bounded blocks multiply,
@@ -282,34 +249,28 @@ def _kda_chunk_intra_kernel(
         quad = ((ri // span) == (cj // span)) & ((ri % span) >= span // 2) & ((cj % span) < span // 2)
         x3 = x3 - tl.dot(x3, tl.dot(tl.where(quad, d_kk, 0.0), x3, input_precision=PRECISION),
                          input_precision=PRECISION)
-    if ONE_BLOCK:
-        b_x = x3
-    else:
-        b_x = _block_diag(x3, NB, BC, BT)
-        for lvl in tl.static_range(FAR_LEVELS):
-            span = BC * (2 << lvl)
-            quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
-            b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
-                               input_precision=PRECISION)
+    b_x = _block_diag(x3, NB, BC, BT)
+    for lvl in tl.static_range(FAR_LEVELS):
+        span = BC * (2 << lvl)
+        quad = ((o_i // span) == (o_j // span)) & ((o_i % span) >= span // 2) & ((o_j % span) < span // 2)
+        b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
+                           input_precision=PRECISION)
 
     # Pass 2 over channel slices (inputs again, from L2): q 2^G, k 2^(G_last - G), 2^G_last and w.
     base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
-    o_p = tl.arange(0, CPP)
-    m_p = (t0 + o_p * BT) < eos  # the program's chunks that exist
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
-                                       b_a, lower_bound, K, BK, BKS, BT, CPP, USE_LOWER_BOUND)
-        g_last, g_last_rows = _chunk_last(b_G, BT, BKS, CPP)
+                                       b_a, lower_bound, K, BK, USE_LOWER_BOUND)
+        b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
         b_eg = tl.exp2(b_G)
         b_k = b_k * rk[:, None]
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
         tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
-        tl.store(kg + off, (b_k * tl.exp2(g_last_rows - b_G)).to(kg.dtype.element_ty), mask=m)
-        b_w = _apply_inverse(b_x, b_k * (b_beta[:, None] * b_eg), NB, BC, BKS, ONE_BLOCK, PRECISION)
+        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
+        b_w = tl.dot(b_x, b_k * (b_beta[:, None] * b_eg), input_precision=PRECISION)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m)
-        tl.store(decay + ((c0 + o_p[:, None]) * H + i_h) * K + o_ks[None, :], tl.exp2(g_last),
-                 mask=m_p[:, None] & (o_ks < K)[None, :])
+        tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
     for i_v in range(0, BV // BKS):
         o_vs = i_v * BKS + tl.arange(0, BKS)
         if V == BV:
@@ -318,9 +279,8 @@ def _kda_chunk_intra_kernel(
             m_v = m_t[:, None] & (o_vs < V)[None, :]
         b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
                       other=0.0).to(tl.float32)
-        b_u = _apply_inverse(b_x, b_v * b_beta[:, None], NB, BC, BKS, ONE_BLOCK, PRECISION)
-        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]), b_u.to(u.dtype.element_ty),
-                 mask=m_v)
+        tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
+                 tl.dot(b_x, b_v * b_beta[:, None], input_precision=PRECISION).to(u.dtype.element_ty), mask=m_v)
 
 
 @triton.jit
@@ -428,26 +388,23 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int | None = None, intra_chunks: int = 1, out: torch.Tensor | None = None):
+                       chunk: int | None = None, out: torch.Tensor | None = None):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
 
-    Defaults (bench/results/kda_kernels_k3_h100_2026-12-06.json, one H100, K3's gate, against FlashKDA):
-    - chunk: 16 with K3's gate (its blocks are one product each; every FlashKDA shape, 8k-64k single and 8 x 1k /
-      8 x 4k packed, at least as fast as 64), 64 with the softplus gate (not yet measured against 16).
-    - intra_warps: 2 for 16-row chunks (0.75 vs 1.02 ms at 16k), 4 for longer (2.25 vs 3.08 ms at 8, H200).
+    Defaults (bench/results/kda_kernels_k3_h100_2026-12-06*.json, one H100, against FlashKDA and fla):
+    - chunk: CHUNK (16), both gates.
+    - intra_warps: 1 for 16-row chunks (K3's gate, 8k: 0.33 vs 0.41 ms at 2 warps, 0.57 at 4; the same ratio on
+      every FlashKDA shape), 4 for longer (2.25 vs 3.08 ms at 8, H200).
     - block_v: 64 for 16-row chunks when that still gives every SM a (sequence, head, V-block) program (8 x 1k:
       0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
     """
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
-    chunk = chunk or default_chunk(lower_bound)
+    chunk = chunk or CHUNK
     if intra_warps is None:
-        intra_warps = 2 if chunk == SUB else 4
+        intra_warps = 1 if chunk == SUB else 4
     if chunk not in CHUNKS:
         raise TritonKernelError(f"{op}: chunk {chunk} is not one of {CHUNKS}")
-    if intra_chunks not in INTRA_CHUNKS or (intra_chunks > 1 and chunk != SUB):
-        raise TritonKernelError(f"{op}: intra_chunks {intra_chunks} (chunks per intra program) must be one of "
-                                f"{INTRA_CHUNKS}, and 1 unless the chunk is {SUB} rows (chunk {chunk})")
     t, heads, dk = q.shape
     dv = v.shape[-1]
     n = slots.shape[0]
@@ -469,12 +426,6 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     chunk_offsets = torch.zeros(num_segments + 1, dtype=torch.int64, device=q.device)
     torch.cumsum((lens + chunk - 1) // chunk, 0, out=chunk_offsets[1:])
     max_chunks = t // chunk + num_segments  # sum of ceil(len / chunk) <= floor(T / chunk) + segments
-    rows = chunk * intra_chunks  # per intra program, inside one segment
-    if intra_chunks == 1:
-        program_offsets = chunk_offsets
-    else:
-        program_offsets = torch.zeros_like(chunk_offsets)
-        torch.cumsum((lens + rows - 1) // rows, 0, out=program_offsets[1:])
     inter = v.dtype if v.dtype in (torch.bfloat16, torch.float16) else torch.float32
     w = torch.empty(t, heads, dk, dtype=inter, device=q.device)
     qg = torch.empty_like(w)
@@ -495,13 +446,13 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
 
     def intra():
-        _kda_chunk_intra_kernel[(t // rows + num_segments, heads)](
-            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets, program_offsets,
+        _kda_chunk_intra_kernel[(max_chunks, heads)](
+            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, intra_slice), BT=chunk, BC=SUB,
-            CPP=intra_chunks, FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
+            FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps,
         )
@@ -519,24 +470,23 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     return o, intra, state
 
 
-def default_chunk(lower_bound: float | None) -> int:
-    return SUB if lower_bound is not None else CHUNK
-
-
 def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                snapshots: StateSnapshots | None = None, pieces: int = 1, **config) -> torch.Tensor:
+                snapshots: StateSnapshots | None = None, pieces: int | None = None, **config) -> torch.Tensor:
     """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype.
 
-    `pieces` > 1 cuts a lone sequence into that many token ranges on the chunk grid and pipelines them: the state
+    `pieces` > 1 (default: one per PIECE_TOKENS, at most MAX_PIECES) cuts a lone sequence into that many token ranges
+    on the chunk grid and pipelines them: the state
     walk of one range runs on a high-priority side stream while the intra kernel of the next fills the SMs the walk
     leaves idle (it holds one program per head and V-block). Each range's walk starts from the state the previous
     one left in the slot, so the result is bit for bit the one-piece result. Packed sequences and passes with
     snapshot points run as one piece (their walks already hold more programs).
     """
+    t = q.shape[0]
+    if pieces is None:
+        pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS))
     if pieces < 1:
         raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
-    t = q.shape[0]
-    chunk = config.get("chunk") or default_chunk(lower_bound)
+    chunk = config.get("chunk") or CHUNK
     length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
     if pieces == 1 or slots.shape[0] != 1 or snapshots is not None or length >= t:
         o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
