@@ -44,8 +44,8 @@ from shard_svc.ops.triton.kda_gate import kda_gate_log2
 from shard_svc.ops.triton.linear import sm_count
 
 # BT: rows per chunk. 16 rows (as FlashKDA) move work from the intra kernel, whose cost per token grows with the chunk,
-# to the state walk (more, smaller steps); one H100 run, both gates (bench/results/kda_kernels_k3_h100_2026-12-06b):
-# 16 beats 64 on every shape, by 1.24-1.27x with the softplus gate at 4k and 16k. 32 and 64 stay on request.
+# to the state walk (more, smaller steps). H100 (bench/results/kda_kernels_k3_h100_2026-12-06b, c): 16 beats 64 on
+# every shape, 1.3-1.9x with K3's gate, 1.24-1.27x with the softplus gate at 4k and 16k. 32 and 64 stay on request.
 CHUNK = 16
 CHUNKS = (16, 32, 64)
 SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16, 16] tiles
@@ -55,8 +55,9 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 REF_SPAN_LOG2 = tl.constexpr(100.0)
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
 # A lone sequence runs as T // PIECE_TOKENS pipelined token ranges (`kda_prefill`'s pieces), at most MAX_PIECES: each
-# range costs the host two launches and some small ops (~0.2 ms), so ranges much below 4k tokens lose more than the
-# overlap wins (H100, K3's gate: 8k 0.81 vs 0.86 ms in 2 ranges, 16k 1.51 vs 1.66 in 4, 64k 5.38 vs 6.49 in 8).
+# range costs the host two launches and some small ops (~0.2-0.3 ms), so ranges much below 4k tokens lose more than
+# the overlap wins (H100, K3's gate, ..._2026-12-06c: 16k 1.44 vs 1.54 ms in 4 ranges, 64k 5.40 vs 6.03 in 8, 8k a
+# tie in 2; 8k in 4 ranges 1.40 ms).
 PIECE_TOKENS = 4096
 MAX_PIECES = 8
 
