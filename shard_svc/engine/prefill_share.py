@@ -37,7 +37,7 @@ from shard_svc.config import ModelConfig
 from shard_svc.errors import SchedulingConfigError
 
 POLICIES = ("fair", "fcfs")
-CHUNK_ALIGN = 64  # KDA chunk length: cut chunks are multiples of it
+CHUNK_ALIGN = 64  # a multiple of every KDA chunk length (ops/triton/kda_chunk.CHUNKS): cuts stay on their grid
 
 
 class Prefilling(Protocol):

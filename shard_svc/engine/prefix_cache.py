@@ -12,7 +12,7 @@ the logits row of its last position, so a prompt that is cached whole samples it
 Snapshot points of a prompt (entries are copies of the state there):
 (1) where its chat messages end (PrefixHints.boundaries: the tokenizer reports them, the router passes them on;
     `message_points` keeps at most MAX_MESSAGE_POINTS of them, each MIN_MESSAGE_GAP tokens past the one before),
-    each moved down to a multiple of CHUNK_ALIGN, the KDA kernels' chunk: a pass cut there computes every chunk as
+    each moved down to a multiple of CHUNK_ALIGN (of every KDA chunk size): a pass cut there computes every chunk as
     the uncut pass does, so taking the point changes no bit of the prompt's own output, and a request restoring it
     prefills the rest on the grid an uncached one uses (in bf16 a cut between grid lines regroups the sums of the
     chunks after it, enough to flip a near-tied token; under CHUNK_ALIGN shared tokens fewer are restored),
