@@ -135,6 +135,28 @@ def test_kda_prefill_in_pieces_is_the_one_piece_result(case, chunk, pieces):
     assert torch.equal(pools[0][slots], pools[1][slots])
 
 
+def test_kda_prefill_cuts_a_lone_long_sequence_by_default(monkeypatch):
+    """By default a lone sequence runs in T // PIECE_TOKENS ranges (at most MAX_PIECES), packed ones in one."""
+    from shard_svc.ops.triton import kda_chunk
+
+    ranges = []
+    stages = kda_chunk.kda_prefill_stages
+
+    def recording_stages(q, *args, **kwargs):
+        ranges.append(q.shape[0])
+        return stages(q, *args, **kwargs)
+
+    monkeypatch.setattr(kda_chunk, "kda_prefill_stages", recording_stages)
+    monkeypatch.setattr(kda_chunk, "PIECE_TOKENS", 32)
+    monkeypatch.setattr(kda_chunk, "MAX_PIECES", 3)
+    for lens, expected in (([130], [48, 48, 34]), ([64], [32, 32]), ([31], [31]), ([70, 5, 64], [139])):
+        ranges.clear()
+        (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, 2, 16, 16, torch.float32, "plain")
+        kda_chunk.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, poisoned_pool((7, 2, 16, 16), slots), slots,
+                              cu_seqlens(lens))
+        assert ranges == expected, lens
+
+
 def test_kda_prefill_refuses_other_chunks_and_no_pieces():
     from shard_svc.ops.triton.common import TritonKernelError
     from shard_svc.ops.triton.kda_chunk import kda_prefill
