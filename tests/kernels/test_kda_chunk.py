@@ -136,25 +136,29 @@ def test_kda_prefill_in_pieces_is_the_one_piece_result(case, chunk, pieces):
 
 
 def test_kda_prefill_cuts_a_lone_long_sequence_by_default(monkeypatch):
-    """By default a lone sequence runs in T // PIECE_TOKENS ranges (at most MAX_PIECES), packed ones in one."""
+    """By default a lone sequence runs in T // PIECE_TOKENS pipelined ranges (at most MAX_PIECES), packed ones and
+    short ones in one launch of each kernel; the result is the one-range call's either way."""
     from shard_svc.ops.triton import kda_chunk
 
-    ranges = []
-    stages = kda_chunk.kda_prefill_stages
+    pipelined = []
+    run_pipelined = kda_chunk._run_pipelined
 
-    def recording_stages(q, *args, **kwargs):
-        ranges.append(q.shape[0])
-        return stages(q, *args, **kwargs)
+    def recording_run_pipelined(launches, device):
+        pipelined.append(len(launches))
+        run_pipelined(launches, device)
 
-    monkeypatch.setattr(kda_chunk, "kda_prefill_stages", recording_stages)
+    monkeypatch.setattr(kda_chunk, "_run_pipelined", recording_run_pipelined)
     monkeypatch.setattr(kda_chunk, "PIECE_TOKENS", 32)
     monkeypatch.setattr(kda_chunk, "MAX_PIECES", 3)
-    for lens, expected in (([130], [48, 48, 34]), ([64], [32, 32]), ([31], [31]), ([70, 5, 64], [139])):
-        ranges.clear()
+    for lens, expected in (([130], [3]), ([64], [2]), ([31], []), ([70, 5, 64], [])):
+        pipelined.clear()
         (q, k, v, f, bl, a_log, dt_bias), slots = make_inputs(lens, 2, 16, 16, torch.float32, "plain")
-        kda_chunk.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, poisoned_pool((7, 2, 16, 16), slots), slots,
-                              cu_seqlens(lens))
-        assert ranges == expected, lens
+        pool = poisoned_pool((7, 2, 16, 16), slots)
+        pools = [pool.clone() for _ in range(2)]
+        outs = [kda_chunk.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, p, slots, cu_seqlens(lens), pieces=n)
+                for p, n in zip(pools, (None, 1))]
+        assert pipelined == expected, lens
+        assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0][slots], pools[1][slots]), lens
 
 
 def test_kda_prefill_refuses_other_chunks_and_no_pieces():

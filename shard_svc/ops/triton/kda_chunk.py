@@ -31,6 +31,7 @@ Products run in tf32 (fp32 operands), as fla's intra-chunk kernels; in exact fp3
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -389,7 +390,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
                        snapshots: StateSnapshots | None = None,
                        block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
                        intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int | None = None, out: torch.Tensor | None = None):
+                       chunk: int | None = None):
     """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
 
     Defaults (bench/results/kda_kernels_k3_h100_2026-12-06*.json, one H100, against FlashKDA and fla):
@@ -399,6 +400,21 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     - block_v: 64 for 16-row chunks when that still gives every SM a (sequence, head, V-block) program (8 x 1k:
       0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
     """
+    o, intra, state, _, _ = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                                    cu_seqlens, snapshots, block_v, state_warps, state_stages, intra_warps,
+                                    intra_slice, block_ref, chunk)
+    return o, lambda: intra(), lambda: state()
+
+
+# kda_prefill_stages' layout arguments and their defaults, which kda_prefill passes on
+_STAGE_DEFAULTS = dict(block_v=None, state_warps=4, state_stages=None, intra_warps=None, intra_slice=SLICE,
+                       block_ref=True, chunk=None)
+
+
+def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots, block_v,
+            state_warps, state_stages, intra_warps, intra_slice, block_ref, chunk):
+    """kda_prefill_stages with launches that take other segments and chunk offsets (token ranges of the same call:
+    rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its decay buffer."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
     chunk = chunk or CHUNK
@@ -409,9 +425,9 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     t, heads, dk = q.shape
     dv = v.shape[-1]
     n = slots.shape[0]
-    o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device) if out is None else out
+    o = torch.empty(t, heads, dv, dtype=v.dtype, device=v.device)
     if t == 0 or n == 0:
-        return o, lambda: None, lambda: None
+        return o, lambda *_: None, lambda *_: None, chunk, None
     # Both kernels see segments: the sequences, or with snapshots the sequences cut at their points (the intra
     # kernel's chunks restart at a point; the state kernel carries a sequence's state across its segments).
     if snapshots is None:
@@ -446,8 +462,9 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
         ref_mode = 2
     bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
 
-    def intra():
-        _kda_chunk_intra_kernel[(max_chunks, heads)](
+    def intra(segments=segments, chunk_offsets=chunk_offsets, decay=decay, grid_chunks=max_chunks):
+        num_segments = segments.shape[0] - 1
+        _kda_chunk_intra_kernel[(grid_chunks, heads)](
             q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
@@ -458,7 +475,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps,
         )
 
-    def state():
+    def state(segments=segments, chunk_offsets=chunk_offsets, decay=decay):
         _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
             w, u, qg, kg, aqk, decay, o, state_pool, slots, segments, chunk_offsets, sequence_segments, segment_slots,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
@@ -468,7 +485,7 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
             num_warps=state_warps, num_stages=state_stages or (3 if inter != torch.float32 else 1),
         )
 
-    return o, intra, state
+    return o, intra, state, chunk, decay
 
 
 def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
@@ -476,33 +493,41 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
     """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype.
 
     `pieces` > 1 (default: one per PIECE_TOKENS, at most MAX_PIECES) cuts a lone sequence into that many token ranges
-    on the chunk grid and pipelines them: the state
-    walk of one range runs on a high-priority side stream while the intra kernel of the next fills the SMs the walk
-    leaves idle (it holds one program per head and V-block). Each range's walk starts from the state the previous
-    one left in the slot, so the result is bit for bit the one-piece result. Packed sequences and passes with
-    snapshot points run as one piece (their walks already hold more programs).
+    on the chunk grid and pipelines them: the state walk of one range runs on a high-priority side stream while the
+    intra kernel of the next fills the SMs the walk leaves idle (it holds one program per head and V-block). Each
+    range's walk starts from the state the previous one left in the slot, so the result is bit for bit the one-piece
+    result. Validation, buffers and every range's bounds are set up once for the call. Packed sequences and passes
+    with snapshot points run as one piece (their walks already hold more programs).
     """
     t = q.shape[0]
     if pieces is None:
         pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS))
     if pieces < 1:
         raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
-    chunk = config.get("chunk") or CHUNK
+    unknown = set(config) - set(_STAGE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"kda_prefill: unknown arguments {sorted(unknown)}")
+    stage_config = {name: config.get(name, default) for name, default in _STAGE_DEFAULTS.items()}
+    o, intra, state, chunk, decay_all = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool,
+                                                slots, cu_seqlens, snapshots, **stage_config)
     length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
     if pieces == 1 or slots.shape[0] != 1 or snapshots is not None or length >= t:
-        o, intra, state = kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                                             cu_seqlens, snapshots, **config)
         intra()
         state()
         return o
-    o = torch.empty(t, q.shape[1], v.shape[-1], dtype=v.dtype, device=v.device)
+    # Range r is the lone sequence clamped to tokens [r * length, (r + 1) * length): its segment bounds stay absolute
+    # rows, its chunks count from 0 in its own view of the decay buffer (length is a multiple of the chunk). Built
+    # for every range at once, on the device.
+    ranges = triton.cdiv(t, length)
+    edges = (torch.arange(ranges + 1, device=q.device, dtype=cu_seqlens.dtype) * length).clamp_(max=t)
+    segments = torch.minimum(torch.maximum(cu_seqlens[None, :], edges[:-1, None]), edges[1:, None])
+    chunk_offsets = torch.zeros_like(segments)
+    chunk_offsets[:, 1] = (segments[:, 1] - segments[:, 0] + chunk - 1) // chunk
     launches = []
-    for lo in range(0, t, length):
-        r = slice(lo, min(t, lo + length))
-        cu = (cu_seqlens - lo).clamp(0, r.stop - lo)  # the lone sequence [0, T) -> [0, this range's length]
-        _, intra, state = kda_prefill_stages(q[r], k[r], v[r], f[r], beta_logits[r], a_log, dt_bias, lower_bound,
-                                             state_pool, slots, cu, out=o[r], **config)
-        launches.append((intra, state))
+    for r in range(ranges):
+        decay = decay_all[r * (length // chunk):]
+        launches.append((functools.partial(intra, segments[r], chunk_offsets[r], decay, length // chunk + 1),
+                         functools.partial(state, segments[r], chunk_offsets[r], decay)))
     _run_pipelined(launches, q.device)
     return o
 
