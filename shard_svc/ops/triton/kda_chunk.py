@@ -55,10 +55,10 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
 REF_SPAN_LOG2 = tl.constexpr(100.0)
 SLICE = 32  # BKS: channels per slice of the intra kernel's loops
-# A lone sequence runs as T // PIECE_TOKENS pipelined token ranges (`kda_prefill`'s pieces), at most MAX_PIECES: each
-# range costs the host two launches and some small ops (~0.2-0.3 ms), so ranges much below 4k tokens lose more than
-# the overlap wins (H100, K3's gate, ..._2026-12-06c: 16k 1.44 vs 1.54 ms in 4 ranges, 64k 5.40 vs 6.03 in 8, 8k a
-# tie in 2; 8k in 4 ranges 1.40 ms).
+# A lone sequence runs as T // PIECE_TOKENS pipelined token ranges (`kda_prefill`'s pieces), at most MAX_PIECES. When
+# each range still cost a whole stages call on the host (~0.2-0.3 ms), ranges much below 4k tokens lost more than the
+# overlap won (H100, K3's gate, ..._2026-12-06c: 16k 1.44 vs 1.54 ms in 4 ranges, 64k 5.40 vs 6.03 in 8, 8k a tie in
+# 2; 8k in 4 ranges 1.40 ms). A range now costs two launches: shorter ones are worth timing.
 PIECE_TOKENS = 4096
 MAX_PIECES = 8
 
