@@ -16,9 +16,9 @@ from tests.engine.conftest import linear_config, random_model
 from tests.kernels.conftest import DEVICE, ON_GPU, assert_close
 
 # Interval points every 40 tokens: 40, 80 and 120 inside the first pass of 128. The engine puts message points on
-# the KDA chunk grid (engine/prefix_cache.py), an operator's interval need not be: 80 is off it (64 + 16), so the
-# kernels cut a chunk there.
-INTERVAL, POINT, LENGTH = 40, 80, 150
+# the KDA chunk grid (engine/prefix_cache.py), an operator's interval need not be: 120 is off every chunk size's grid
+# (7 x 16 + 8, 64 + 56), so the kernels cut a chunk there.
+INTERVAL, POINT, LENGTH = 40, 120, 150
 # The two passes have different shapes (the logits rows: 1 or 4 in one product), which BLAS rounds differently.
 TOL = 3e-3 if ON_GPU else 3e-5
 
