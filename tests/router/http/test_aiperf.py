@@ -1,5 +1,5 @@
 """NVIDIA's aiperf (the real client, as `aiperf profile` runs it) streams a short chat benchmark against the stack:
-every request completes without an error, each is streamed in several chunks, and the usage each stream reports counts
+every request completes without an error, most arrive in several chunks, and the usage each stream reports counts
 exactly the tokens asked for (ignore_eos, as benchmark harnesses send it).
 
 Its extra inputs also set a logit_bias that makes every token a whole word: a random model's tokens can be byte
@@ -47,11 +47,16 @@ def test_aiperf_streams_a_chat_benchmark_without_errors(http_stack, tmp_path):
     assert summary["request_count"]["avg"] == REQUESTS
     records = [json.loads(line) for line in (out / "profile_export.jsonl").read_text().splitlines()]
     assert len(records) == REQUESTS
+    chunks = []
     for r in records:
         assert r.get("error") is None, r["error"]
         metrics = {name: m["value"] for name, m in r["metrics"].items()}
         assert metrics["usage_completion_tokens"] == OUTPUT_TOKENS, metrics
-        assert metrics["http_req_chunks_received"] > 1, metrics  # streamed, not one body (a piece may hold tokens)
+        chunks.append(metrics["http_req_chunks_received"])
         # The response's first bytes come well before its end, and its first text no later than its end.
         assert metrics["http_req_waiting"] < metrics["request_latency"], metrics
         assert metrics["time_to_first_token"] <= metrics["request_latency"], metrics
+    # Streamed, not one body. A client the loaded 2-core CI machine deschedules for the ~50 ms a reply takes reads a
+    # whole stream in one go (seen once on CI: 1 chunk, TTFT equal to the latency), so most, not all, must show it;
+    # a server that does not stream gives one chunk to every request.
+    assert sum(c > 1 for c in chunks) >= REQUESTS // 2, chunks
