@@ -387,11 +387,9 @@ def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots
 
 
 def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                       snapshots: StateSnapshots | None = None,
-                       block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-                       intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True,
-                       chunk: int | None = None):
-    """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage.
+                       snapshots: StateSnapshots | None = None, **layout):
+    """Validate, allocate, and return (o, intra launch, state launch) so a benchmark can time each stage. `layout`:
+    `_stages`' keyword arguments.
 
     Defaults (bench/results/kda_kernels_k3_h100_2026-12-06*.json, one H100, against FlashKDA and fla):
     - chunk: CHUNK (16), both gates.
@@ -401,18 +399,13 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
       0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
     """
     o, intra, state, _, _ = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                                    cu_seqlens, snapshots, block_v, state_warps, state_stages, intra_warps,
-                                    intra_slice, block_ref, chunk)
-    return o, lambda: intra(), lambda: state()
+                                    cu_seqlens, snapshots, **layout)
+    return o, intra, state
 
 
-# kda_prefill_stages' layout arguments and their defaults, which kda_prefill passes on
-_STAGE_DEFAULTS = dict(block_v=None, state_warps=4, state_stages=None, intra_warps=None, intra_slice=SLICE,
-                       block_ref=True, chunk=None)
-
-
-def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots, block_v,
-            state_warps, state_stages, intra_warps, intra_slice, block_ref, chunk):
+def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots,
+            block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
+            intra_warps: int | None = None, intra_slice: int = SLICE, block_ref: bool = True, chunk: int | None = None):
     """kda_prefill_stages with launches that take other segments and chunk offsets (token ranges of the same call:
     rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its decay buffer."""
     op = "kda_prefill"
@@ -489,7 +482,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
 
 
 def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens,
-                snapshots: StateSnapshots | None = None, pieces: int | None = None, **config) -> torch.Tensor:
+                snapshots: StateSnapshots | None = None, pieces: int | None = None, **layout) -> torch.Tensor:
     """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype.
 
     `pieces` > 1 (default: one per PIECE_TOKENS, at most MAX_PIECES) cuts a lone sequence into that many token ranges
@@ -504,12 +497,8 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
         pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS))
     if pieces < 1:
         raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
-    unknown = set(config) - set(_STAGE_DEFAULTS)
-    if unknown:
-        raise TypeError(f"kda_prefill: unknown arguments {sorted(unknown)}")
-    stage_config = {name: config.get(name, default) for name, default in _STAGE_DEFAULTS.items()}
     o, intra, state, chunk, decay_all = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool,
-                                                slots, cu_seqlens, snapshots, **stage_config)
+                                                slots, cu_seqlens, snapshots, **layout)
     length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
     if pieces == 1 or slots.shape[0] != 1 or snapshots is not None or length >= t:
         intra()
