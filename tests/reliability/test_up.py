@@ -81,13 +81,18 @@ def test_a_lone_shards_sigterm_finishes_its_streams_itself_and_up_restarts_it(ma
     """With no other shard to take them, the router sends sequences unmovable: a drain generates them to the end
     instead of handing them over (docs/failover.md)."""
     stack = make_up(shards=1).wait_up()
-    threads, outcomes, _ = stream_many(stack.stub, 4, 120)
+    threads, outcomes, _ = stream_many(stack.stub, 4, 400)  # long enough to outlast the polling
     shard = stack.child("shard-0")
-    wait_until(lambda: shard_load(shard.address, stack.internal_token).running_seqs == 4, 60, "4 streams running")
+    # every stream running or already done (on a loaded machine the first can finish before the last starts), and
+    # one at least still running for the drain to finish
+    wait_until(lambda: 0 < (running := shard_load(shard.address, stack.internal_token).running_seqs)
+               and running + len(outcomes) == 4, 60, "4 streams running or done, one at least running")
+    signalled = time.monotonic()
     stack.signal("shard-0", signal.SIGTERM)
     for t in threads:
         t.join(120)
     assert [(o.code, o.completion_tokens) for o in sorted(outcomes.values(), key=lambda o: o.index)] == \
-        [(None, 120)] * 4, outcomes
+        [(None, 400)] * 4, outcomes
+    assert max(o.ended_at for o in outcomes.values()) > signalled, "no stream was left for the drain to finish"
     assert not stack.events("sequence handed over", service="shard")
     stack.wait_restarted("shard-0", shard.pid)
