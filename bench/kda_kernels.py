@@ -211,9 +211,11 @@ def k3_rows(fla, chunks: tuple[int, ...], sweep: bool) -> list[dict]:
                                                               state_warps=w)[2])
                     for bv, w in ((32, 4), (64, 4), (128, 8))}
                 row["ours_c16"]["intra_sweep_ms"] = {
-                    f"slice{sl}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, intra_slice=sl,
-                                                                 intra_warps=w)[1])
-                    for sl, w in ((16, 1), (32, 1), (64, 1), (128, 1), (32, 2))}
+                    f"slice{sl}_w{w}_s{st}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16,
+                                                                       intra_slice=sl, intra_warps=w,
+                                                                       intra_stages=st)[1])
+                    for sl, w, st in ((16, 1, 3), (32, 1, 3), (32, 1, 1), (32, 1, 2), (64, 1, 3), (64, 2, 1),
+                                      (32, 2, 3))}
                 if len(lens) == 1:
                     row["ours_c16"]["pieces_ms"] = {
                         p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, chunk=16, pieces=p))

@@ -112,13 +112,14 @@ def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, se
 def time_shape(n: int, k: int, m: int, dtype: torch.dtype, device: torch.device, timer: Timer,
                copy_GBps: float) -> dict:
     from shard_svc.ops.triton import linear as tl_linear
+    from shard_svc.ops.triton.common import sm_count
 
     x, w = _inputs(m, n, k, dtype, device)
     ours, ref = tl_linear.linear(x, w), F.linear(x, w)
     err = float((ours.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
     weight_bytes = n * k * w.element_size()
     row = {"n": n, "k": k, "m": m, "weight_MB": weight_bytes / 1e6, "max_rel_err": err,
-           "config": asdict(tl_linear.skinny_config(n, k, w.element_size(), tl_linear.sm_count(x.device)))}
+           "config": asdict(tl_linear.skinny_config(n, k, w.element_size(), sm_count(x.device)))}
     for name, fn in (("ours", lambda: tl_linear.linear(x, w)), ("cublas", lambda: F.linear(x, w))):
         ms = timer(fn)
         gbps = weight_bytes / (ms * 1e-3) / 1e9

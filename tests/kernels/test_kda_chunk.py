@@ -116,6 +116,16 @@ def test_kda_prefill_levels_only_match_reference(case, chunk):
     run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), chunk=chunk, block_ref=False)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+@pytest.mark.parametrize("intra_slice", [64, 16])
+@pytest.mark.parametrize("case", ["one-80-H2-K64-split-span", "varlen-1,2,63,65-H3-K16-lower-bound"])
+def test_kda_prefill_intra_slices_match_reference(case, intra_slice, chunk):
+    """The intra kernel's channel slices at K = V = 64: one holding every channel (the split-span gate then fails
+    the one-reference check for the whole slice) or four, each written out before the next is read."""
+    lens, heads, _, _, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, 64, 64, lb, dtype, flavour, _tol(dtype), chunk=chunk, intra_slice=intra_slice)
+
+
 @pytest.mark.parametrize("pieces", [2, 3, 8])
 @pytest.mark.parametrize("case,chunk", [("one-130-H2-K32-V16-softplus", 64), ("one-128-H2-lower-bound-saturated", 16),
                                         ("one-80-H2-K64-split-span", 16)])

@@ -105,7 +105,8 @@ def decode_48b_launches() -> None:
 
 def kda_prefill_48b_launches() -> None:
     """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet, and
-    K3's gate (one-reference block products always) and the levels alone at every chunk size."""
+    K3's gate (one-reference block products always) and the levels alone at every chunk size, and an intra kernel
+    layout of one slice and one stage."""
     from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
 
     kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
@@ -118,6 +119,9 @@ def kda_prefill_48b_launches() -> None:
         pool = torch.zeros(7, 2, 128, 128)
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, chunk=chunk)
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, None, pool, slots, cu, chunk=chunk, block_ref=False)
+    for lb in (None, -5.0):  # one slice of every channel, one pipeline stage
+        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, pool, slots, cu, chunk=16, intra_slice=128, intra_warps=2,
+                        intra_stages=1)
 
 
 def fp32_launches() -> None:

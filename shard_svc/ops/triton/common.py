@@ -24,6 +24,18 @@ class TritonKernelError(KimiServeError):
     """A Triton kernel was called with inputs it does not support (device, dtype, layout or size)."""
 
 
+# The CPU interpreter has no SMs: small enough that test shapes reach the kernels' split paths.
+INTERPRETER_SMS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device`, which the kernels size their grids and splits against."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1), where CPU tensors are allowed."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -17,7 +17,6 @@ which cuBLAS already serves near peak at large M.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from shard_svc.ops.triton.common import TritonKernelError, check, dot_precision, interpreting, pdl_args, pow2_at_least
+from shard_svc.ops.triton.common import (TritonKernelError, check, dot_precision, interpreting, pdl_args, pow2_at_least,
+                                         sm_count)
 from shard_svc.ops.triton.jit_helpers import dot_k_loop, pdl_prologue, round_to
 
 MAX_M = 16  # rows the skinny kernel takes: one padded tile side of tl.dot
@@ -41,7 +41,6 @@ SMEM_PER_PROGRAM = 96 * 1024  # pipelined tiles of one program, so two programs 
 SPLIT_STEP_BYTES = 256  # bytes of each weight row per K step when K is split (short ranges, many programs)
 MIN_STEPS_PER_SPLIT = 2
 MAX_SPLITS = 32
-INTERPRETER_SMS = 4  # the CPU interpreter has no SMs; small enough that test shapes reach the split path
 REDUCE_BLOCK = 1024
 
 
@@ -138,13 +137,6 @@ def skinny_config(n: int, k: int, elem: int, sms: int) -> SkinnyConfig:
         splits = max(1, min(triton.cdiv(target, n_blocks), k_steps // MIN_STEPS_PER_SPLIT, MAX_SPLITS))
         splits = triton.cdiv(k_steps, triton.cdiv(k_steps, splits))  # equal whole-step ranges, none empty
     return tile_config(k, elem, block_n, splits)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig | None = None) -> torch.Tensor:

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from shard_svc.ops.triton.common import (TritonKernelError, check_mla_layer, dot_precision, interpreting, pdl_args,
-                                         pow2_at_least)
+                                         pow2_at_least, sm_count)
 from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step, pdl_prologue
 
 MAX_SPLITS = 64
@@ -111,12 +111,6 @@ def _mla_merge_kernel(o_part, lse_part, o_lat, nh, stride_p_t, stride_p_h, strid
     tl.store(o_lat + i_b * stride_o_t + i_h * stride_o_h + o_c, out.to(o_lat.dtype.element_ty), mask=m_c)
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
-
-
 def num_splits_for(batch: int, head_blocks: int, max_tokens: int, sm_count: int, waves: int = 2,
                    block_n: int = BLOCK_N) -> int:
     """Enough programs for `waves` waves over the multiprocessors, at least one token tile per split."""
@@ -150,7 +144,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor,
     bh = min(32, pow2_at_least(nh, 16))  # 64 heads a program spill registers (ptxas, sm_90)
     head_blocks = triton.cdiv(nh, bh)
     splits = num_splits or num_splits_for(t, head_blocks, block_tables.shape[1] * block_size,
-                                          _sm_count(q_nope.device), waves, block_n)
+                                          sm_count(q_nope.device), waves, block_n)
     kv_pad, rope_pad = pow2_at_least(kv_lora, 16), pow2_at_least(rope, 16)
     part_dtype = torch.float32 if splits > 1 else out_dtype
     o_part = torch.empty(t, nh, splits, kv_lora, dtype=part_dtype, device=q_nope.device)
