@@ -8,11 +8,11 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
    cumulative sum G inside the chunk (log2 units), the q/k L2 norm and beta = sigmoid, then builds
        A_qk[i, j] = sum_c q_ic k_jc 2^(G_ic - G_jc)             (j <= i)
        A_kk[i, j] = beta_i sum_c k_ic k_jc 2^(G_ic - G_jc)      (j <  i)
-   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v), A_qk, 2^G_last,
-   and q 2^G, k 2^(G_last - G) without their L2 norms (written in the pass over the channels that computes the
-   norms) and the norms' row factors r_q, r_k beside them.
+   and inverts (I + A_kk) to write w = (I + A_kk)^-1 (beta 2^G k), u = (I + A_kk)^-1 (beta v), q 2^G,
+   k 2^(G_last - G), A_qk and 2^G_last. It reads q and k twice (the L2 norms first, then everything else slice by
+   slice, writing each slice's outputs as it goes) and the gate once.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
-       v_new = u - w S;  o = r_q (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T (r_k v_new)
+       v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
    starting from the pool slot's state and writing the final state back to it. With snapshot points
    (ops/kda/snapshots.py) a sequence is cut into segments there: chunks restart at a point, and the state at
    each point is written to the point's slot on the way, as a pass ending there would have left it.
@@ -126,18 +126,25 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
-                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
-    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
-    m_ks = o_ks < K
+def _load_qk(q, k, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, K: tl.constexpr, BK: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and their mask."""
     if K == BK:
         m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
     else:
-        m = m_t[:, None] & m_ks[None, :]
+        m = m_t[:, None] & (o_ks < K)[None, :]
     b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
     b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
+    return b_q, b_k, m
+
+
+@triton.jit
+def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f, a, lower_bound,
+                K: tl.constexpr, BK: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and its cumulative log2-decay G (rows past the end flat)."""
+    m_ks = o_ks < K
+    b_q, b_k, m = _load_qk(q, k, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, K, BK)
     b_f = tl.load(f + t0 * stride_f + i_h * K + (o_t[:, None] * stride_f + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
     b_dt = tl.load(dt_bias + i_h * K + o_ks, mask=m_ks, other=0.0)
@@ -150,7 +157,7 @@ def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, s
 @triton.jit
 def _kda_chunk_intra_kernel(
     q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
-    w, u, qg, kg, aqk, decay, q_scale, k_scale,
+    w, u, qg, kg, aqk, decay,
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKS: tl.constexpr,
@@ -196,22 +203,26 @@ def _kda_chunk_intra_kernel(
     o_j = o_t[None, :]
     ri = tl.arange(0, BC)[None, :, None]
     cj = tl.arange(0, BC)[None, None, :]
+    # Pass 0: the L2 norms, which need every channel, so that pass 1 can write each slice's outputs whole.
+    for i_k in range(0, BK // BKS):
+        b_q, b_k, _m = _load_qk(q, k, t0, i_h, o_t, i_k * BKS + tl.arange(0, BKS), m_t, stride_q, stride_k, K, BK)
+        ssq_q += tl.sum(b_q * b_q, 1)
+        ssq_k += tl.sum(b_k * b_k, 1)
+    rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
+    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
     base_k = (t0 * H + i_h) * K  # outputs are [T, H, K] (V, BT) contiguous
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
         b_q, b_k, b_G, m = _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, stride_f,
                                        b_a, lower_bound, K, BK, USE_LOWER_BOUND)
-        ssq_q += tl.sum(b_q * b_q, 1)
-        ssq_k += tl.sum(b_k * b_k, 1)
-        # What needs only this slice is written now, before the norms over every channel are known: q 2^G and
-        # k 2^(G_last - G) unnormalised (the walk applies the norms, row scales there), k 2^G into w's place for
-        # pass 2, and 2^G_last.
+        # Everything that needs only this slice is written as it is read (from L2: pass 0 brought it in): q 2^G,
+        # k 2^(G_last - G), 2^G_last, and beta k 2^G, which pass 2 turns into w in its place.
         b_eg = tl.exp2(b_G)
         b_glast = tl.sum(tl.where(o_t[:, None] == BT - 1, b_G, 0.0), 0)  # [BKS]
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
-        tl.store(qg + off, (b_q * b_eg).to(qg.dtype.element_ty), mask=m)
-        tl.store(kg + off, (b_k * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
-        tl.store(w + off, (b_k * b_eg).to(w.dtype.element_ty), mask=m)
+        tl.store(qg + off, (b_q * rq[:, None] * b_eg).to(qg.dtype.element_ty), mask=m)
+        tl.store(kg + off, (b_k * rk[:, None] * tl.exp2(b_glast[None, :] - b_G)).to(kg.dtype.element_ty), mask=m)
+        tl.store(w + off, (b_k * (rk * b_beta)[:, None] * b_eg).to(w.dtype.element_ty), mask=m)
         tl.store(decay + (i_c * H + i_h) * K + o_ks, tl.exp2(b_glast), mask=o_ks < K)
         # Every pair i > j in different BC-blocks is split by exactly one far level: the smallest power-of-two
         # block holding both. Levels of BT and BT/2 rows: full [BT, BT] products, masked to same-block halves.
@@ -236,10 +247,6 @@ def _kda_chunk_intra_kernel(
                 diag_qk, d_qk, d_kk = _near_levels(b_q, b_k, b_G, diag_qk, d_qk, d_kk, BT, BKS, BC, NEAR_LEVELS,
                                                    PRECISION)
 
-    rq = scale / tl.sqrt(ssq_q + 1e-6)  # q's L2 norm and K^-0.5 in one row factor
-    rk = 1.0 / tl.sqrt(ssq_k + 1e-6)
-    tl.store(q_scale + (t0 + o_t) * H + i_h, rq, mask=m_t)
-    tl.store(k_scale + (t0 + o_t) * H + i_h, rk, mask=m_t)
     rk_col = rk[None, :]
     rk3 = tl.reshape(rk, [NB, BC])
     rkb3 = tl.reshape(rk * b_beta, [NB, BC])
@@ -271,7 +278,7 @@ def _kda_chunk_intra_kernel(
         b_x = b_x - tl.dot(b_x, tl.dot(tl.where(quad, a_kk, 0.0), b_x, input_precision=PRECISION),
                            input_precision=PRECISION)
 
-    # Pass 2 over channel slices: w from the k 2^G pass 1 left in its place (the barrier makes every thread's
+    # Pass 2 over channel slices: w from the beta k 2^G pass 1 left in its place (the barrier makes every thread's
     # stores visible to the others), then u.
     tl.debug_barrier()
     for i_k in range(0, BK // BKS):
@@ -281,8 +288,7 @@ def _kda_chunk_intra_kernel(
         else:
             m = m_t[:, None] & (o_ks < K)[None, :]
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
-        b_keg = tl.load(w + off, mask=m, other=0.0).to(tl.float32)
-        b_w = tl.dot(b_x, b_keg * (rk * b_beta)[:, None], input_precision=PRECISION)
+        b_w = tl.dot(b_x, tl.load(w + off, mask=m, other=0.0).to(tl.float32), input_precision=PRECISION)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m)
     for i_v in range(0, BV // BKS):
         o_vs = i_v * BKS + tl.arange(0, BKS)
@@ -298,8 +304,7 @@ def _kda_chunk_intra_kernel(
 
 @triton.jit
 def _kda_chunk_state_kernel(
-    w, u, qg, kg, aqk, decay, q_scale, k_scale, o, state, slots, cu_seqlens, chunk_offsets, sequence_segments,
-    segment_slots,
+    w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets, sequence_segments, segment_slots,
     stride_s_slot, stride_s_h, stride_s_k,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
@@ -362,15 +367,13 @@ def _kda_chunk_state_kernel(
             b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
             b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
             b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
-            b_rq = tl.load(q_scale + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
-            b_rk = tl.load(k_scale + (row0 + o_t) * H + i_h, mask=m_t, other=0.0)
 
             b_sb = b_s.to(dt)
-            b_vn = b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)  # [BT, BV]
-            b_o = (b_rq[:, None] * tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
-                   + tl.dot(b_a.to(dt), b_vn.to(dt), input_precision=PRECISION))
+            b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
+            b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
+                   + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
             tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-            b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), (b_vn * b_rk[:, None]).to(dt), input_precision=PRECISION)
+            b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
 
         p_out = state + tl.load(segment_slots + i_g).to(tl.int64) * stride_s_slot + i_h * stride_s_h
         tl.store(p_out + o_k[:, None] * stride_s_k + o_v[None, :], b_s, mask=m_s)
@@ -458,8 +461,6 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
     u = torch.empty(t, heads, dv, dtype=inter, device=q.device)
     aqk = torch.empty(t, heads, chunk, dtype=inter, device=q.device)
     decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
-    q_scale = torch.empty(t, heads, dtype=torch.float32, device=q.device)
-    k_scale = torch.empty_like(q_scale)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     # Pairs inside a 16-row block: one-reference products always (a bounded gate within REF_SPAN_LOG2: 1) or in
@@ -476,7 +477,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
         num_segments = segments.shape[0] - 1
         _kda_chunk_intra_kernel[(grid_chunks, heads)](
             q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
-            w, u, qg, kg, aqk, decay, q_scale, k_scale,
+            w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
             H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, intra_slice), BT=chunk, BC=SUB,
@@ -487,8 +488,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
 
     def state(segments=segments, chunk_offsets=chunk_offsets, decay=decay):
         _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
-            w, u, qg, kg, aqk, decay, q_scale, k_scale, o, state_pool, slots, segments, chunk_offsets,
-            sequence_segments, segment_slots,
+            w, u, qg, kg, aqk, decay, o, state_pool, slots, segments, chunk_offsets, sequence_segments, segment_slots,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
             PRECISION=dot_precision(v.dtype), SEGMENTED=snapshots is not None,
