@@ -4,6 +4,9 @@ Triton's own compiler and the ptxas bundled with it, in a fresh process where th
 
 A kernel that interprets fine can still fail to compile (a construct the interpreter accepts and the code generator
 does not, a register or shared-memory budget blown by the tile sizes); this catches those before a GPU session.
+Each spec carries the alignment hints a GPU launch would give it (Triton specializes pointers and integers divisible
+by 16), so the code compiled here is the code a launch at the recorded shapes runs, and each result reports the
+registers and spill stack ptxas gave it (`cuobjdump -res-usage`).
 
     python -m tests.kernels.sm90 SPECS.json    # compiles each spec, one JSON line per spec on stdout
 """
@@ -15,6 +18,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,7 +41,7 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
     names = {p.name for p in params}
     values = dict(zip((p.name for p in params), args))
     values.update((k, v) for k, v in kwargs.items() if k in names)
-    signature, constexprs = {}, {}
+    signature, constexprs, divisible = {}, {}, []
     for p in params:
         v = values.get(p.name, p.default)
         if "constexpr" in str(p.annotation) or v is None:
@@ -45,10 +49,14 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
             constexprs[p.name] = GPU_VALUES.get(p.name, getattr(v, "value", v))
         elif isinstance(v, torch.Tensor):
             signature[p.name] = "*" + TYPES[v.dtype]
+            if v.data_ptr() % 16 == 0:
+                divisible.append(p.name)
         elif isinstance(v, bool):
             signature[p.name] = "i1"
         elif isinstance(v, int):
             signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                divisible.append(p.name)
         elif isinstance(v, float):
             signature[p.name] = "fp32"
         else:
@@ -57,7 +65,7 @@ def launch_spec(fn, args: tuple, kwargs: dict) -> dict:
     if "PDL" in constexprs:
         options["launch_pdl"] = constexprs["PDL"]
     return {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": constexprs,
-            "options": options}
+            "divisible": divisible, "options": options}
 
 
 @contextlib.contextmanager
@@ -89,7 +97,8 @@ def recorded_launches(execute: bool = True) -> Iterator[list[dict]]:
 
 def compile_all(specs: list[dict], cache_dir: str, timeout: float = 600) -> list[dict]:
     """Compiles the specs in a fresh process (kernels decorated for the GPU, Triton's cache in cache_dir); one result
-    per spec: {name, constexprs, error or None, shared (bytes of shared memory)}."""
+    per spec: {name, constexprs, options, error or None, shared (bytes of shared memory), registers and stack (bytes
+    of spill stack per thread; None where cuobjdump is missing)}."""
     path = os.path.join(cache_dir, "specs.json")
     with open(path, "w") as f:
         json.dump(specs, f)
@@ -103,6 +112,21 @@ def compile_all(specs: list[dict], cache_dir: str, timeout: float = 600) -> list
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
+def resource_usage(cubin: bytes, cache_dir: str) -> tuple[int | None, int | None]:
+    """(registers per thread, spill stack bytes per thread) of a compiled kernel, from cuobjdump bundled with Triton."""
+    import triton.backends.nvidia
+
+    tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None, None
+    path = os.path.join(cache_dir, "kernel.cubin")
+    with open(path, "wb") as f:
+        f.write(cubin)
+    out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return (int(found[1]), int(found[2])) if found else (None, None)
+
+
 def main(path: str) -> None:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -110,11 +134,15 @@ def main(path: str) -> None:
 
     for spec in json.load(open(path)):
         fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-        result = {"name": spec["name"], "constexprs": spec["constexprs"], "error": None, "shared": None}
+        names = list(spec["signature"])
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.get("divisible", [])}
+        result = {"name": spec["name"], "constexprs": spec["constexprs"], "options": spec["options"], "error": None,
+                  "shared": None, "registers": None, "stack": None}
         try:
-            kernel = triton.compile(ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"]),
-                                    target=GPUTarget(*SM90), options=spec["options"])
+            kernel = triton.compile(ASTSource(fn=fn, signature=spec["signature"], constexprs=spec["constexprs"],
+                                              attrs=attrs), target=GPUTarget(*SM90), options=spec["options"])
             result["shared"] = kernel.metadata.shared
+            result["registers"], result["stack"] = resource_usage(kernel.asm["cubin"], os.path.dirname(path))
         except Exception as e:  # noqa: BLE001 - reported per spec; the test names them all
             result["error"] = f"{type(e).__name__}: {str(e)[-1500:]} {e.__cause__!r}"
         print(json.dumps(result), flush=True)

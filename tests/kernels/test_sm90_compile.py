@@ -157,6 +157,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert len(results) == len(specs) + len(specs_48b)
     failed = [f"{r['name']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "kernels that do not compile for sm_90:\n" + "\n".join(failed)
+    assert all(r["registers"] for r in results), "cuobjdump's resource usage no longer parses (tests/kernels/sm90.py)"
     too_big = [f"{r['name']} {r['constexprs']}: {r['shared']} B" for r in results if r["shared"] > SHARED_MEMORY_LIMIT]
     assert not too_big, f"more shared memory than an sm_90 block has ({SHARED_MEMORY_LIMIT} B):\n" + "\n".join(too_big)
     missing = all_kernels() - {r["name"] for r in results}
@@ -214,3 +215,15 @@ def test_every_matrix_product_names_its_precision():
     assert not unnamed, f"tl.dot without input_precision=PRECISION: {unnamed}"
     launches = "".join(p.read_text() for p in KERNEL_DIR.glob("*.py"))
     assert launches.count("tl.dot(") >= 25 and "dot_precision(" in launches
+
+
+def test_resident_programs_counts_hopper_register_allocation():
+    """The report's occupancy column: registers are allocated per warp in units of 256 out of 65,536 per SM, and an
+    SM holds at most 32 blocks."""
+    from tests.kernels.sm90_report import resident_programs
+
+    assert resident_programs(255, 1) == 8  # 255 x 32 = 8,160, rounded up to 8,192 a warp
+    assert resident_programs(168, 1) == 12  # 5,376 a warp
+    assert resident_programs(207, 1) == 9  # 6,624 -> 6,656 a warp
+    assert resident_programs(32, 4) == 16
+    assert resident_programs(16, 1) == 32  # 128 would fit by registers; the block limit holds

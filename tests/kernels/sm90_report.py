@@ -1,0 +1,61 @@
+"""Registers, spill stack and shared memory of every kernel launch the sm_90 compile test records, compiled on this
+machine as a GPU launch at the recorded shapes would be (tests/kernels/sm90.py). A CPU proxy to read before a GPU
+session: the registers a kernel holds decide how many of its programs share a multiprocessor, and a spill is local
+memory traffic. It times nothing.
+
+    python -m tests.kernels.sm90_report [--match NAME] [--out DIR]    # table on stdout, sm90_resources.json in DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+
+REGISTERS_PER_SM = 65536
+
+
+def resident_programs(registers: int, warps: int) -> int:
+    """Programs of a kernel one multiprocessor holds at once as far as registers go (allocated per warp in units
+    of 256), at most 32."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(32, REGISTERS_PER_SM // (per_warp * warps))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--match", default="", help="only kernels whose name contains this")
+    ap.add_argument("--out", default=None, help="directory for sm90_resources.json")
+    a = ap.parse_args()
+    os.environ["TRITON_INTERPRET"] = "1"
+    from tests.kernels import test_sm90_compile as t
+    from tests.kernels.sm90 import compile_all, recorded_launches
+
+    with recorded_launches() as specs:
+        t.tiny_model_launches()
+        t.other_paths()
+    with recorded_launches(execute=False) as specs_48b:
+        t.decode_48b_launches()
+        t.kda_prefill_48b_launches()
+        t.fp32_launches()
+    chosen = [s for s in specs + specs_48b if a.match in s["name"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        results = compile_all(chosen, tmp)
+    rows = []
+    for r in sorted(results, key=lambda r: r["name"]):
+        warps = r["options"].get("num_warps", 4)
+        shape = {k: v for k, v in r["constexprs"].items() if k.isupper() and isinstance(v, (int, str)) and k != "PDL"}
+        rows.append({**r, "warps": warps, "programs_per_sm": resident_programs(r["registers"], warps)
+                     if r["registers"] else None, "shape": shape})
+        print(f"{r['name']:<36} w{warps} s{r['options'].get('num_stages', 3)} regs {r['registers']!s:>4} "
+              f"stack {r['stack']!s:>5} shared {r['shared']!s:>6}  "
+              f"{'ERROR ' + r['error'][:80] if r['error'] else json.dumps(shape)[:150]}")
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "sm90_resources.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
