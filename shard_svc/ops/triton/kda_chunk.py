@@ -13,7 +13,8 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
    slice, writing each slice's outputs as it goes) and the gate once.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
-   starting from the pool slot's state and writing the final state back to it. With snapshot points
+   starting from the pool slot's state and writing the final state back to it (it holds S transposed, so that S is
+   the left operand of every product and stays in registers). With snapshot points
    (ops/kda/snapshots.py) a sequence is cut into segments there: chunks restart at a point, and the state at
    each point is written to the point's slot on the way, as a pass ending there would have left it.
 
@@ -319,11 +320,14 @@ def _kda_chunk_state_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     if K == BK and V % BV == 0:
-        m_s = o_k[:, None] < BK
+        m_s = o_v[:, None] < V
     else:
-        m_s = m_k[:, None] & (o_v < V)[None, :]
-    p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
-    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
+        m_s = (o_v < V)[:, None] & m_k[None, :]
+    # The state is held transposed, S^T [BV, BK]: as the left operand of every product it stays in registers from
+    # one chunk to the next (the right operands are the chunk's inputs, read from memory anyway), where S as the
+    # right operand would go through shared memory at every step.
+    p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] + o_k[None, :] * stride_s_k
+    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BV, BK] fp32
     # Products in the intermediates' dtype (bf16 on the tensor cores, as fla). Triton's CPU interpreter
     # multiplies bf16 dot operands wrongly, so under it they are widened to fp32 (DOT_FP32).
     dt: tl.constexpr = tl.float32 if DOT_FP32 else w.dtype.element_ty
@@ -331,8 +335,8 @@ def _kda_chunk_state_kernel(
     # int32 offsets inside a chunk, loop-invariant; the int64 part is the scalar chunk base.
     off_tk = o_t[:, None] * (H * K) + o_k[None, :]  # [BT, BK]
     off_kt = o_k[:, None] + o_t[None, :] * (H * K)  # [BK, BT]
-    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
-    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
+    off_vt = o_v[:, None] + o_t[None, :] * (H * V)  # [BV, BT]
+    off_tt = o_t[:, None] + o_t[None, :] * (H * BT)  # A_qk^T [BT, BT]
     # The sequence's segments (cu_seqlens is cut at its snapshot points, if any) in order, the state carried from
     # one to the next and written after each to its segment's slot: the last segment's is the sequence's own.
     # Without snapshot points sequence b is segment b (no index tensor to build per call).
@@ -356,27 +360,27 @@ def _kda_chunk_state_kernel(
                 m_tk = m_t[:, None] & m_k[None, :]
                 m_kt = m_k[:, None] & m_t[None, :]
             if V % BV == 0:
-                m_tv = m_t[:, None]
+                m_vt = m_t[None, :]
             else:
-                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                m_vt = (o_v < V)[:, None] & m_t[None, :]
             base_k = (row0 * H + i_h) * K
             base_v = (row0 * H + i_h) * V
-            b_w = tl.load(w + base_k + off_tk, mask=m_tk, other=0.0)
-            b_qg = tl.load(qg + base_k + off_tk, mask=m_tk, other=0.0)
-            b_kgt = tl.load(kg + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
-            b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
-            b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
+            b_wt = tl.load(w + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
+            b_qgt = tl.load(qg + base_k + off_kt, mask=m_kt, other=0.0)
+            b_kg = tl.load(kg + base_k + off_tk, mask=m_tk, other=0.0)  # [BT, BK]
+            b_ut = tl.load(u + base_v + off_vt, mask=m_vt, other=0.0)  # [BV, BT]
+            b_at = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[None, :], other=0.0)
             b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
             b_sb = b_s.to(dt)
-            b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
-            b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
-                   + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
-            tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
-            b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
+            b_vnt = (b_ut.to(tl.float32) - tl.dot(b_sb, b_wt.to(dt), input_precision=PRECISION)).to(dt)  # [BV, BT]
+            b_ot = (tl.dot(b_sb, b_qgt.to(dt), input_precision=PRECISION)
+                    + tl.dot(b_vnt, b_at.to(dt), input_precision=PRECISION))
+            tl.store(o + base_v + off_vt, b_ot.to(o.dtype.element_ty), mask=m_vt)
+            b_s = b_s * b_d[None, :] + tl.dot(b_vnt, b_kg.to(dt), input_precision=PRECISION)
 
         p_out = state + tl.load(segment_slots + i_g).to(tl.int64) * stride_s_slot + i_h * stride_s_h
-        tl.store(p_out + o_k[:, None] * stride_s_k + o_v[None, :], b_s, mask=m_s)
+        tl.store(p_out + o_v[:, None] + o_k[None, :] * stride_s_k, b_s, mask=m_s)
 
 
 def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens):
