@@ -209,7 +209,7 @@ def k3_rows(fla, chunks: tuple[int, ...], sweep: bool) -> list[dict]:
                 row["ours_c16"]["state_sweep_ms"] = {
                     f"bv{bv}_w{w}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16, block_v=bv,
                                                               state_warps=w)[2])
-                    for bv, w in ((32, 4), (64, 4), (128, 8))}
+                    for bv, w in ((16, 1), (16, 2), (32, 1), (32, 2), (32, 4), (64, 4), (128, 8))}
                 row["ours_c16"]["intra_sweep_ms"] = {
                     f"slice{sl}_w{w}_s{st}": gpu_ms(kda_prefill_stages(*args, pool, slots, cu, chunk=16,
                                                                        intra_slice=sl, intra_warps=w,

@@ -126,6 +126,15 @@ def test_kda_prefill_intra_slices_match_reference(case, intra_slice, chunk):
     run_case(lens, heads, 64, 64, lb, dtype, flavour, _tol(dtype), chunk=chunk, intra_slice=intra_slice)
 
 
+@pytest.mark.parametrize("dv,block_v", [(64, 16), (64, 32), (48, 32)])
+@pytest.mark.parametrize("case", ["varlen-65,63-H2-K32-bf16", "varlen-1,2,63,65-H3-K16-lower-bound"])
+def test_kda_prefill_walk_blocks_match_reference(case, dv, block_v):
+    """The walk cut into V-blocks (more programs, each carrying its own columns of the state), the last one partly
+    past V when the block does not divide it."""
+    lens, heads, dk, _, lb, dtype, flavour = CASES[case]
+    run_case(lens, heads, dk, dv, lb, dtype, flavour, _tol(dtype), block_v=block_v)
+
+
 @pytest.mark.parametrize("pieces", [2, 3, 8])
 @pytest.mark.parametrize("case,chunk", [("one-130-H2-K32-V16-softplus", 64), ("one-128-H2-lower-bound-saturated", 16),
                                         ("one-80-H2-K64-split-span", 16)])

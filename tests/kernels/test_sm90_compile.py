@@ -105,8 +105,8 @@ def decode_48b_launches() -> None:
 
 def kda_prefill_48b_launches() -> None:
     """Recorded only: KDA prefill at the 48B head dims (K = V = 128) in the chunk sizes the H200 has not run yet, and
-    K3's gate (one-reference block products always) and the levels alone at every chunk size, and an intra kernel
-    layout of one slice and one stage."""
+    K3's gate (one-reference block products always) and the levels alone at every chunk size, an intra kernel
+    layout of one slice and one stage, and narrow walks."""
     from tests.kernels.test_kda_chunk import make_inputs as kda_inputs
 
     kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")
@@ -122,6 +122,8 @@ def kda_prefill_48b_launches() -> None:
     for lb in (None, -5.0):  # one slice of every channel, one pipeline stage
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, pool, slots, cu, chunk=16, intra_slice=128, intra_warps=2,
                         intra_stages=1)
+    for block_v, warps in ((16, 1), (32, 2)):  # narrow walks, one warp or two a program
+        kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, block_v=block_v, state_warps=warps)
 
 
 def fp32_launches() -> None:
