@@ -26,7 +26,7 @@ from tests.reliability.conftest import ChildInfo, UpStack
 from tests.services.helpers import scrape, shard_load, total, wait_until
 
 GREEDY = SEEDED = 8
-TOKENS = 200
+TOKENS = 400  # ~2 s a stream here: on a loaded machine the first ones must not be done when the last starts
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +92,8 @@ def faulted(stack: UpStack, sig: signal.Signals, just_before=None) -> tuple[Stre
     moment could find it with nothing left to lose). Returns the streams (ended), the victim as it was, and how many
     times the router had put it in rotation before the signal. `just_before()` runs before the victim is chosen.
 
-    Nothing but the choice itself sits between asking the shards what they run and the signal: a stream of 200
-    tokens lasts about a second here, so reading logs or scraping metrics in between (as this did) could let the
+    Nothing but the choice itself sits between asking the shards what they run and the signal: a stream of 400
+    tokens lasts about two seconds here, so reading logs or scraping metrics in between (as this did) could let the
     victim's last streams finish first, leaving it nothing to hand over (seen once in CI)."""
     streams = Streams(stack.stub)
     wait_until(streams.started, 60, "every stream's first token")
@@ -150,7 +150,10 @@ def test_sigterm_mid_stream_moves_its_streams_state_and_all_and_up_restarts_it_c
         return total(series, metric) - total(was, metric)
 
     moved = grew(router, before["router"], 'kimiserve_router_state_migrations_total{outcome="moved"}')
-    assert moved >= 1, "the draining shard should have handed its running streams over"
+    assert moved >= 1, ("the draining shard should have handed its running streams over; migrations "
+                        f"{grew(router, before['router'], 'kimiserve_router_state_migrations_total')}, drained "
+                        f"failovers {grew(router, before['router'], 'kimiserve_router_failovers_total')}, router log: "
+                        f"{stack.events(None, 'router')[-12:]}")
     assert grew(router, before["router"], "kimiserve_router_state_migrations_total") == moved, \
         "every stream it handed over had a state to move: none recomputed"
     assert grew(router, before["router"], 'kimiserve_router_failovers_total{reason="drained"}') == moved
