@@ -95,7 +95,8 @@ def test_temperature_out_of_range_is_invalid_argument(stack, temperature):
 
 def test_duplicate_live_request_id_is_refused_before_any_token_and_the_first_stream_is_untouched(stack):
     stub, _ = stack
-    first = _gen(stub, request_id="dup-1", max_tokens=120)
+    long = KV_TOKENS - 8  # as long as the cache allows: it must still be live when the second arrives on a loaded machine
+    first = _gen(stub, request_id="dup-1", max_tokens=long)
     it = iter(first)
     head = next(it)  # the first request is live and streaming
     results: dict = {}
@@ -112,7 +113,7 @@ def test_duplicate_live_request_id_is_refused_before_any_token_and_the_first_str
     code, details, received = results["second"]
     assert code == grpc.StatusCode.ALREADY_EXISTS and "dup-1" in details and received == 0
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert len(tokens) == 120 and last.usage.completion_tokens == 120
+    assert len(tokens) == long and last.usage.completion_tokens == long
     again, _ = _drain(_gen(stub, request_id="dup-1"))  # free again once finished
     assert len(again) == 4
 
