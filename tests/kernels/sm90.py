@@ -13,6 +13,7 @@ registers and spill stack ptxas gave it (`cuobjdump -res-usage`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import inspect
@@ -112,19 +113,47 @@ def compile_all(specs: list[dict], cache_dir: str, timeout: float = 600) -> list
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def resource_usage(cubin: bytes, cache_dir: str) -> tuple[int | None, int | None]:
-    """(registers per thread, spill stack bytes per thread) of a compiled kernel, from cuobjdump bundled with Triton."""
+def cuobjdump(cubin: bytes, cache_dir: str, flag: str) -> str | None:
+    """`cuobjdump flag` of a compiled kernel with the cuobjdump bundled with Triton (None where it is missing)."""
     import triton.backends.nvidia
 
     tool = os.path.join(os.path.dirname(triton.backends.nvidia.__file__), "bin", "cuobjdump")
     if not os.path.exists(tool):
-        return None, None
+        return None
     path = os.path.join(cache_dir, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
-    out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+
+
+def resource_usage(cubin: bytes, cache_dir: str) -> tuple[int | None, int | None]:
+    """(registers per thread, spill stack bytes per thread) of a compiled kernel."""
+    found = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(cubin, cache_dir, "-res-usage") or "")
     return (int(found[1]), int(found[2])) if found else (None, None)
+
+
+SASS_CLASSES = ("HMMA", "HGMMA", "MUFU", "SHFL", "LDS", "STS", "LDSM", "STSM", "LDG", "LDGSTS", "STG", "BAR", "LDL",
+                "STL")
+
+
+def sass_loops(cubin: bytes, cache_dir: str) -> dict:
+    """The kernel's SASS: its instruction count and mix, and each loop (a backward branch) with its body's. A loop's
+    body times its trip count (which the SASS does not say) estimates what the loop runs."""
+    text = cuobjdump(cubin, cache_dir, "-sass") or ""
+    ins = [(int(m[1], 16), m[2].split(".")[0], m[3]) for m in
+           re.finditer(r"/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*);", text)]
+    index = {addr: i for i, (addr, _, _) in enumerate(ins)}
+
+    def mix(part) -> dict:
+        ops = collections.Counter(op for _, op, _ in part)
+        return {"instructions": len(part), **{c: ops[c] for c in SASS_CLASSES if ops[c]}}
+
+    loops = []
+    for i, (addr, op, rest) in enumerate(ins):
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target[1], 16) < addr and int(target[1], 16) in index:
+            loops.append(mix(ins[index[int(target[1], 16)]:i + 1]))
+    return {**mix(ins), "loops": loops}
 
 
 def main(path: str) -> None:
@@ -143,6 +172,8 @@ def main(path: str) -> None:
                                               attrs=attrs), target=GPUTarget(*SM90), options=spec["options"])
             result["shared"] = kernel.metadata.shared
             result["registers"], result["stack"] = resource_usage(kernel.asm["cubin"], os.path.dirname(path))
+            if os.environ.get("SM90_SASS"):
+                result["sass"] = sass_loops(kernel.asm["cubin"], os.path.dirname(path))
         except Exception as e:  # noqa: BLE001 - reported per spec; the test names them all
             result["error"] = f"{type(e).__name__}: {str(e)[-1500:]} {e.__cause__!r}"
         print(json.dumps(result), flush=True)

@@ -229,3 +229,17 @@ def test_resident_programs_counts_hopper_register_allocation():
     assert resident_programs(207, 1) == 9  # 6,624 -> 6,656 a warp
     assert resident_programs(32, 4) == 16
     assert resident_programs(16, 1) == 32  # 128 would fit by registers; the block limit holds
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
+def test_the_report_reads_the_sass_loops(tmp_path, monkeypatch):
+    """sm90_report --sass: the skinny GEMM's K loop is found, with its matrix products, inside the kernel's count."""
+    with recorded_launches() as specs:
+        linear_module().skinny_linear(torch.randn(2, 256, dtype=BF16), torch.randn(32, 256, dtype=BF16))
+    monkeypatch.setenv("SM90_SASS", "1")
+    (result,) = compile_all(specs[:1], str(tmp_path))
+    sass = result["sass"]
+    assert result["name"] == "_skinny_kernel" and sass["instructions"] > 100, result
+    assert sass["loops"] and all(0 < loop["instructions"] < sass["instructions"] for loop in sass["loops"]), sass
+    assert any(loop.get("HMMA", 0) + loop.get("HGMMA", 0) > 0 for loop in sass["loops"]), sass
