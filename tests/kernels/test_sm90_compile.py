@@ -122,7 +122,7 @@ def kda_prefill_48b_launches() -> None:
     for lb in (None, -5.0):  # one slice of every channel, one pipeline stage
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, lb, pool, slots, cu, chunk=16, intra_slice=128, intra_warps=2,
                         intra_stages=1)
-    for block_v, warps in ((16, 1), (32, 2)):  # narrow walks, one warp or two a program
+    for block_v, warps in ((16, 1), (32, 2), (32, 4)):  # narrow walks; 32 x 4 warps: a lone sequence's default
         kda.kda_prefill(q, k, v, f, bl, a_log, dt_bias, -5.0, pool, slots, cu, block_v=block_v, state_warps=warps)
 
 
@@ -162,6 +162,12 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert all(r["registers"] for r in results), "cuobjdump's resource usage no longer parses (tests/kernels/sm90.py)"
     too_big = [f"{r['name']} {r['constexprs']}: {r['shared']} B" for r in results if r["shared"] > SHARED_MEMORY_LIMIT]
     assert not too_big, f"more shared memory than an sm_90 block has ({SHARED_MEMORY_LIMIT} B):\n" + "\n".join(too_big)
+    hot = [r for r in results if r["constexprs"].get("K") == 128 and r["constexprs"].get("BT") == 16 and (
+        r["name"] == "_kda_chunk_intra_kernel" and r["constexprs"]["BKS"] == 32 and r["constexprs"]["REF_MODE"] != 0
+        and r["options"].get("num_warps") == 1
+        or r["name"] == "_kda_chunk_state_kernel" and r["options"].get("num_warps") == 4)]
+    assert len(hot) >= 4 and not [r for r in hot if r["stack"]], \
+        f"KDA prefill at its default layouts (48B head dims) spills registers: {[r for r in hot if r['stack']]}"
     missing = all_kernels() - {r["name"] for r in results}
     assert not missing, f"kernels no recorded launch reached (add a call above): {sorted(missing)}"
 
