@@ -36,17 +36,10 @@ def main() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     if a.sass:
         os.environ["SM90_SASS"] = "1"  # read by the compile process
-    from tests.kernels import test_sm90_compile as t
-    from tests.kernels.sm90 import compile_all, recorded_launches
+    from tests.kernels.sm90 import compile_all
+    from tests.kernels.test_sm90_compile import every_launch
 
-    with recorded_launches() as specs:
-        t.tiny_model_launches()
-        t.other_paths()
-    with recorded_launches(execute=False) as specs_48b:
-        t.decode_48b_launches()
-        t.kda_prefill_48b_launches()
-        t.fp32_launches()
-    chosen = [s for s in specs + specs_48b if a.match in s["name"]]
+    chosen = [s for s in every_launch() if a.match in s["name"]]
     with tempfile.TemporaryDirectory() as tmp:
         results = compile_all(chosen, tmp)
     rows = []

@@ -145,9 +145,8 @@ def fp32_launches() -> None:
     inv.invariant_linear(torch.empty(40, 256), torch.empty(32, 256), inv.GPU_TILES)
 
 
-@pytest.mark.slow  # ~1 minute: out of `make test-fast`
-@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
-def test_every_kernel_compiles_for_sm90(tmp_path):
+def every_launch() -> list[dict]:
+    """The specs of every launch above: run (the tiny model, the other paths) or recorded only (48B shapes, fp32)."""
     with recorded_launches() as specs:
         tiny_model_launches()
         other_paths()
@@ -155,8 +154,15 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         decode_48b_launches()
         kda_prefill_48b_launches()
         fp32_launches()
-    results = compile_all(specs + specs_48b, str(tmp_path))
-    assert len(results) == len(specs) + len(specs_48b)
+    return specs + specs_48b
+
+
+@pytest.mark.slow  # ~1 minute: out of `make test-fast`
+@pytest.mark.skipif(ON_GPU, reason="on a GPU the kernel tests compile every kernel for the card itself")
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    specs = every_launch()
+    results = compile_all(specs, str(tmp_path))
+    assert len(results) == len(specs)
     failed = [f"{r['name']} {r['constexprs']}: {r['error']}" for r in results if r["error"]]
     assert not failed, "kernels that do not compile for sm_90:\n" + "\n".join(failed)
     assert all(r["registers"] for r in results), "cuobjdump's resource usage no longer parses (tests/kernels/sm90.py)"

@@ -127,12 +127,19 @@ def _block_diag(d, NB: tl.constexpr, BC: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _load_qk(q, k, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, K: tl.constexpr, BK: tl.constexpr):
-    """Raw q, k [BT, BKS] (fp32) of one channel slice and their mask."""
-    if K == BK:
+def _slice_mask(m_t, o_c, N: tl.constexpr, BN: tl.constexpr):
+    """Mask of a [BT, slice] tile whose columns o_c run over N channels padded to BN."""
+    if N == BN:
         m = m_t[:, None]  # no mask along the contiguous dim, so the loads vectorise
     else:
-        m = m_t[:, None] & (o_ks < K)[None, :]
+        m = m_t[:, None] & (o_c < N)[None, :]
+    return m
+
+
+@triton.jit
+def _load_qk(q, k, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, K: tl.constexpr, BK: tl.constexpr):
+    """Raw q, k [BT, BKS] (fp32) of one channel slice and their mask."""
+    m = _slice_mask(m_t, o_ks, K, BK)
     b_q = tl.load(q + t0 * stride_q + i_h * K + (o_t[:, None] * stride_q + o_ks[None, :]), mask=m,
                   other=0.0).to(tl.float32)
     b_k = tl.load(k + t0 * stride_k + i_h * K + (o_t[:, None] * stride_k + o_ks[None, :]), mask=m,
@@ -284,19 +291,13 @@ def _kda_chunk_intra_kernel(
     tl.debug_barrier()
     for i_k in range(0, BK // BKS):
         o_ks = i_k * BKS + tl.arange(0, BKS)
-        if K == BK:
-            m = m_t[:, None]
-        else:
-            m = m_t[:, None] & (o_ks < K)[None, :]
+        m = _slice_mask(m_t, o_ks, K, BK)
         off = base_k + (o_t[:, None] * (H * K) + o_ks[None, :])
         b_w = tl.dot(b_x, tl.load(w + off, mask=m, other=0.0).to(tl.float32), input_precision=PRECISION)
         tl.store(w + off, b_w.to(w.dtype.element_ty), mask=m)
     for i_v in range(0, BV // BKS):
         o_vs = i_v * BKS + tl.arange(0, BKS)
-        if V == BV:
-            m_v = m_t[:, None]
-        else:
-            m_v = m_t[:, None] & (o_vs < V)[None, :]
+        m_v = _slice_mask(m_t, o_vs, V, BV)
         b_v = tl.load(v + t0 * stride_v + i_h * V + (o_t[:, None] * stride_v + o_vs[None, :]), mask=m_v,
                       other=0.0).to(tl.float32)
         tl.store(u + (t0 * H + i_h) * V + (o_t[:, None] * (H * V) + o_vs[None, :]),
