@@ -95,7 +95,7 @@ def test_temperature_out_of_range_is_invalid_argument(stack, temperature):
 
 def test_duplicate_live_request_id_is_refused_before_any_token_and_the_first_stream_is_untouched(stack):
     stub, _ = stack
-    long = KV_TOKENS - 8  # as long as the cache allows: it must still be live when the second arrives on a loaded machine
+    long = KV_TOKENS - 8  # as long as the cache allows: still live when the second arrives on a loaded machine
     first = _gen(stub, request_id="dup-1", max_tokens=long)
     it = iter(first)
     head = next(it)  # the first request is live and streaming
