@@ -13,8 +13,7 @@ loop `ops/kda/naive.py::naive_kda_varlen`. Two launches:
    slice, writing each slice's outputs as it goes) and the gate once.
 2. `_kda_chunk_state_kernel`, one program per (sequence, head, V-block), walks the sequence's chunks in order:
        v_new = u - w S;  o = (q 2^G) S + A_qk v_new;  S = 2^G_last S + (k 2^(G_last - G))^T v_new
-   starting from the pool slot's state and writing the final state back to it (it holds S transposed, so that S is
-   the left operand of every product and stays in registers). With snapshot points
+   starting from the pool slot's state and writing the final state back to it. With snapshot points
    (ops/kda/snapshots.py) a sequence is cut into segments there: chunks restart at a point, and the state at
    each point is written to the point's slot on the way, as a pass ending there would have left it.
 
@@ -55,7 +54,7 @@ SUB = 16  # BC: rows per sub-block; pairs inside one are products of batched [16
 # side of its middle row, so one product per matrix, factors 2^(G_i - G_mid) and 2^(G_mid - G_j), stays inside
 # fp32's exponent range (2^+-126) where this bound holds: K3's -5 gives 2^+-58. Else the levels below.
 REF_SPAN_LOG2 = tl.constexpr(100.0)
-SLICE = 32  # BKS: channels per slice of the intra kernel's loops
+SLICE_BOUNDED, SLICE = 64, 32  # BKS: channels per slice of the intra kernel's loops (kda_prefill_stages says which)
 # A lone sequence runs as T // PIECE_TOKENS pipelined token ranges (`kda_prefill`'s pieces), at most MAX_PIECES. When
 # each range still cost a whole stages call on the host (~0.2-0.3 ms), ranges much below 4k tokens lost more than the
 # overlap won (H100, K3's gate, ..._2026-12-06c: 16k 1.44 vs 1.54 ms in 4 ranges, 64k 5.40 vs 6.03 in 8, 8k a tie in
@@ -321,14 +320,11 @@ def _kda_chunk_state_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     if K == BK and V % BV == 0:
-        m_s = o_v[:, None] < V
+        m_s = o_k[:, None] < BK
     else:
-        m_s = (o_v < V)[:, None] & m_k[None, :]
-    # The state is held transposed, S^T [BV, BK]: as the left operand of every product it stays in registers from
-    # one chunk to the next (the right operands are the chunk's inputs, read from memory anyway), where S as the
-    # right operand would go through shared memory at every step.
-    p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_v[:, None] + o_k[None, :] * stride_s_k
-    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BV, BK] fp32
+        m_s = m_k[:, None] & (o_v < V)[None, :]
+    p_s = state + slot * stride_s_slot + i_h * stride_s_h + o_k[:, None] * stride_s_k + o_v[None, :]
+    b_s = tl.load(p_s, mask=m_s, other=0.0)  # [BK, BV] fp32
     # Products in the intermediates' dtype (bf16 on the tensor cores, as fla). Triton's CPU interpreter
     # multiplies bf16 dot operands wrongly, so under it they are widened to fp32 (DOT_FP32).
     dt: tl.constexpr = tl.float32 if DOT_FP32 else w.dtype.element_ty
@@ -336,8 +332,8 @@ def _kda_chunk_state_kernel(
     # int32 offsets inside a chunk, loop-invariant; the int64 part is the scalar chunk base.
     off_tk = o_t[:, None] * (H * K) + o_k[None, :]  # [BT, BK]
     off_kt = o_k[:, None] + o_t[None, :] * (H * K)  # [BK, BT]
-    off_vt = o_v[:, None] + o_t[None, :] * (H * V)  # [BV, BT]
-    off_tt = o_t[:, None] + o_t[None, :] * (H * BT)  # A_qk^T [BT, BT]
+    off_tv = o_t[:, None] * (H * V) + o_v[None, :]
+    off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
     # The sequence's segments (cu_seqlens is cut at its snapshot points, if any) in order, the state carried from
     # one to the next and written after each to its segment's slot: the last segment's is the sequence's own.
     # Without snapshot points sequence b is segment b (no index tensor to build per call).
@@ -361,27 +357,27 @@ def _kda_chunk_state_kernel(
                 m_tk = m_t[:, None] & m_k[None, :]
                 m_kt = m_k[:, None] & m_t[None, :]
             if V % BV == 0:
-                m_vt = m_t[None, :]
+                m_tv = m_t[:, None]
             else:
-                m_vt = (o_v < V)[:, None] & m_t[None, :]
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
             base_k = (row0 * H + i_h) * K
             base_v = (row0 * H + i_h) * V
-            b_wt = tl.load(w + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
-            b_qgt = tl.load(qg + base_k + off_kt, mask=m_kt, other=0.0)
-            b_kg = tl.load(kg + base_k + off_tk, mask=m_tk, other=0.0)  # [BT, BK]
-            b_ut = tl.load(u + base_v + off_vt, mask=m_vt, other=0.0)  # [BV, BT]
-            b_at = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[None, :], other=0.0)
+            b_w = tl.load(w + base_k + off_tk, mask=m_tk, other=0.0)
+            b_qg = tl.load(qg + base_k + off_tk, mask=m_tk, other=0.0)
+            b_kgt = tl.load(kg + base_k + off_kt, mask=m_kt, other=0.0)  # [BK, BT]
+            b_u = tl.load(u + base_v + off_tv, mask=m_tv, other=0.0)
+            b_a = tl.load(aqk + (row0 * H + i_h) * BT + off_tt, mask=m_t[:, None], other=0.0)
             b_d = tl.load(decay + ((c0 + i_t) * H + i_h) * K + o_k, mask=m_k, other=0.0)
 
             b_sb = b_s.to(dt)
-            b_vnt = (b_ut.to(tl.float32) - tl.dot(b_sb, b_wt.to(dt), input_precision=PRECISION)).to(dt)  # [BV, BT]
-            b_ot = (tl.dot(b_sb, b_qgt.to(dt), input_precision=PRECISION)
-                    + tl.dot(b_vnt, b_at.to(dt), input_precision=PRECISION))
-            tl.store(o + base_v + off_vt, b_ot.to(o.dtype.element_ty), mask=m_vt)
-            b_s = b_s * b_d[None, :] + tl.dot(b_vnt, b_kg.to(dt), input_precision=PRECISION)
+            b_vn = (b_u.to(tl.float32) - tl.dot(b_w.to(dt), b_sb, input_precision=PRECISION)).to(dt)  # [BT, BV]
+            b_o = (tl.dot(b_qg.to(dt), b_sb, input_precision=PRECISION)
+                   + tl.dot(b_a.to(dt), b_vn, input_precision=PRECISION))
+            tl.store(o + base_v + off_tv, b_o.to(o.dtype.element_ty), mask=m_tv)
+            b_s = b_s * b_d[:, None] + tl.dot(b_kgt.to(dt), b_vn, input_precision=PRECISION)
 
         p_out = state + tl.load(segment_slots + i_g).to(tl.int64) * stride_s_slot + i_h * stride_s_h
-        tl.store(p_out + o_v[:, None] + o_k[None, :] * stride_s_k, b_s, mask=m_s)
+        tl.store(p_out + o_k[:, None] * stride_s_k + o_v[None, :], b_s, mask=m_s)
 
 
 def _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens):
@@ -417,6 +413,9 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     - chunk: CHUNK (16), both gates.
     - intra_warps: 1 for 16-row chunks (K3's gate, 8k: 0.33 vs 0.41 ms at 2 warps, 0.57 at 4; the same ratio on
       every FlashKDA shape), 4 for longer (2.25 vs 3.08 ms at 8, H200).
+    - intra_slice: 64 channels for 16-row chunks with one-reference block products (a bounded gate such as K3's:
+      0.29 vs 0.33 ms at 8 x 1k, 1.14 vs 1.26 at 8 x 4k, 2.25 vs 2.47 at 64k; kda_kernels_k3_h100_2026-12-06d), else
+      32: the levels' block products and longer chunks hold more registers, and 64 spills there at sm_90.
     - block_v: 64 for 16-row chunks when that still gives every SM a (sequence, head, V-block) program (8 x 1k:
       0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
     """
@@ -427,8 +426,8 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
 
 def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots,
             block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
-            intra_warps: int | None = None, intra_slice: int = SLICE, intra_stages: int = 3, block_ref: bool = True,
-            chunk: int | None = None):
+            intra_warps: int | None = None, intra_slice: int | None = None, intra_stages: int = 3,
+            block_ref: bool = True, chunk: int | None = None):
     """kda_prefill_stages with launches that take other segments and chunk offsets (token ranges of the same call:
     rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its decay buffer."""
     op = "kda_prefill"
@@ -476,6 +475,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
         ref_mode = 1
     else:
         ref_mode = 2
+    slice_k = intra_slice or (SLICE_BOUNDED if ref_mode == 1 and chunk == SUB else SLICE)
     bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
 
     def intra(segments=segments, chunk_offsets=chunk_offsets, decay=decay, grid_chunks=max_chunks):
@@ -485,7 +485,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
-            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, intra_slice), BT=chunk, BC=SUB,
+            H=heads, K=dk, V=dv, BK=bk, BV=bvp, BKS=min(bk, bvp, slice_k), BT=chunk, BC=SUB,
             FAR_LEVELS=int(math.log2(chunk // SUB)), NEAR_LEVELS=int(math.log2(SUB)),
             SEARCH_STEPS=max(1, math.ceil(math.log2(num_segments + 1)) + 1), USE_LOWER_BOUND=lower_bound is not None,
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps, num_stages=intra_stages,
