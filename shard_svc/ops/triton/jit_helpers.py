@@ -72,9 +72,14 @@ def dot_k_loop(acc, p_a, p_b, m_b, o_k, k_lo, k_hi, stride_bk, BK: tl.constexpr,
             m_k = (k0 + o_k) < k_hi
             a = tl.load(p_a, mask=m_k[None, :], other=0.0)
             b = tl.load(p_b, mask=m_k[:, None] & m_b[None, :], other=0.0)
-        if DOT_FP32:  # the interpreter multiplies bf16 dot operands wrongly
+        if DOT_FP32:
+            # The interpreter multiplies bf16 dot operands wrongly, and its dot is the host BLAS's, whose rows can
+            # round differently by their place in the tile (OpenBLAS's FMA kernels on x86); a tensor-core product's
+            # do not, and batch invariance rests on that. Products summed over K in one order for every row instead.
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc += tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         p_a += BK
         p_b += BK * stride_bk
     return acc
