@@ -168,9 +168,10 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert all(r["registers"] for r in results), "cuobjdump's resource usage no longer parses (tests/kernels/sm90.py)"
     too_big = [f"{r['name']} {r['constexprs']}: {r['shared']} B" for r in results if r["shared"] > SHARED_MEMORY_LIMIT]
     assert not too_big, f"more shared memory than an sm_90 block has ({SHARED_MEMORY_LIMIT} B):\n" + "\n".join(too_big)
+    kda = kernel_module("kda_chunk", "_kda_chunk_intra_kernel")  # the intra kernel's default slices, by gate
     hot = [r for r in results if r["constexprs"].get("K") == 128 and r["constexprs"].get("BT") == 16 and (
         r["name"] == "_kda_chunk_intra_kernel" and r["constexprs"]["REF_MODE"] != 0
-        and r["constexprs"]["BKS"] == (64 if r["constexprs"]["REF_MODE"] == 1 else 32)
+        and r["constexprs"]["BKS"] == (kda.SLICE_BOUNDED if r["constexprs"]["REF_MODE"] == 1 else kda.SLICE)
         and r["options"].get("num_warps") == 1
         or r["name"] == "_kda_chunk_state_kernel" and r["options"].get("num_warps") == 4)]
     assert len(hot) >= 4 and not [r for r in hot if r["stack"]], \
