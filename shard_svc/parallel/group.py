@@ -26,6 +26,11 @@ from shard_svc.parallel.layout import ParallelLayout
 
 log = logging.getLogger(__name__)
 
+# Seconds every rank's process gets to reach the store before the group fails. Starting a worker means importing
+# torch (and, on a GPU, creating a CUDA context): several seconds on a loaded host, longer than a short
+# --group-timeout, which bounds the collectives of a running group, not process start-up.
+ARRIVAL_TIMEOUT_S = 120.0
+
 
 def loopback_interface() -> str:
     """The loopback interface's name (lo on Linux, lo0 on macOS)."""
@@ -50,9 +55,12 @@ class ShardGroup:
         self._closed = False
 
     @classmethod
-    def join(cls, rank: int, world: int, store: dist.Store, device: torch.device,
-             timeout_s: float, failure_hint: Callable[[], str] | None = None) -> "ShardGroup":
-        """Joins the group (all `world` ranks must call this); blocks until every rank has arrived or timeout."""
+    def join(cls, rank: int, world: int, store: dist.Store, device: torch.device, timeout_s: float,
+             failure_hint: Callable[[], str] | None = None,
+             arrival_timeout_s: float = ARRIVAL_TIMEOUT_S) -> "ShardGroup":
+        """Joins the group (all `world` ranks must call this): waits up to max(timeout_s, arrival_timeout_s) for
+        every rank's process to reach the store, then builds the process groups, whose collectives time out after
+        `timeout_s`."""
         self = cls(rank, world, device, timeout_s)
         if failure_hint is not None:
             self.failure_hint = failure_hint
@@ -65,6 +73,10 @@ class ShardGroup:
         # gloo listens on the address the host name resolves to (a pod's IP) unless told an interface, and it
         # authenticates nothing; every rank of a group is on this host, so loopback is enough.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        with self._guard(f"waiting {max(timeout_s, arrival_timeout_s):g} s for every rank's process to start"):
+            store.set(f"kimiserve/arrived/{rank}", b"1")
+            store.wait([f"kimiserve/arrived/{r}" for r in range(world)],
+                       datetime.timedelta(seconds=max(timeout_s, arrival_timeout_s)))
         with self._guard("joining the group"):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
             self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)

@@ -2,7 +2,8 @@
 
 The function gets the joined ShardGroup; its return value travels back as bytes (torch.save), never as shared
 memory, so a rank may exit before the parent reads it. A rank that raises makes `run_group` raise with its
-traceback; a rank that hangs is killed after `timeout_s`.
+traceback; a rank that hangs is killed after `timeout_s`. `start_delays` holds a rank's process back before it
+reaches the store, as a slow worker start (importing torch on a loaded host) does.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import traceback
 import torch
 
 
-def _entry(rank: int, world: int, port: int, timeout_s: float, fn, args, out) -> None:
+def _entry(rank: int, world: int, port: int, timeout_s: float, start_delay_s: float, join_kwargs: dict, fn, args,
+           out) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -25,10 +27,12 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, fn, args, out) ->
 
     torch.set_num_threads(1)
     group = None
+    time.sleep(start_delay_s)
     try:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+        # As start_group does: the group's join, not the store's constructor, waits for the other ranks.
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        group = ShardGroup.join(rank, world, store, torch.device("cpu"), timeout_s)
+        group = ShardGroup.join(rank, world, store, torch.device("cpu"), timeout_s, **join_kwargs)
         result = fn(group, *args)
         buf = io.BytesIO()
         torch.save(result, buf)
@@ -40,13 +44,16 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, fn, args, out) ->
             group.close()
 
 
-def run_group(world: int, fn, *args, timeout_s: float = 150.0, collective_timeout_s: float = 30.0) -> list:
+def run_group(world: int, fn, *args, timeout_s: float = 150.0, collective_timeout_s: float = 30.0,
+              start_delays: dict[int, float] | None = None, join_kwargs: dict | None = None) -> list:
     from kimiserve.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, fn, args, out), daemon=True)
+    delays = start_delays or {}
+    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, delays.get(r, 0.0),
+                                              join_kwargs or {}, fn, args, out), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
