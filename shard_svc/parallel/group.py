@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import socket
+import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 # torch (and, on a GPU, creating a CUDA context): several seconds on a loaded host, longer than a short
 # --group-timeout, which bounds the collectives of a running group, not process start-up.
 ARRIVAL_TIMEOUT_S = 120.0
+ARRIVAL_POLL_S = 0.5  # how often a waiting rank looks for a rank known dead (the leader's watchdog)
 
 
 def loopback_interface() -> str:
@@ -73,15 +75,33 @@ class ShardGroup:
         # gloo listens on the address the host name resolves to (a pod's IP) unless told an interface, and it
         # authenticates nothing; every rank of a group is on this host, so loopback is enough.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-        with self._guard(f"waiting {max(timeout_s, arrival_timeout_s):g} s for every rank's process to start"):
-            store.set(f"kimiserve/arrived/{rank}", b"1")
-            store.wait([f"kimiserve/arrived/{r}" for r in range(world)],
-                       datetime.timedelta(seconds=max(timeout_s, arrival_timeout_s)))
+        self._await_arrivals(store, max(timeout_s, arrival_timeout_s))
         with self._guard("joining the group"):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
             self.data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
         log.info("joined shard group", extra={"rank": rank, "world": world, "device": str(device)})
         return self
+
+    def _await_arrivals(self, store: dist.Store, timeout_s: float) -> None:
+        """Marks this rank arrived and waits for the others; a rank known dead (failure_hint) or still missing at
+        the deadline fails the group by name."""
+        what = "waiting for every rank's process to start"
+        keys = [f"kimiserve/arrived/{r}" for r in range(self.world)]
+        started = time.monotonic()
+        with self._guard(what):
+            store.set(keys[self.rank], b"1")
+            while True:
+                try:
+                    store.wait(keys, datetime.timedelta(seconds=ARRIVAL_POLL_S))
+                    return
+                except dist.DistStoreError:  # this poll's timeout; a lost store raises DistNetworkError
+                    pass
+                hint = self.failure_hint()
+                waited = time.monotonic() - started
+                if hint or waited > timeout_s:
+                    missing = [r for r, key in enumerate(keys) if not store.check([key])]
+                    raise GroupError(f"shard group rank {self.rank} of {self.world}: {what} failed{hint}: rank(s) "
+                                     f"{missing} had not arrived after {waited:.1f} s (limit {timeout_s:g} s)")
 
     def close(self) -> None:
         if not self._closed and dist.is_initialized():
