@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: up test test-fast soak venv lock protos clean bench-gpu bench-decode train-gpu flashkda
+.PHONY: up test test-fast soak venv lock protos clean bench-gpu bench-decode train-gpu flashkda gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -66,6 +66,12 @@ GPU_ENV = PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}
 # with CUTLASS's include/, tools/util/include/ and examples/common/ under cutlass/ (a copy; the GPU machine cannot
 # fetch the submodule), built in place there in about a minute. Without it the --k3 rows say FlashKDA is missing.
 FLASHKDA_DIR ?=
+# A GPU machine with torch and Triton but no package index: `make gpu-wheels` here downloads the rest for its Python
+# into GPU_WHEELS (scripts/gpu_wheels.sh says what and how to install them there).
+GPU_WHEELS ?= .cache/gpu-wheels
+gpu-wheels:
+	bash scripts/gpu_wheels.sh $(GPU_WHEELS)
+
 flashkda:
 	cd $(FLASHKDA_DIR) && FLASH_KDA_CUDA_ARCHS=90a NVCC_THREADS=16 $(GPU_PY) setup.py build_ext --inplace
 
