@@ -46,34 +46,35 @@ _SLICE = (32768 - 20000) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
 use_range(20000 + _WORKER * _SLICE, 20000 + (_WORKER + 1) * _SLICE)
 
 
-# The longest test files, longest first (serial wall seconds, measured in `make test`, 2026-12-05).
+# The longest test files, longest first (seconds each took in a `make test` of three workers on a 2-core AMD EPYC
+# machine, 2026-12-07: 1,306 s in all, 3,801 s of worker time).
 # `make test` hands whole files to its xdist workers in collection order (--dist loadfile --no-loadscope-reorder);
 # starting these first keeps the run from ending on one worker still busy with a long file while the others idle.
 LONGEST_FIRST = (
-    "tests/trained/test_parity.py",  # 100 (the trained 93-layer K3 under the interpreter)
-    "tests/kernels/test_sm90_compile.py",  # 70
-    "tests/reliability/test_up.py",  # 68
-    "tests/reliability/test_failover.py",  # 54
-    "tests/parallel/test_group_parity.py",  # 52
-    "tests/router/http/test_chat.py",  # 52
-    "tests/reliability/test_faults.py",  # 50
-    "tests/services/test_choices_and_tools.py",  # 46
-    "tests/services/test_generation.py",  # 31
-    "tests/router/http/test_openai_compat.py",  # 30
-    "tests/services/test_resilience.py",  # 28
-    "tests/test_cli.py",  # 27
-    "tests/services/test_router_replicas.py",  # 26
-    "tests/test_cli_generate.py",  # 25
-    "tests/deploy/test_stack.py",  # 24
-    "tests/deploy/test_image_package.py",  # 21
-    "tests/parallel/test_cli.py",  # 21
-    "tests/router/http/test_aiperf.py",  # 21
-    "tests/reliability/test_bad_inputs.py",  # 20
-    "tests/services/test_sampling_surface.py",  # 20
-    "tests/services/test_fair_prefill.py",  # 19
-    "tests/parallel/test_serving.py",  # 16
-    "tests/router/http/test_responses.py",  # 16
-    "tests/services/test_internal_auth.py",  # 16
+    "tests/trained/test_parity.py",  # 464 (the trained 93-layer K3 under the interpreter)
+    "tests/kernels/test_sm90_compile.py",  # 399
+    "tests/kernels/test_kda_chunk.py",  # 251
+    "tests/services/test_resilience.py",  # 164
+    "tests/services/test_generation.py",  # 142
+    "tests/reliability/test_faults.py",  # 139
+    "tests/kernels/test_mla_moe_in_model.py",  # 134
+    "tests/reliability/test_failover.py",  # 130
+    "tests/parallel/test_group_parity.py",  # 92
+    "tests/reliability/test_up.py",  # 86
+    "tests/services/test_router_replicas.py",  # 77
+    "tests/test_cli_generate.py",  # 68
+    "tests/deploy/test_image_package.py",  # 66
+    "tests/services/test_choices_and_tools.py",  # 60
+    "tests/test_cli.py",  # 59
+    "tests/parallel/test_cli.py",  # 58
+    "tests/router/batch/test_durability.py",  # 55
+    "tests/services/test_prefix_boundaries.py",  # 51
+    "tests/router/batch/test_run.py",  # 51
+    "tests/kernels/test_short_conv.py",  # 50
+    "tests/services/test_fair_prefill.py",  # 47
+    "tests/kernels/test_snapshots_in_model.py",  # 46
+    "tests/services/test_sampling_surface.py",  # 44
+    "tests/services/test_client_security.py",  # 43
 )
 
 

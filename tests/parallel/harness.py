@@ -3,7 +3,8 @@
 The function gets the joined ShardGroup; its return value travels back as bytes (torch.save), never as shared
 memory, so a rank may exit before the parent reads it. A rank that raises makes `run_group` raise with its
 traceback; a rank that hangs is killed after `timeout_s`. `start_delays` holds a rank's process back before it
-reaches the store, as a slow worker start (importing torch on a loaded host) does.
+reaches the store, as a slow worker start (importing torch on a loaded host) does; the ranks in `absent` never
+start, as a worker that died before reaching it.
 """
 
 from __future__ import annotations
@@ -45,29 +46,32 @@ def _entry(rank: int, world: int, port: int, timeout_s: float, start_delay_s: fl
 
 
 def run_group(world: int, fn, *args, timeout_s: float = 150.0, collective_timeout_s: float = 30.0,
-              start_delays: dict[int, float] | None = None, join_kwargs: dict | None = None) -> list:
+              start_delays: dict[int, float] | None = None, absent: frozenset[int] = frozenset(),
+              join_kwargs: dict | None = None) -> list:
+    """What each started rank's `fn(group, *args)` returned, by rank; the ranks in `absent` are never started."""
     from kimiserve.ports import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
     delays = start_delays or {}
-    procs = [ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, delays.get(r, 0.0),
-                                              join_kwargs or {}, fn, args, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
+    ranks = [r for r in range(world) if r not in absent]
+    procs = {r: ctx.Process(target=_entry, args=(r, world, port, collective_timeout_s, delays.get(r, 0.0),
+                                                 join_kwargs or {}, fn, args, out), daemon=True)
+             for r in ranks}
+    for p in procs.values():
         p.start()
     results: dict[int, object] = {}
     errors = []
     deadline = time.monotonic() + timeout_s
     try:
-        while len(results) + len(errors) < world:
+        while len(results) + len(errors) < len(ranks):
             try:
                 rank, err, data = out.get(timeout=1.0)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                dead = [r for r, p in procs.items() if p.exitcode is not None and r not in results]
                 if time.monotonic() > deadline or (dead and len(dead) > len(errors)):
-                    missing = sorted(set(range(world)) - results.keys())
+                    missing = sorted(set(ranks) - results.keys())
                     errors.append(f"ranks {missing} gave no result (exit codes {[procs[r].exitcode for r in missing]})")
                     break
                 continue
@@ -76,11 +80,11 @@ def run_group(world: int, fn, *args, timeout_s: float = 150.0, collective_timeou
             else:
                 results[rank] = torch.load(io.BytesIO(data), weights_only=False)
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(5)
             if p.is_alive():
                 p.kill()
                 p.join()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world)]
+    return [results[r] for r in ranks]
