@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+from tests.kernels import interpreter_speed
+
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 # modules with @triton.jit, in import order (shared device functions first)
@@ -40,6 +42,8 @@ def _import_kernels() -> None:
             for name in [m for m in sys.modules if m == "triton" or m.startswith("triton.")]:
                 del sys.modules[name]
             import triton  # noqa: F401,F811
+        if not ON_GPU:
+            interpreter_speed.install()
         for name in KERNEL_MODULES:
             full = f"shard_svc.ops.triton.{name}"
             if full in sys.modules:
