@@ -12,7 +12,7 @@ from kimiserve.v1 import common_pb2, router_pb2
 from launcher.health import wait_serving
 from tests.services.helpers import generate, scrape, shard_load, total, wait_until
 
-TOKENS = 160
+TOKENS = 400
 
 
 def test_killed_shard_fails_its_streams_over_and_comes_back(private_stack):
