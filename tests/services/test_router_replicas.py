@@ -17,12 +17,15 @@ from launcher.up import start_router_replica, start_stack, stop_stack
 from tests.services.conftest import SHARD_ARGS
 
 PROMPT = [5, 17, 42, 99, 3, 8]
+# The 4-layer model steps in ~12 ms on the CPU: 400 tokens keep the first request running for seconds after the
+# second is sent (the 93-layer K3 took ~0.4 s a step, 80 s for 200 tokens).
+LONG_TOKENS = 400
 
 
 @pytest.fixture
-def two_routers(tiny_k3, tmp_path):
+def two_routers(tiny_linear, tmp_path):
     model = tmp_path / "model"
-    shutil.copytree(tiny_k3, model)
+    shutil.copytree(tiny_linear, model)
     children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180, shard_args=SHARD_ARGS)
     try:
         children.append(start_router_replica(children, "router-2", "127.0.0.1", free_port(), timeout=180))
@@ -43,7 +46,7 @@ def _tokens(stream) -> list[int]:
 
 def test_the_same_id_from_two_replicas_at_once_runs_on_both(two_routers):
     first, second = two_routers
-    long_stream = first.Generate(_request("shared-id", 200), timeout=120)
+    long_stream = first.Generate(_request("shared-id", LONG_TOKENS), timeout=120)
     started = threading.Event()
     long_tokens: list[int] = []
 
@@ -56,8 +59,8 @@ def test_the_same_id_from_two_replicas_at_once_runs_on_both(two_routers):
     reader.start()
     assert started.wait(60), "the first replica's request produced no token"
     short = _tokens(second.Generate(_request("shared-id", 8), timeout=60))
-    assert len(long_tokens) < 200, "the first request ended before the second was sent: nothing was shared"
+    assert len(long_tokens) < LONG_TOKENS, "the first request ended before the second was sent: nothing was shared"
     reader.join(120)
-    assert len(long_tokens) == 200
+    assert len(long_tokens) == LONG_TOKENS
     # Greedy: the aliased run is the same sequence as the first one's start, and as a fresh run of its own.
     assert short == long_tokens[:8] == _tokens(second.Generate(_request("after", 8), timeout=60))
