@@ -18,6 +18,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-p", type=float, default=0.0, help="[0, 1]; 0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop-token-ids", type=_ids, default=[])
     p.add_argument("--ignore-eos", action="store_true")

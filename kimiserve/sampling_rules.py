@@ -40,6 +40,7 @@ def sampling_problems(values: Mapping[str, object]) -> list[Problem]:
     check("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}]")
     check("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
     check("top_k", lambda v: v >= 0, ">= 0")
+    check("min_p", lambda v: 0 <= v <= 1, "in [0, 1]")
     for name in ("presence_penalty", "frequency_penalty"):
         check(name, lambda v: -MAX_PENALTY <= v <= MAX_PENALTY, f"in [-{MAX_PENALTY}, {MAX_PENALTY}]")
     check("repetition_penalty", lambda v: 0 < v <= MAX_REPETITION_PENALTY, f"in (0, {MAX_REPETITION_PENALTY}]")

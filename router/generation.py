@@ -99,7 +99,7 @@ class Piece:
 
 
 # SamplingParams fields whose value is checked only when the client set it (proto3 `optional`); the rest always.
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "presence_penalty", "frequency_penalty",
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
              "repetition_penalty", "prompt_logprobs")
 
 

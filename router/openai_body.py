@@ -17,7 +17,7 @@ from kimiserve.limits import MAX_N
 from kimiserve.v1 import common_pb2, router_pb2
 from router import openai_fields
 
-SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "response_format", "logit_bias"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
@@ -209,7 +209,7 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
     if name in body:
         s.max_tokens = _int(body[name], name, -(1 << 31), (1 << 31) - 1)
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "min_p"):
         if name in body:
             if not _is_number(body[name]):
                 raise BodyError(f"{name} must be a number, got {describe(body[name])}", name)

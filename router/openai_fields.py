@@ -26,6 +26,7 @@ EXTENSIONS: dict[str, str] = {
     "cache_salt": "vLLM's: a string (at most 256 characters) keying the prompt's prefix-cache entries; requests share "
                   "cached prefixes only under the same salt (GenerateRequest.cache_salt)",
     "top_k": "vLLM's: sample from the k most likely tokens only (SamplingParams.top_k)",
+    "min_p": "vLLM's: in [0, 1], drop tokens less likely than min_p times the most likely (SamplingParams.min_p)",
     "repetition_penalty": "vLLM's: HF transformers' repetition penalty (SamplingParams.repetition_penalty)",
     "stop_token_ids": "vLLM's: token ids that end the sequence (SamplingParams.stop_token_ids)",
     "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",

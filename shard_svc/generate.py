@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     fmt = ResponseFormat("json_schema", args.json_schema) if args.json_schema is not None else None
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
                           ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                           response_format=fmt)

@@ -6,7 +6,8 @@ Each row's distribution is built in this order (the proto's SamplingParams docum
      the output, from per-slot token counts kept on the device;
   2. logit_bias: each listed token's value added to its logit;
   3. the response_format mask (shard_svc/engine/grammar.py): disallowed tokens get -inf;
-  4. greedy: argmax; sampled: max-shifted temperature, top-k, top-p, then a draw with the row's own generator.
+  4. greedy: argmax; sampled: max-shifted temperature, min-p, top-k, top-p, then a draw with the row's own
+     generator.
 logprob / top_logprobs are the natural logs of that final distribution (greedy: log-softmax of the penalised,
 biased, masked logits). Every row's result depends only on its own logits, counts, mask and generator.
 
@@ -18,6 +19,7 @@ the first k outputs, same seed) draws what the original did from position prompt
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
     from kimiserve.v1 import common_pb2
 
 # SamplingParams fields that are `optional` on the wire: unset there means this dataclass's default, nothing else.
-OPTIONAL_WIRE_FIELDS = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty",
+OPTIONAL_WIRE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                         "repetition_penalty")
 
 
@@ -46,6 +48,7 @@ class SamplingParams:
     temperature: float = 1.0  # OpenAI's default; 0 means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 means off
     seed: int | None = None  # same seed, same prompt, same model -> same tokens, whatever the batch
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -249,11 +252,14 @@ def _read_back(rows: list[SampleRow], tokens: torch.Tensor, finite: torch.Tensor
 
 
 def _sampling_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The log-weights a sampled row draws from: temperature, then the top-k and top-p cuts (-inf outside).
+    """The log-weights a sampled row draws from: temperature, then the min-p, top-k and top-p cuts (-inf outside).
 
     The row is shifted by its maximum before the division, so a tiny temperature gives -inf (never inf - inf = NaN)
-    and the distribution tends to the argmax, as the limit of the definition does."""
+    and the distribution tends to the argmax, as the limit of the definition does. The shift also makes the most
+    likely token's log-weight 0, so min-p's p >= min_p * p_max is log-weight >= log(min_p)."""
     scaled = (logits.float() - logits.max()) / params.temperature
+    if params.min_p > 0:
+        scaled = scaled.masked_fill(scaled < math.log(params.min_p), float("-inf"))
     if params.top_k:
         kth = torch.topk(scaled, min(params.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -20,10 +20,13 @@ def _pair(d) -> tuple[int, float]:
 
 
 def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Temperature, then keep the top_k largest, then the smallest prefix (by descending probability) whose mass
-    reaches top_p, renormalised: written out with plain loops over the sorted vocabulary."""
+    """Temperature, then drop the tokens less likely than min_p x the most likely, keep the top_k largest, then the
+    smallest prefix (by descending probability) whose mass reaches top_p, renormalised: written out with plain loops
+    over the sorted vocabulary."""
     scaled = logits.double() / p.temperature
+    full = torch.softmax(scaled, 0).tolist()
     order = sorted(range(scaled.numel()), key=lambda i: -float(scaled[i]))
+    order = [i for i in order if full[i] >= p.min_p * max(full)]
     keep = order[: p.top_k] if p.top_k else order
     probs = torch.softmax(scaled[keep], 0)
     kept, mass = [], 0.0
@@ -58,7 +61,9 @@ def test_sampled_rows_draw_from_their_distribution_and_ignore_neighbours():
     logits = torch.randn(40, generator=g) * 3
     modes = [SamplingParams(temperature=0.7, seed=1), SamplingParams(temperature=1.3, top_k=5, seed=2),
              SamplingParams(temperature=1.0, top_p=0.6, seed=3), SamplingParams(temperature=0.9, top_k=8, top_p=0.8,
-                                                                                 seed=4, logprobs=True)]
+                                                                                 seed=4, logprobs=True),
+             SamplingParams(temperature=1.2, min_p=0.1, seed=5), SamplingParams(temperature=0.8, min_p=0.02, top_k=12,
+                                                                                 top_p=0.9, seed=6)]
     for p in modes:
         support = set(torch.nonzero(_reference_probs(logits, p)).flatten().tolist())
         alone = [_pair(sample_all([SampleRow(logits, p, _gen(p.seed + k))])[0]) for k in range(200)]
@@ -191,6 +196,22 @@ def test_sampled_penalties_draw_from_the_penalised_distribution_and_report_its_l
         assert all(abs(lp - float(ref_lp[t])) < 1e-4 for t, lp in d.top)
 
 
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_keeps_the_tokens_at_least_min_p_times_the_most_likely_and_reports_their_logprobs(min_p):
+    """min_p is measured after temperature, on the whole vocabulary; logprobs and top_logprobs are those of the cut,
+    renormalised distribution, and name only tokens it can draw. min_p 1 keeps the most likely token alone."""
+    logits = torch.randn(64, generator=_gen(12)) * 2
+    p = SamplingParams(temperature=0.7, min_p=min_p, seed=9, logprobs=True, top_logprobs=20)
+    ref = _reference_probs(logits, p)
+    support = set(torch.nonzero(ref).flatten().tolist())
+    assert 1 <= len(support) < 64 and (min_p < 1 or len(support) == 1)
+    drawn = [sample_all([SampleRow(logits, p, _gen(k))])[0] for k in range(100)]
+    assert {d.token for d in drawn} <= support
+    for d in drawn[:10]:
+        assert abs(d.logprob - float(torch.log(ref[d.token]))) < 1e-5
+        assert [t for t, _ in d.top] == sorted(support, key=lambda t: -float(ref[t]))[:20]
+
+
 def test_greedy_penalty_steps_count_their_own_tokens_on_the_device():
     """Repeated passes over the same logits: each pass's token is counted by the sampler itself, so a strong
     frequency penalty walks down the ranking exactly as the loop reference does."""
@@ -283,6 +304,7 @@ def test_logit_bias_out_of_range_is_refused(bias, message):
     ("presence_penalty", 2.5, "presence_penalty must be in"), ("presence_penalty", float("nan"), "presence_penalty"),
     ("frequency_penalty", -2.01, "frequency_penalty must be in"), ("repetition_penalty", 0.0, "repetition_penalty"),
     ("repetition_penalty", 2.5, "repetition_penalty"), ("top_logprobs", 21, "top_logprobs must be in"),
+    ("min_p", -0.1, "min_p must be in"), ("min_p", 1.5, "min_p must be in"), ("min_p", float("nan"), "min_p"),
 ])
 def test_out_of_range_fields_are_refused(field, value, message):
     with pytest.raises(InvalidRequest, match=message):
@@ -308,11 +330,11 @@ def test_from_proto_unset_fields_take_the_engine_defaults_and_set_ones_carry_ove
     assert SamplingParams.from_proto(common_pb2.SamplingParams(), max_tokens=7) == SamplingParams(max_tokens=7)
     assert SamplingParams().temperature == 1.0
     wire = common_pb2.SamplingParams(
-        temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=[4, 5], ignore_eos=True, logprobs=True,
+        temperature=0.0, top_p=0.5, top_k=3, min_p=0.25, seed=11, stop_token_ids=[4, 5], ignore_eos=True, logprobs=True,
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25, top_logprobs=2,
         response_format=common_pb2.ResponseFormat(regex="[ab]+"), logit_bias={9: -1.5, 2: 3.0})
     got = SamplingParams.from_proto(wire, max_tokens=3)
-    assert got == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=3, seed=11, stop_token_ids=(4, 5),
-                                 ignore_eos=True, logprobs=True, presence_penalty=0.5, frequency_penalty=-0.5,
+    assert got == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=3, min_p=0.25, seed=11,
+                                 stop_token_ids=(4, 5), ignore_eos=True, logprobs=True, presence_penalty=0.5, frequency_penalty=-0.5,
                                  repetition_penalty=1.25, top_logprobs=2,
                                  response_format=ResponseFormat("regex", "[ab]+"), logit_bias=((2, 3.0), (9, -1.5)))

@@ -17,6 +17,7 @@ VOCAB = 100
 
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("temperature", -0.5), ("temperature", 101.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+    ("min_p", -0.5), ("min_p", 1.5),
     ("presence_penalty", 2.5), ("frequency_penalty", -2.5), ("repetition_penalty", 0.0),
     ("repetition_penalty", 2.5), ("top_logprobs", 21), ("prompt_logprobs", 21),
 ])

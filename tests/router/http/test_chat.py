@@ -230,3 +230,18 @@ def test_penalties_pass_through_and_change_the_output(http_stack):
         max_tokens=48, temperature=0, ignore_eos=True, repetition_penalty=1.3, **penalties))
     grpc_text = "".join(c.text for c in http_stack.grpc.Generate(req, metadata=http_stack.auth, timeout=120))
     assert penalised.choices[0].text == grpc_text
+
+
+def test_min_p_reaches_the_sampler(http_stack):
+    """min_p 1 keeps only the most likely token, so a hot, seeded draw gives the greedy reply, each token with
+    logprob 0 (the whole mass of the cut distribution); a small min_p leaves the draw free to differ."""
+    kw = dict(model="", prompt="The quick brown fox", max_tokens=24, logprobs=1)
+    greedy = http_stack.client.completions.create(**kw, temperature=0, extra_body={"ignore_eos": True})
+    cut = http_stack.client.completions.create(**kw, temperature=1.5, seed=3,
+                                               extra_body={"ignore_eos": True, "min_p": 1.0})
+    assert cut.choices[0].text == greedy.choices[0].text
+    assert cut.choices[0].logprobs.token_logprobs == [0.0] * 24
+    loose = http_stack.client.completions.create(**kw, temperature=1.5, seed=3,
+                                                 extra_body={"ignore_eos": True, "min_p": 0.001})
+    assert loose.choices[0].text != greedy.choices[0].text
+    assert min(loose.choices[0].logprobs.token_logprobs) < -0.5

@@ -39,6 +39,8 @@ def test_api_key_is_required_except_for_health(http_stack):
 @pytest.mark.parametrize("body, code, param, fragment", [
     ({"messages": HELLO, "temperature": "hot"}, "invalid_argument", "temperature", "temperature must be a number"),
     ({"messages": HELLO, "top_p": 5.0}, "invalid_argument", "top_p", "top_p must be in (0, 1]"),
+    ({"messages": HELLO, "min_p": 1.5}, "invalid_argument", "min_p", "min_p must be in [0, 1]"),
+    ({"messages": HELLO, "min_p": "high"}, "invalid_argument", "min_p", "min_p must be a number"),
     ({"messages": HELLO, "max_tokens": 0}, "invalid_argument", "max_tokens", "max_tokens must be >= 1"),
     ({"messages": HELLO, "logit_bias": {"1": 101}}, "invalid_argument", "logit_bias", "must be in [-100, 100]"),
     ({"messages": HELLO, "logit_bias": {"one": 5}}, "invalid_argument", "logit_bias", "keys must be token ids"),
