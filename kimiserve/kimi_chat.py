@@ -21,11 +21,13 @@ THINK_BEGIN, THINK_END = "<think>", "</think>"
 
 @dataclass(frozen=True)
 class ToolCall:
-    """One function call made by the assistant. `arguments` is a JSON object as text."""
+    """One function call made by the assistant. `arguments` is a JSON object as text (cut: as far as it was
+    written when max_tokens cut the reply)."""
 
     id: str
     name: str
     arguments: str
+    cut: bool = False
 
 
 _CALL_RE = re.compile(
@@ -34,13 +36,17 @@ _CALL_RE = re.compile(
     re.DOTALL,
 )
 _ID_RE = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$", re.DOTALL)
+_CUT_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>[^:]+):\d*$", re.DOTALL)  # the name written, its index maybe not
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """Split model output (special tokens kept as text) into content and the calls of its tool-calls section.
 
-    Content is the text outside the section. Arguments are returned verbatim, not validated. A call the model did not
-    finish (e.g. cut by max_tokens) is not a call: its raw text is kept at the end of the content, never dropped.
+    Content is the text outside the section. Arguments are returned verbatim, not validated. A last call cut (by
+    max_tokens) once its function's name was written (`functions.NAME:`) is a call with the id and arguments
+    generated so far, as OpenAI's API returns a call cut by the token limit (finish reason length, its arguments
+    unterminated JSON). Anything else the section holds that is not a call (cut inside the name, or malformed) is
+    kept as raw text at the end of the content, never dropped.
     """
     head, found, rest = text.partition(SECTION_BEGIN)
     if not found:
@@ -55,7 +61,23 @@ def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
                               arguments=match.group(2).strip()))
         consumed = match.end()
     leftover = section[consumed:]
+    cut = _cut_call(leftover)
+    if cut is not None:
+        calls.append(cut)
+        leftover = ""
     return head + tail + (leftover if leftover.strip() else ""), calls
+
+
+def _cut_call(text: str) -> ToolCall | None:
+    """The call in `text` if it is exactly one call's start, cut after its name: CALL_BEGIN NAME:[INDEX [ARG_BEGIN
+    ARGS...]] (the id's `functions.` prefix optional, as for a whole call)."""
+    begin, found, rest = text.strip().partition(CALL_BEGIN)
+    call_id, has_args, arguments = rest.partition(ARG_BEGIN)
+    markers = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
+    name = _CUT_ID_RE.match(call_id.strip())
+    if begin or not found or name is None or any(m in call_id + arguments for m in markers):
+        return None
+    return ToolCall(id=call_id.strip(), name=name.group("name"), arguments=arguments.strip(), cut=True)
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

@@ -200,7 +200,7 @@ class Items:
                 "call_id": call.id, "name": call.name, "arguments": ""}
         self.calls += 1
         where = {"item_id": item["id"], "output_index": len(self.output)}
-        done = item | {"status": "completed", "arguments": call.arguments}
+        done = item | {"status": "incomplete" if call.cut else "completed", "arguments": call.arguments}
         out = [self.event("response.output_item.added", output_index=len(self.output), item=item),
                self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
                self.event("response.function_call_arguments.done", **where, name=call.name,

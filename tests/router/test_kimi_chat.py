@@ -20,11 +20,31 @@ def test_parse_tool_calls() -> None:
     assert parse_tool_calls("plain answer") == ("plain answer", [])
 
 
-def test_parse_tool_calls_keeps_an_unfinished_call_as_text() -> None:
-    text = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
-    content, calls = parse_tool_calls(text)
-    assert calls == []
-    assert content == '<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+def test_a_call_cut_in_its_arguments_is_a_call_with_the_arguments_so_far() -> None:
+    text = 'Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": '
+    assert parse_tool_calls(text) == ("Sure.", [ToolCall("functions.f:0", "f", '{"a":', cut=True)])
+    after_one = CALLS.removesuffix('<|tool_calls_section_end|>').replace('{"q": "a<b"} <|tool_call_end|>', "")
+    assert parse_tool_calls(after_one) == ("", [ToolCall("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                                                ToolCall("functions.search.web:1", "search.web", "", cut=True)])
+
+
+@pytest.mark.parametrize("cut, call", [
+    ("functions.ping:", ToolCall("functions.ping:", "ping", "", cut=True)),  # the name written, not its index
+    ("functions.ping:12", ToolCall("functions.ping:12", "ping", "", cut=True)),
+    ("ping:0<|tool_call_argument_begin|>{", ToolCall("ping:0", "ping", "{", cut=True)),
+])
+def test_a_call_cut_after_its_name_is_a_call(cut, call) -> None:
+    assert parse_tool_calls("<|tool_calls_section_begin|><|tool_call_begin|>" + cut) == ("", [call])
+
+
+@pytest.mark.parametrize("section", [
+    "<|tool_call_begin|>functions.get_wea",  # cut inside the name: no name to report
+    "<|tool_call_begin|>functions.f:0<|tool_call_end|>",  # no arguments marker
+    "<|tool_call_begin|>functions.f:0 x<|tool_call_argument_begin|>{",  # not an id
+    "stray text<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{",  # not a call's start
+])
+def test_parse_tool_calls_keeps_what_is_not_a_call_as_text(section) -> None:
+    assert parse_tool_calls("<|tool_calls_section_begin|>" + section) == (section, [])
 
 
 @pytest.mark.parametrize("text, expected", [

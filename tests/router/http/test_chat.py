@@ -150,7 +150,9 @@ def test_tool_choice_required_is_enforced_while_decoding(http_stack):
 
 def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
     """Seed 3 (sampled by position) closes its calls within 300 tokens; seed 7 writes call after call, and 50 tokens
-    cut its second one after the first is complete. Only a reply that ended by itself is a tool_calls finish."""
+    cut one after whole ones (its third, once its name is written). Only a reply that ended by itself is a
+    tool_calls finish; the cut call is still a call, with the id and arguments written so far (as OpenAI's API
+    returns a call cut by the limit), and no marker of the tool-calls section reaches the content, streamed or not."""
     seen = set()
     for seed, max_tokens in ((3, 300), (7, 50)):
         reply = http_stack.client.chat.completions.create(model="", messages=HELLO, tools=BOUNDED_TOOLS,
@@ -158,7 +160,22 @@ def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
                                                           temperature=1.0, seed=seed)
         cut = reply.usage.completion_tokens == max_tokens or reply.usage.total_tokens == MAX_MODEL_LEN  # either limit
         assert reply.choices[0].finish_reason == ("length" if cut else "tool_calls"), (seed, reply.usage)
-        assert reply.choices[0].message.tool_calls, "a cut reply with no whole call would not test the rule"
+        calls = reply.choices[0].message.tool_calls
+        assert calls, "a cut reply with no whole call would not test the rule"
+        assert reply.choices[0].message.content is None
+        check_tool_calls(calls[:-1] if cut else calls, {"get_weather", "ping"})
+        if cut:
+            assert len(calls) >= 2 and calls[-1].id.startswith(f"functions.{calls[-1].function.name}:")
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(calls[-1].function.arguments)
+            stream = http_stack.client.chat.completions.create(
+                model="", messages=HELLO, tools=BOUNDED_TOOLS, max_tokens=max_tokens, tool_choice="required",
+                temperature=1.0, seed=seed, stream=True)
+            chunks = [c for c in stream if c.choices]
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
+            streamed = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+            assert [(c.id, c.function.name, c.function.arguments) for c in streamed] == [
+                (c.id, c.function.name, c.function.arguments) for c in calls]
         seen.add(cut)
     assert seen == {True, False}, "the seeds no longer give one cut and one closed reply: pick others"
 

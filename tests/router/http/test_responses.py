@@ -105,6 +105,21 @@ def test_a_function_call_round_trips_as_the_chat_tool_turn(http_stack):
     assert (args.name, args.arguments) == (call.name, call.arguments)
 
 
+def test_a_function_call_cut_by_max_output_tokens_is_an_incomplete_item(http_stack):
+    """Greedy, so a shorter limit gives a prefix of the whole reply: cut three tokens before its end (the call's
+    end, the section's end, the end of turn), the call is there with its arguments so far, marked incomplete."""
+    asked = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(model=http_stack.model, input=asked, tools=[WEATHER], tool_choice=CALL_WEATHER, temperature=0)
+    whole = http_stack.client.responses.create(**kw, max_output_tokens=60)
+    [call] = [item for item in whole.output if item.type == "function_call"]
+    cut = http_stack.client.responses.create(**kw, max_output_tokens=whole.usage.output_tokens - 3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    [part] = [item for item in cut.output if item.type == "function_call"]
+    assert part.status == "incomplete" and (part.call_id, part.name) == (call.call_id, call.name)
+    assert call.arguments.startswith(part.arguments) and len(part.arguments) < len(call.arguments)
+    assert not [item for item in cut.output if item.type == "message"]
+
+
 def test_text_format_json_schema_constrains_the_reply(http_stack):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
