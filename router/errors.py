@@ -91,9 +91,11 @@ TOKENIZER_ERRORS: dict[grpc.StatusCode, type[RouterError]] = {grpc.StatusCode.IN
 # INTERNAL with this text. The tokenizer's own INTERNAL says "internal error in RPC: ...".
 BROKEN_CONNECTION = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 # The tokenizer names the field at fault first in an INVALID_ARGUMENT message ("messages[2]: ...", "tools[0]: ...",
-# "text: ..."; tokenizer_svc/chat_types.py, tokenizer_svc/service.py): the request field it was given as.
-_TOKENIZER_FIELDS = re.compile(r"(messages|tools|text)\b")
-_TOKENIZER_PARAMS = {"messages": "messages", "tools": "tools", "text": "prompt"}
+# "text: ..."; tokenizer_svc/chat_types.py, tokenizer_svc/service.py, kimiserve/chat_continuation.py): the request
+# field it was given as.
+_TOKENIZER_FIELDS = re.compile(r"(messages|tools|text|continue_final_message|add_generation_prompt)\b")
+_TOKENIZER_PARAMS = {"messages": "messages", "tools": "tools", "text": "prompt",
+                     **{f: f for f in ("continue_final_message", "add_generation_prompt")}}
 INTERNAL_MESSAGE = "internal error; the router's log has the details"
 
 

@@ -63,7 +63,8 @@ DEFAULT_OPTIONS = Options()
 def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]:
     body = present(body)
     _check_fields(body, {"model", "messages", "tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
-                  | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS))
+                  | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS)
+                  | set(openai_fields.CHAT_EXTENSIONS))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"messages must be a non-empty list, got {describe(messages)}", "messages")
@@ -77,6 +78,14 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
     req.tool_choice.CopyFrom(_tool_choice(body.get("tool_choice", "auto")))
     if "parallel_tool_calls" in body:
         req.parallel_tool_calls = _bool(body, "parallel_tool_calls")
+    if "add_generation_prompt" in body:
+        req.add_generation_prompt = _bool(body, "add_generation_prompt")
+    req.continue_final_message = _bool(body, "continue_final_message")
+    last = messages[-1]  # an object: _message checked it
+    if req.continue_final_message and last.get("content") is None and not last.get("tool_calls"):
+        # The rest of the rule is the router's, for gRPC too (router/prompts.py); only JSON tells null from "".
+        raise BodyError(f"continue_final_message: the final message (messages[{len(messages) - 1}]) has no content "
+                        "to continue", "continue_final_message")
     logprobs = _bool(body, "logprobs")
     top = _int(body.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:

@@ -3,7 +3,7 @@
 Every field of OpenAI's chat/completions and completions references falls in one of three groups:
 
 - honoured: translated into the Router request (router/openai_body.py), with the fields of other servers' APIs
-  in EXTENSIONS;
+  in EXTENSIONS (and CHAT_EXTENSIONS, COMPLETIONS_EXTENSIONS: those of one endpoint);
 - IGNORED: accepted with any value of the right type, because no value can change the reply (bookkeeping, routing
   and latency hints of OpenAI's own service);
 - NO_OP_VALUES: accepted only at the values that change nothing (a default, or the one thing this server does), and
@@ -30,6 +30,16 @@ EXTENSIONS: dict[str, str] = {
     "repetition_penalty": "vLLM's: HF transformers' repetition penalty (SamplingParams.repetition_penalty)",
     "stop_token_ids": "vLLM's: token ids that end the sequence (SamplingParams.stop_token_ids)",
     "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",
+}
+
+# Honoured on /v1/chat/completions only (completions and responses refuse them, as they render no chat turns):
+# name -> where it comes from and what it does.
+CHAT_EXTENSIONS: dict[str, str] = {
+    "add_generation_prompt": "vLLM's: true (default) appends the assistant turn's header for the model to reply "
+                             "after; false renders the conversation alone (ChatRequest.add_generation_prompt)",
+    "continue_final_message": "vLLM's: the final message (assistant, text, no tool_calls) is rendered open and the "
+                              "model continues it, a prefill; the reply is the new text only; not with "
+                              "add_generation_prompt true (ChatRequest.continue_final_message)",
 }
 
 # Honoured on /v1/completions only (chat refuses them): name -> where it comes from and what it does.

@@ -4,6 +4,7 @@ the interactive RPCs and batch requests, so both validate and tokenize the same 
 from __future__ import annotations
 
 from kimiserve import limits
+from kimiserve.chat_continuation import ContinuationError, check_final_message, generation_prompt
 from kimiserve.v1 import router_pb2
 from kimiserve.text import clip
 from router.errors import InvalidArgument, NotFound
@@ -59,4 +60,11 @@ async def chat_prompt(gen: Generation, req: router_pb2.ChatRequest,
     check_model(gen, req.model)
     if not req.messages:
         raise InvalidArgument("messages is empty", "messages")
-    return await gen.tokenizer.render_chat(req.messages, req.tools, cache_salt)
+    add = req.add_generation_prompt if req.HasField("add_generation_prompt") else None
+    try:  # the tokenizer checks this too, but could not name the field to the client
+        generation_prompt(add, req.continue_final_message)
+        if req.continue_final_message:
+            check_final_message(req.messages)
+    except ContinuationError as e:
+        raise InvalidArgument(str(e), e.field) from e
+    return await gen.tokenizer.render_chat(req.messages, req.tools, cache_salt, add, req.continue_final_message)

@@ -44,11 +44,15 @@ class TokenizerClient:
             span.set("tokens", len(reply.token_ids))
         return list(reply.token_ids)
 
-    async def render_chat(self, messages, tools, cache_salt: str = "") -> tuple[list[int], tuple[int, ...]]:
+    async def render_chat(self, messages, tools, cache_salt: str = "", add_generation_prompt: bool | None = None,
+                          continue_final_message: bool = False) -> tuple[list[int], tuple[int, ...]]:
         """The rendered prompt's ids and the offsets where its messages end (RenderChatResponse.message_ends).
-        `cache_salt`: the request's prefix-cache salt, which keys the tokenizer's cache of rendered pieces too."""
+        `cache_salt`: the request's prefix-cache salt, which keys the tokenizer's cache of rendered pieces too.
+        `add_generation_prompt` None: unset, the tokenizer's default (RenderChatRequest)."""
         with tracing.current().child("render_chat", kind="client", messages=len(messages)) as span:
-            request = tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools, cache_salt=cache_salt)
+            request = tokenizer_pb2.RenderChatRequest(messages=messages, tools=tools, cache_salt=cache_salt,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message)
             try:
                 reply = await self.stub.RenderChat(request, timeout=self.timeout, metadata=span.metadata())
             except grpc.aio.AioRpcError as e:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kimiserve.chat_continuation import ContinuationError, check_final_message, generation_prompt
 from kimiserve.limits import clip
 from kimiserve.tokenizer_files.errors import TokenizerLoadError
 from tokenizer_svc.chat_types import validate_messages
@@ -30,7 +31,8 @@ class ChatTemplate(Protocol):
     source: str  # "builtin:kimi", "chat_template.jinja" or "tokenizer_config.json"
     sha256: str  # of the template text (of BUILTIN_SOURCE for the built-in one)
 
-    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool,
+               continue_final_message: bool = False) -> str:
         ...
 
 
@@ -71,15 +73,35 @@ class JinjaChatTemplate:
             **self._specials,
         )
 
-    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool,
+               continue_final_message: bool = False) -> str:
+        """continue_final_message: the rendering without a generation prompt, cut where the final message's text
+        ends (_open_final_message), for the model to continue it."""
+        gen = add_generation_prompt and not continue_final_message
         try:
-            return self._render(messages, tools, add_generation_prompt)
+            text = self._render(messages, tools, gen)
         except Exception as exc:  # any exception a template raises is this request's render error
-            index = self._first_failing_message(messages, tools, add_generation_prompt)
+            index = self._first_failing_message(messages, tools, gen)
             # The template's message may quote the input (e.g. raise_exception on a whole message): cut it short.
             raise RenderError(
                 f"messages[{index}]: chat template ({self.source}) raised {type(exc).__name__}: {clip(str(exc))}"
             ) from exc
+        return self._open_final_message(text, messages) if continue_final_message else text
+
+    def _open_final_message(self, text: str, messages: Messages) -> str:
+        """`text` cut right after the last place the final message's text appears, as vLLM does (through
+        transformers 4's apply_chat_template): a template knows nothing of open turns, so whatever closes the turn
+        follows that text. A template that trims the message is matched on the trimmed text; its trailing whitespace
+        is kept only where the template kept it."""
+        content = messages[-1].content
+        core = content.strip()
+        at = text.rfind(core) if core else -1
+        if at < 0:  # "" is found anywhere: an empty message gives no place to cut at either
+            raise RenderError(f"messages[{len(messages) - 1}]: continue_final_message: the chat template "
+                              f"({self.source}) renders no text of the final message to continue from"
+                              + ("" if core else " (it has none)"))
+        kept = content.lstrip()
+        return text[:at + len(kept)] if text.startswith(kept, at) else text[:at + len(core)]
 
     def _first_failing_message(self, messages: Messages, tools: Tools, gen: bool) -> int:
         """Index k such that messages[:k] renders and messages[:k + 1] fails, to point the client at a message.
@@ -120,8 +142,14 @@ def load_chat_template(model_dir: Path, config: Mapping[str, Any]) -> ChatTempla
     return BuiltinKimiTemplate()
 
 
-def render_chat(template: ChatTemplate, messages: Messages, tools: Tools,
-                add_generation_prompt: bool, max_message_chars: int) -> str:
-    """Validate, then render. Raises RenderError naming the message index."""
+def render_chat(template: ChatTemplate, messages: Messages, tools: Tools, add_generation_prompt: bool,
+                max_message_chars: int, continue_final_message: bool = False) -> str:
+    """Validate, then render. Raises RenderError naming the message index (or the continue_final_message field)."""
     validate_messages(messages, max_message_chars)
-    return template.render(messages, tools, add_generation_prompt)
+    if continue_final_message:
+        try:
+            generation_prompt(add_generation_prompt, True)
+            check_final_message(messages)
+        except ContinuationError as exc:
+            raise RenderError(str(exc)) from exc
+    return template.render(messages, tools, add_generation_prompt, continue_final_message)

@@ -37,12 +37,17 @@ class BuiltinKimiTemplate:
     source = BUILTIN_SOURCE
     sha256 = hashlib.sha256(BUILTIN_SOURCE.encode()).hexdigest()
 
-    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> str:
-        return "".join(self.render_parts(messages, tools, add_generation_prompt))
+    def render(self, messages: Messages, tools: Tools, add_generation_prompt: bool,
+               continue_final_message: bool = False) -> str:
+        return "".join(self.render_parts(messages, tools, add_generation_prompt, continue_final_message))
 
-    def render_parts(self, messages: Messages, tools: Tools, add_generation_prompt: bool) -> list[str]:
+    def render_parts(self, messages: Messages, tools: Tools, add_generation_prompt: bool,
+                     continue_final_message: bool = False) -> list[str]:
         """The rendering, one string per turn (tool declarations, default system turn, each message, the generation
-        prompt): where each ends is where a prefix cache may snapshot (tokenizer_svc/message_ends.py)."""
+        prompt): where each ends is where a prefix cache may snapshot (tokenizer_svc/message_ends.py).
+
+        continue_final_message: the last turn stays open (no end-of-turn marker, no generation prompt after it), for
+        the model to continue; the caller has checked it is an assistant's text (kimiserve/chat_continuation.py)."""
         parts: list[str] = []
         if tools:
             declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -64,6 +69,8 @@ class BuiltinKimiTemplate:
                     calls.append(f"{CALL_BEGIN}{call_id}{ARG_BEGIN}{call.arguments}{CALL_END}")
                 body += SECTION_BEGIN + "".join(calls) + SECTION_END
             parts.append(_turn(ROLE_TOKENS[msg.role], msg.name or msg.role, body))
-        if add_generation_prompt:
+        if continue_final_message:
+            parts[-1] = parts[-1].removesuffix(IM_END)
+        elif add_generation_prompt:
             parts.append(GENERATION_PROMPT)
         return parts

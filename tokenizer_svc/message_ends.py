@@ -32,12 +32,13 @@ JINJA_STARTS = 4  # a Jinja template is rendered again for this many first and t
 
 
 def char_ends(template: ChatTemplate, messages: Messages, tools: Tools, add_generation_prompt: bool,
-              prompt: str) -> list[int]:
+              prompt: str, continue_final_message: bool = False) -> list[int]:
     """Increasing offsets into `prompt` (the whole rendering) where a start of the conversation's rendering ends,
-    each inside (0, len(prompt))."""
+    each inside (0, len(prompt)). A final message left open (continue_final_message) ends nowhere but at the
+    prompt's end: its closed rendering is longer than the prompt, so no start that holds it is reported."""
     if isinstance(template, BuiltinKimiTemplate):
         ends, at = [], 0
-        for part in template.render_parts(messages, tools, add_generation_prompt):
+        for part in template.render_parts(messages, tools, add_generation_prompt, continue_final_message):
             at += len(part)
             ends.append(at)
     else:

@@ -17,6 +17,7 @@ from typing import TypeVar
 import grpc
 
 from kimiserve import limits
+from kimiserve.chat_continuation import ContinuationError, generation_prompt
 from kimiserve.text import clip
 from kimiserve.tokenizer_files.loading import LoadedTokenizer
 from kimiserve.tokenizer_files.splits import SplitRule
@@ -94,19 +95,26 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             limits.check_chat_parts(request.messages, request.tools)
         except limits.RequestTooLarge as exc:
             raise InvalidRequest(str(exc)) from exc
-        add_generation_prompt = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+        cont = request.continue_final_message
+        try:
+            add_generation_prompt = generation_prompt(
+                request.add_generation_prompt if request.HasField("add_generation_prompt") else None, cont)
+        except ContinuationError as exc:
+            raise InvalidRequest(str(exc)) from exc
         messages, tools = messages_from_pb(request.messages), tools_from_pb(request.tools)
-        prompt, ids, ends = await self._off_loop(self._render_chat, messages, tools, add_generation_prompt,
+        prompt, ids, ends = await self._off_loop(self._render_chat, messages, tools, add_generation_prompt, cont,
                                                  request.cache_salt)
         metrics.TOKENS.labels(rpc="RenderChat").inc(len(ids))
         return pb.RenderChatResponse(prompt=prompt, token_ids=ids, message_ends=ends)
 
-    def _render_chat(self, messages, tools, add_generation_prompt: bool,
+    def _render_chat(self, messages, tools, add_generation_prompt: bool, continue_final_message: bool,
                      salt: str) -> tuple[str, list[int], list[int]]:
         """The prompt, its ids and its messages' end offsets, in one trip to a work thread; pieces cached under
         `salt` (RenderChatRequest.cache_salt)."""
-        prompt = render_chat(self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars)
-        ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt)
+        prompt = render_chat(self._s.template, messages, tools, add_generation_prompt, self._s.max_message_chars,
+                             continue_final_message)
+        ends = message_ends.char_ends(self._s.template, messages, tools, add_generation_prompt, prompt,
+                                      continue_final_message)
         pieces = self._pieces.for_salt(salt)
         by_pieces = message_ends.ids_by_pieces(self._splits, pieces, prompt, ends)
         if by_pieces is not None:

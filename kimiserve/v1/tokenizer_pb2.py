@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kimiserve.v1 import common_pb2 as kimiserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckimiserve/v1/tokenizer.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x11TokenBytesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\")\n\x12TokenBytesResponse\x12\x13\n\x0btoken_bytes\x18\x01 \x03(\x0c\"\xc4\x01\n\x11RenderChatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.ChatMessage\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.kimiserve.v1.Tool\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"M\n\x12RenderChatResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cmessage_ends\x18\x03 \x03(\r\"X\n\x17\x44\x65tokenizeStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"7\n\x18\x44\x65tokenizeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9b\x02\n\x15TokenizerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x32\n\x0especial_tokens\x18\x04 \x03(\x0b\x32\x1a.kimiserve.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12\x1c\n\x14\x63hat_template_sha256\x18\x08 \x01(\t\x12\x18\n\x10tokenizer_source\x18\t \x01(\tB\x0f\n\r_bos_token_id2\x81\x04\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.kimiserve.v1.TokenizeRequest\x1a\x1e.kimiserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.kimiserve.v1.DetokenizeRequest\x1a .kimiserve.v1.DetokenizeResponse\x12O\n\nRenderChat\x12\x1f.kimiserve.v1.RenderChatRequest\x1a .kimiserve.v1.RenderChatResponse\x12\x65\n\x10\x44\x65tokenizeStream\x12%.kimiserve.v1.DetokenizeStreamRequest\x1a&.kimiserve.v1.DetokenizeStreamResponse(\x01\x30\x01\x12O\n\x04Info\x12\".kimiserve.v1.TokenizerInfoRequest\x1a#.kimiserve.v1.TokenizerInfoResponse\x12O\n\nTokenBytes\x12\x1f.kimiserve.v1.TokenBytesRequest\x1a .kimiserve.v1.TokenBytesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckimiserve/v1/tokenizer.proto\x12\x0ckimiserve.v1\x1a\x19kimiserve/v1/common.proto\".\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"R\n\x11\x44\x65tokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x1b\n\x13keep_special_tokens\x18\x03 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"5\n\x11TokenBytesRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\")\n\x12TokenBytesResponse\x12\x13\n\x0btoken_bytes\x18\x01 \x03(\x0c\"\xe4\x01\n\x11RenderChatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.kimiserve.v1.ChatMessage\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.kimiserve.v1.Tool\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"M\n\x12RenderChatResponse\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x14\n\x0cmessage_ends\x18\x03 \x03(\r\"X\n\x17\x44\x65tokenizeStreamRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"7\n\x18\x44\x65tokenizeStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x66inal\x18\x02 \x01(\x08\"%\n\x14TokenizerInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"+\n\x0cSpecialToken\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9b\x02\n\x15TokenizerInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x32\n\x0especial_tokens\x18\x04 \x03(\x0b\x32\x1a.kimiserve.v1.SpecialToken\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_source\x18\x07 \x01(\t\x12\x1c\n\x14\x63hat_template_sha256\x18\x08 \x01(\t\x12\x18\n\x10tokenizer_source\x18\t \x01(\tB\x0f\n\r_bos_token_id2\x81\x04\n\tTokenizer\x12I\n\x08Tokenize\x12\x1d.kimiserve.v1.TokenizeRequest\x1a\x1e.kimiserve.v1.TokenizeResponse\x12O\n\nDetokenize\x12\x1f.kimiserve.v1.DetokenizeRequest\x1a .kimiserve.v1.DetokenizeResponse\x12O\n\nRenderChat\x12\x1f.kimiserve.v1.RenderChatRequest\x1a .kimiserve.v1.RenderChatResponse\x12\x65\n\x10\x44\x65tokenizeStream\x12%.kimiserve.v1.DetokenizeStreamRequest\x1a&.kimiserve.v1.DetokenizeStreamResponse(\x01\x30\x01\x12O\n\x04Info\x12\".kimiserve.v1.TokenizerInfoRequest\x1a#.kimiserve.v1.TokenizerInfoResponse\x12O\n\nTokenBytes\x12\x1f.kimiserve.v1.TokenBytesRequest\x1a .kimiserve.v1.TokenBytesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,19 +45,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENBYTESRESPONSE']._serialized_start=335
   _globals['_TOKENBYTESRESPONSE']._serialized_end=376
   _globals['_RENDERCHATREQUEST']._serialized_start=379
-  _globals['_RENDERCHATREQUEST']._serialized_end=575
-  _globals['_RENDERCHATRESPONSE']._serialized_start=577
-  _globals['_RENDERCHATRESPONSE']._serialized_end=654
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=656
-  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=744
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=746
-  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=801
-  _globals['_TOKENIZERINFOREQUEST']._serialized_start=803
-  _globals['_TOKENIZERINFOREQUEST']._serialized_end=840
-  _globals['_SPECIALTOKEN']._serialized_start=842
-  _globals['_SPECIALTOKEN']._serialized_end=885
-  _globals['_TOKENIZERINFORESPONSE']._serialized_start=888
-  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1171
-  _globals['_TOKENIZER']._serialized_start=1174
-  _globals['_TOKENIZER']._serialized_end=1687
+  _globals['_RENDERCHATREQUEST']._serialized_end=607
+  _globals['_RENDERCHATRESPONSE']._serialized_start=609
+  _globals['_RENDERCHATRESPONSE']._serialized_end=686
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_start=688
+  _globals['_DETOKENIZESTREAMREQUEST']._serialized_end=776
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_start=778
+  _globals['_DETOKENIZESTREAMRESPONSE']._serialized_end=833
+  _globals['_TOKENIZERINFOREQUEST']._serialized_start=835
+  _globals['_TOKENIZERINFOREQUEST']._serialized_end=872
+  _globals['_SPECIALTOKEN']._serialized_start=874
+  _globals['_SPECIALTOKEN']._serialized_end=917
+  _globals['_TOKENIZERINFORESPONSE']._serialized_start=920
+  _globals['_TOKENIZERINFORESPONSE']._serialized_end=1203
+  _globals['_TOKENIZER']._serialized_start=1206
+  _globals['_TOKENIZER']._serialized_end=1719
 # @@protoc_insertion_point(module_scope)

@@ -52,18 +52,20 @@ class TokenBytesResponse(_message.Message):
     def __init__(self, token_bytes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class RenderChatRequest(_message.Message):
-    __slots__ = ("model", "messages", "tools", "add_generation_prompt", "cache_salt")
+    __slots__ = ("model", "messages", "tools", "add_generation_prompt", "continue_final_message", "cache_salt")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     model: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]
     add_generation_prompt: bool
+    continue_final_message: bool
     cache_salt: str
-    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RenderChatResponse(_message.Message):
     __slots__ = ("prompt", "token_ids", "message_ends")

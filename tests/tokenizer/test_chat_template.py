@@ -246,3 +246,66 @@ def test_startup_warm_up_renders_encodes_and_survives_a_failing_template(tmp_pat
     with caplog.at_level(logging.WARNING, logger="tokenizer_svc.server"):
         warm(ServedTokenizer(tok, bad, "m", "kimi_linear", LIMIT, LIMIT))
     assert any("chat template warm-up failed" in r.getMessage() and "no users" in r.error for r in caplog.records)
+
+
+# ---- continue_final_message (vLLM's assistant prefill) -------------------------------------------------------------
+
+PREFILL_CHAT = [ChatMessage("user", "Give me JSON"), ChatMessage("assistant", '{"answer":')]
+
+
+def test_the_builtin_format_leaves_a_continued_final_turn_open() -> None:
+    user = "<|im_user|>user<|im_middle|>Give me JSON<|im_end|>"
+    got = render_chat(BuiltinKimiTemplate(), PREFILL_CHAT, [], False, LIMIT, continue_final_message=True)
+    assert got == DEFAULT_SYSTEM + user + '<|im_assistant|>assistant<|im_middle|>{"answer":'
+    # Not continued: the same turn closed, and a generation prompt only when asked for.
+    closed = DEFAULT_SYSTEM + user + '<|im_assistant|>assistant<|im_middle|>{"answer":<|im_end|>'
+    assert render(PREFILL_CHAT, gen=False) == closed
+    assert render(PREFILL_CHAT) == closed + "<|im_assistant|>assistant<|im_middle|>"
+
+
+# Turns as a typical HF template writes them: text around each message, the turn closed after it.
+HF_LIKE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}</s>\n{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.mark.parametrize(("template", "messages", "want"), [
+    (HF_LIKE, PREFILL_CHAT, '<|user|>\nGive me JSON</s>\n<|assistant|>\n{"answer":'),
+    # the prefill's text said earlier too: the cut is after its last occurrence, the final message's own
+    (HF_LIKE, [ChatMessage("user", "Say: Sure, here"), ChatMessage("assistant", "Sure, here")],
+     "<|user|>\nSay: Sure, here</s>\n<|assistant|>\nSure, here"),
+    # trailing whitespace the template keeps is kept ...
+    (HF_LIKE, [ChatMessage("user", "Hi"), ChatMessage("assistant", "Sure, here is ")],
+     "<|user|>\nHi</s>\n<|assistant|>\nSure, here is "),
+    # ... and a template that trims the message is matched on the trimmed text, as transformers does for vLLM
+    (HF_LIKE.replace("m.content", "m.content | trim"), [ChatMessage("user", "Hi"), ChatMessage("assistant", " Sure ")],
+     "<|user|>\nHi</s>\n<|assistant|>\nSure"),
+], ids=["json", "said-before", "kept-space", "trimmed"])
+def test_a_checkpoint_template_is_cut_after_the_final_messages_text(template: str, messages: list[ChatMessage],
+                                                                     want: str) -> None:
+    loaded = JinjaChatTemplate(template, "chat_template.jinja", {})
+    assert render_chat(loaded, messages, [], False, LIMIT, continue_final_message=True) == want
+    # the rendering it is cut from: the whole conversation, turns closed, no generation prompt
+    assert render_chat(loaded, messages, [], False, LIMIT).startswith(want)
+
+
+@pytest.mark.parametrize(("content", "why"), [("I won't show", r"from$"), (" ", r"from \(it has none\)$")])
+def test_a_template_that_leaves_the_final_message_out_cannot_continue_it(content: str, why: str) -> None:
+    silent = JinjaChatTemplate("{% for m in messages %}[{{ m.role }}]{% if m.role == 'user' %}{{ m.content }}"
+                               "{% endif %}{% endfor %}", "chat_template.jinja", {})
+    where = r"messages\[1\]: continue_final_message: the chat template \(chat_template.jinja\) renders no text .*"
+    with pytest.raises(RenderError, match=where + why):
+        render_chat(silent, [ChatMessage("user", "Hi"), ChatMessage("assistant", content)], [], False, LIMIT,
+                    continue_final_message=True)
+
+
+@pytest.mark.parametrize(("messages", "gen", "match"), [
+    ([ChatMessage("user", "Hi")], False,
+     r"continue_final_message: the final message \(messages\[0\]\) has role 'user'"),
+    ([ChatMessage("user", "Hi"), ChatMessage("assistant", "x", tool_calls=(ToolCall("", "f", "{}"),))], False,
+     r"continue_final_message: the final message \(messages\[1\]\) has tool_calls"),
+    (PREFILL_CHAT, True, r"add_generation_prompt: true cannot be combined with continue_final_message"),
+], ids=["not-assistant", "tool-calls", "with-generation-prompt"])
+def test_what_cannot_be_continued_is_a_render_error_naming_the_field(messages, gen: bool, match: str) -> None:
+    for template in (BuiltinKimiTemplate(), JinjaChatTemplate(HF_LIKE, "chat_template.jinja", {})):
+        with pytest.raises(RenderError, match=match):
+            render_chat(template, messages, [], gen, LIMIT, continue_final_message=True)

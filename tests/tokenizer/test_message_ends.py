@@ -111,10 +111,13 @@ def test_ids_by_pieces_equal_the_whole_prompts_encoding(tok):
     conversations = [(CHAT, []), ([ChatMessage("user", "Hi there")], [tool]),
                      *(([ChatMessage("system", a), ChatMessage("user", b), ChatMessage("assistant", c)], [])
                        for a, b, c in zip(odd, odd[3:] + odd[:3], odd[5:] + odd[:5]))]
+    prefills = ["the", "Sure, here is ", '{"answer":', " ", "<|im_end|>", "日本", "x<|im_middle|>"]
+    conversations += [([ChatMessage("user", "Hi there"), ChatMessage("assistant", p)], []) for p in prefills]
     for messages, tools in conversations:
-        for gen in (True, False):
-            prompt = BuiltinKimiTemplate().render(messages, tools, gen)
-            ends = message_ends.char_ends(BuiltinKimiTemplate(), messages, tools, gen, prompt)
+        # the generation prompt, none, or the final message continued (an assistant's alone: see chat_continuation)
+        for gen, cont in ((True, False), (False, False), (False, messages[-1].role == "assistant")):
+            prompt = BuiltinKimiTemplate().render(messages, tools, gen, cont)
+            ends = message_ends.char_ends(BuiltinKimiTemplate(), messages, tools, gen, prompt, cont)
             ids = tok.encode(prompt)
             assert message_ends.ids_by_pieces(rule, pieces, prompt, ends) == (
                 ids, message_ends.token_ends(tok.encode, prompt, ids, ends)), prompt
@@ -128,3 +131,25 @@ def test_a_template_that_joins_turns_with_text_is_encoded_whole(tok):
     ends = message_ends.char_ends(template, CHAT, [], True, prompt)
     assert len(ends) == len(CHAT)
     assert message_ends.ids_by_pieces(SplitRule(tok.hf), tok.encode, prompt, ends) is None
+
+
+def test_a_continued_final_message_ends_only_where_the_prompt_does(tok):
+    """A prefilled assistant turn is open: the turns before it end where they always do, and none is reported for
+    it (it has not ended), with the built-in format and with a checkpoint template alike."""
+    prefill = [*CHAT[:3], ChatMessage("assistant", "Sure, the")]
+    builtin = BuiltinKimiTemplate()
+    prompt = builtin.render(prefill, [], False, True)
+    assert prompt == SYSTEM + USER + ASSISTANT + GEN + "Sure, the"
+    ids = tok.encode(prompt)
+    ends = message_ends.token_ends(tok.encode, prompt, ids,
+                                   message_ends.char_ends(builtin, prefill, [], False, prompt, True))
+    assert ends == [len(tok.encode(t)) for t in (SYSTEM, SYSTEM + USER, SYSTEM + USER + ASSISTANT)]
+    assert message_ends.ids_by_pieces(SplitRule(tok.hf), tok.encode, prompt,
+                                      message_ends.char_ends(builtin, prefill, [], False, prompt, True)) == (ids, ends)
+
+    text = ("{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}" + GEN + "{% endif %}")
+    jinja = JinjaChatTemplate(text, "chat_template.jinja", {})
+    assert jinja.render(prefill, [], False, True) == prompt
+    assert message_ends.char_ends(jinja, prefill, [], False, prompt, True) == [
+        len(SYSTEM), len(SYSTEM + USER), len(SYSTEM + USER + ASSISTANT)]

@@ -127,6 +127,22 @@ def test_render_chat(server: Running) -> None:
     assert not server.stub.RenderChat(request).prompt.endswith(GEN_PROMPT)
 
 
+def test_render_chat_continues_the_final_assistant_message(server: Running) -> None:
+    """continue_final_message: the closed rendering up to the final turn's end-of-turn marker, which is left out;
+    the ids are the whole prompt's encoding and no message end falls inside the open turn."""
+    messages = [common_pb2.ChatMessage(role="user", content="Hi"),
+                common_pb2.ChatMessage(role="assistant", content="Sure, here is")]
+    closed = server.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, add_generation_prompt=False))
+    assert closed.prompt.endswith("<|im_assistant|>assistant<|im_middle|>Sure, here is<|im_end|>")
+    reply = server.stub.RenderChat(tokenizer_pb2.RenderChatRequest(messages=messages, continue_final_message=True))
+    assert reply.prompt == closed.prompt.removesuffix("<|im_end|>")
+    whole = server.stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=reply.prompt)).token_ids
+    assert list(reply.token_ids) == list(whole)
+    assert list(reply.message_ends) == list(closed.message_ends)  # the system and user turns
+    assert reply == server.stub.RenderChat(tokenizer_pb2.RenderChatRequest(
+        messages=messages, continue_final_message=True, add_generation_prompt=False))
+
+
 def _samples(server: Running) -> dict[str, float]:
     body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5).read().decode()
     lines = [line.rsplit(" ", 1) for line in body.splitlines() if line and not line.startswith("#")]
@@ -219,8 +235,16 @@ def test_health_and_reflection(server: Running) -> None:
          grpc.StatusCode.INVALID_ARGUMENT, "messages[0]: 1001 characters is over the limit of 1000"),
         (tokenizer_pb2.RenderChatRequest(model="other", messages=[common_pb2.ChatMessage(role="user", content="x")]),
          grpc.StatusCode.NOT_FOUND, "model 'other' is not served here"),
+        (tokenizer_pb2.RenderChatRequest(messages=[common_pb2.ChatMessage(role="user", content="x")],
+                                         continue_final_message=True),
+         grpc.StatusCode.INVALID_ARGUMENT, "continue_final_message: the final message (messages[0]) has role 'user'"),
+        (tokenizer_pb2.RenderChatRequest(messages=[common_pb2.ChatMessage(role="assistant", content="x")],
+                                         continue_final_message=True, add_generation_prompt=True),
+         grpc.StatusCode.INVALID_ARGUMENT,
+         "add_generation_prompt: true cannot be combined with continue_final_message"),
     ],
-    ids=["unknown-role", "malformed-tool-json", "bad-arguments", "oversized", "unknown-model"],
+    ids=["unknown-role", "malformed-tool-json", "bad-arguments", "oversized", "unknown-model", "continue-a-user-turn",
+         "continue-with-generation-prompt"],
 )
 def test_bad_input_is_rejected_and_the_server_keeps_serving(
     server: Running, request_: tokenizer_pb2.RenderChatRequest, code: grpc.StatusCode, match: str

@@ -43,6 +43,18 @@ def test_completion_and_chat_lines_become_requests():
     assert list(router_pb2.GenerateRequest.FromString(c.payload).prompt_token_ids.ids) == [1, 2, 3]
 
 
+def test_a_chat_line_carries_vllms_prefill_fields():
+    """A line takes them as the HTTP API does; add_generation_prompt stays unset unless sent (the router decides)."""
+    prefill = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}],
+               "continue_final_message": True}
+    requests = parse_jsonl("\n".join(line(f"c{i}", "/v1/chat/completions", body) for i, body in enumerate(
+        [prefill, {**prefill, "add_generation_prompt": False}, {"messages": prefill["messages"][:1]}]))).requests
+    chats = [router_pb2.ChatRequest.FromString(r.payload) for r in requests]
+    assert [c.continue_final_message for c in chats] == [True, True, False]
+    assert [c.HasField("add_generation_prompt") for c in chats] == [False, True, False]
+    assert not chats[1].add_generation_prompt
+
+
 def test_a_responses_line_is_kept_as_its_body_and_read_as_a_chat_request():
     body = {"input": [{"role": "user", "content": "x"}], "instructions": "be brief", "max_output_tokens": 2,
             "tools": [{"type": "function", "name": "f"}], "store": True}
@@ -71,6 +83,10 @@ def test_a_responses_line_is_kept_as_its_body_and_read_as_a_chat_request():
     (line("x", body={"prompt": "p", "frobnicate": 1}), "unsupported body field(s) ['frobnicate']"),
     (line("x", "/v1/chat/completions", {"messages": []}), "messages must be a non-empty list"),
     (line("x", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}), "content must be"),
+    (line("x", "/v1/chat/completions", {"messages": [{"role": "assistant"}], "continue_final_message": True}),
+     "has no content to continue"),
+    (line("x", "/v1/completions", {"prompt": "p", "continue_final_message": False}),
+     "unsupported body field(s) ['continue_final_message']"),
     (json.dumps({"custom_id": "x", "url": "/v1/completions", "body": "text"}), "body must be a JSON object"),
 ])
 def test_a_bad_request_fails_alone(body_line, fragment):
