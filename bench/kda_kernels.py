@@ -3,7 +3,8 @@
     python bench/kda_kernels.py [--out DIR] [--sweep] [--quick]
 
 --sweep also times 32- and 64-row chunks beside the default 16 on every shape (`--chunks` picks them), kernel layouts
-(B=1 T=16k; with --k3 the 16-row layouts on every K3 shape) and the pipelined token ranges of a lone sequence.
+(B=1 T=16k; with --k3 the 16-row layouts on every K3 shape) and the pipelined token ranges (--k3: of lone and
+packed sequences).
 --k3 times K3's lower-bound gate (-5) on FlashKDA's shapes (1 x 8k / 16k / 64k, 8 x 1k and 8 x 4k packed) against
 fla and FlashKDA (`flash_kda`, built on the GPU from its repository; absent, its columns say so).
 
@@ -224,17 +225,21 @@ def k3_rows(fla, chunks: tuple[int, ...], sweep: bool) -> list[dict]:
                                                                        intra_stages=st)[1])
                     for sl, w, st in ((16, 1, 3), (32, 1, 3), (32, 1, 1), (32, 1, 2), (64, 1, 3), (64, 2, 1),
                                       (32, 2, 3))}
-                if len(lens) == 1:
-                    row["ours_c16"]["pieces_ms"] = {
-                        p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, chunk=16, pieces=p))
-                        for p in (2, 4, 8, 16)}
-                    # the side stream must not change a bit: pipelined against one piece, same initial state
-                    pool.zero_()
-                    o_pp = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=8)
-                    s_pp = pool.clone()
-                    pool.zero_()
-                    o_1 = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=1)
-                    row["ours_c16"]["pieces8_bit_equal"] = torch.equal(o_pp, o_1) and torch.equal(s_pp, pool)
+                row["ours_c16"]["pieces_ms"] = {
+                    p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, chunk=16, pieces=p))
+                    for p in (1, 2, 4, 8, 16)}
+                if len(lens) > 1:  # packed: many walk programs, so the one-warp 32-wide walk beside the ranges too
+                    row["ours_c16"]["pieces_bv32_w1_ms"] = {
+                        p: gpu_ms(lambda p=p: kda_prefill(*args, pool, slots, cu, chunk=16, pieces=p, block_v=32,
+                                                          state_warps=1))
+                        for p in (1, 2, 4, 8)}
+                # the side stream must not change a bit: pipelined against one piece, same initial state
+                pool.zero_()
+                o_pp = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=8)
+                s_pp = pool.clone()
+                pool.zero_()
+                o_1 = kda_prefill(*args, pool, slots, cu, chunk=16, pieces=1)
+                row["ours_c16"]["pieces8_bit_equal"] = torch.equal(o_pp, o_1) and torch.equal(s_pp, pool)
         # The same calls replayed from a CUDA graph: GPU time alone, where do_bench's figure also holds the host's
         # launches whenever the host is the slower side (one H100 host: 1 x 8k 1.23 ms whole, 0.73 in its stages).
         pool.zero_()

@@ -137,10 +137,12 @@ def test_kda_prefill_walk_blocks_match_reference(case, dv, block_v):
 
 @pytest.mark.parametrize("pieces", [2, 3, 8])
 @pytest.mark.parametrize("case,chunk", [("one-130-H2-K32-V16-softplus", 64), ("one-128-H2-lower-bound-saturated", 16),
-                                        ("one-80-H2-K64-split-span", 16)])
+                                        ("one-80-H2-K64-split-span", 16), ("varlen-1,2,63,65-H3-K16-lower-bound", 16),
+                                        ("varlen-65,63-H2-K32-bf16", 16), ("varlen-65,63-H2-K32-bf16", 32)])
 def test_kda_prefill_in_pieces_is_the_one_piece_result(case, chunk, pieces):
-    """A lone sequence cut into pipelined token ranges: each range's walk continues from the state the previous one
-    left in the slot, so output and final state equal the one-piece call's bit for bit (and the token loop's)."""
+    """The pass cut into pipelined token ranges, each sequence's part moved to its own chunk grid (packed sequences
+    start off the grid of the edges): each range's walk continues from the state the previous one left in the slot,
+    so output and final state equal the one-piece call's bit for bit (and the token loop's)."""
     from shard_svc.ops.triton.kda_chunk import kda_prefill
 
     lens, heads, dk, dv, lb, dtype, flavour = CASES[case]

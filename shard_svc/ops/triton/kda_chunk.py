@@ -163,7 +163,7 @@ def _load_slice(q, k, f, dt_bias, t0, i_h, o_t, o_ks, m_t, stride_q, stride_k, s
 
 @triton.jit
 def _kda_chunk_intra_kernel(
-    q, k, v, f, beta_logits, a_log, dt_bias, cu_seqlens, chunk_offsets,
+    q, k, v, f, beta_logits, a_log, dt_bias, seg_starts, seg_ends, chunk_offsets,
     w, u, qg, kg, aqk, decay,
     stride_q, stride_k, stride_v, stride_f, stride_b,  # token strides; heads are contiguous rows of K (V)
     n_seqs, scale, lower_bound,
@@ -186,8 +186,8 @@ def _kda_chunk_intra_kernel(
         hi = tl.where(active & (right == 0), mid, hi)
     if lo >= n_seqs:  # the grid is an upper bound on the number of chunks
         return
-    bos = tl.load(cu_seqlens + lo).to(tl.int64)
-    eos = tl.load(cu_seqlens + lo + 1).to(tl.int64)
+    bos = tl.load(seg_starts + lo).to(tl.int64)
+    eos = tl.load(seg_ends + lo).to(tl.int64)
     t0 = bos + (i_c - tl.load(chunk_offsets + lo)).to(tl.int64) * BT  # int64 only in scalar bases
 
     NB: tl.constexpr = BT // BC
@@ -305,7 +305,8 @@ def _kda_chunk_intra_kernel(
 
 @triton.jit
 def _kda_chunk_state_kernel(
-    w, u, qg, kg, aqk, decay, o, state, slots, cu_seqlens, chunk_offsets, sequence_segments, segment_slots,
+    w, u, qg, kg, aqk, decay, o, state, slots, seg_starts, seg_ends, chunk_offsets, sequence_segments,
+    segment_slots,
     stride_s_slot, stride_s_h, stride_s_k,
     H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SEGMENTED: tl.constexpr,
@@ -334,8 +335,9 @@ def _kda_chunk_state_kernel(
     off_kt = o_k[:, None] + o_t[None, :] * (H * K)  # [BK, BT]
     off_tv = o_t[:, None] * (H * V) + o_v[None, :]
     off_tt = o_t[:, None] * (H * BT) + o_t[None, :]
-    # The sequence's segments (cu_seqlens is cut at its snapshot points, if any) in order, the state carried from
-    # one to the next and written after each to its segment's slot: the last segment's is the sequence's own.
+    # The sequence's segments (rows [seg_starts[g], seg_ends[g]): the sequence, cut at its snapshot points if any, or
+    # its part of one pipelined range) in order, the state carried from one to the next and written after each to
+    # its segment's slot: the last segment's is the sequence's own.
     # Without snapshot points sequence b is segment b (no index tensor to build per call).
     if SEGMENTED:
         g_first = tl.load(sequence_segments + i_n)
@@ -344,8 +346,8 @@ def _kda_chunk_state_kernel(
         g_first = i_n
         g_end = i_n + 1
     for i_g in range(g_first, g_end):
-        bos = tl.load(cu_seqlens + i_g).to(tl.int64)
-        seq_len = (tl.load(cu_seqlens + i_g + 1) - bos).to(tl.int32)
+        bos = tl.load(seg_starts + i_g).to(tl.int64)
+        seq_len = (tl.load(seg_ends + i_g) - bos).to(tl.int32)
         c0 = tl.load(chunk_offsets + i_g).to(tl.int64)
         for i_t in range(0, tl.cdiv(seq_len, BT)):
             row0 = bos + i_t * BT
@@ -416,8 +418,14 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
     - intra_slice: 64 channels for 16-row chunks with one-reference block products (a bounded gate such as K3's:
       0.29 vs 0.33 ms at 8 x 1k, 1.14 vs 1.26 at 8 x 4k, 2.25 vs 2.47 at 64k; kda_kernels_k3_h100_2026-12-06d), else
       32: the levels' block products and longer chunks hold more registers, and 64 spills there at sm_90.
-    - block_v: 64 for 16-row chunks when that still gives every SM a (sequence, head, V-block) program (8 x 1k:
-      0.19 vs 0.27 ms), else 32 (one 16k sequence: 0.85 vs 0.89 ms).
+    - block_v, state_warps: for 16-row chunks with at least 4 programs of 32 columns per SM (8 packed sequences at
+      32 heads), 32 columns in one warp (8 x 1k: walk 0.17 vs 0.18 ms, whole 0.476 vs 0.489 ms; 8 x 4k: 0.62 vs
+      0.67, 1.758 vs 1.805; FlashKDA 0.489 and 1.789 in the same run, kda_kernels_k3_h100_2026-12-07b); else 64 in
+      4 warps when that still gives every SM a (sequence, head, V-block) program (8 x 1k: 0.19 vs 0.27 ms), else
+      32 in 4 (one 16k sequence: 0.85 vs 0.89 ms).
+    - pieces: packed sequences in one (8 x 1k: 0.49 ms in one, 0.57 in 2, 0.65 in 4; 8 x 4k: 1.80, 1.89, 2.08;
+      their walks already hold every SM, so a range's launches and its walk's state loads cost more than the
+      overlap wins).
     """
     o, intra, state, _, _ = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
                                     cu_seqlens, snapshots, **layout)
@@ -425,11 +433,12 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
 
 
 def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots,
-            block_v: int | None = None, state_warps: int = 4, state_stages: int | None = None,
+            block_v: int | None = None, state_warps: int | None = None, state_stages: int | None = None,
             intra_warps: int | None = None, intra_slice: int | None = None, intra_stages: int = 3,
             block_ref: bool = True, chunk: int | None = None):
-    """kda_prefill_stages with launches that take other segments and chunk offsets (token ranges of the same call:
-    rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its decay buffer."""
+    """kda_prefill_stages with launches that take other segments (starts, ends) and chunk offsets (token ranges of
+    the same call: rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its
+    decay buffer."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
     chunk = chunk or CHUNK
@@ -476,12 +485,18 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
     else:
         ref_mode = 2
     slice_k = intra_slice or (SLICE_BOUNDED if ref_mode == 1 and chunk == SUB else SLICE)
-    bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sm_count(q.device) else 32)
+    sms = sm_count(q.device)
+    if chunk == SUB and n * heads * triton.cdiv(dv, 32) >= 4 * sms:  # many walks: one warp each, 32 columns
+        bv, state_warps = block_v or 32, state_warps or 1
+    else:
+        bv = block_v or min(bvp, 64 if chunk == SUB and n * heads * triton.cdiv(dv, 64) >= sms else 32)
+        state_warps = state_warps or 4
 
-    def intra(segments=segments, chunk_offsets=chunk_offsets, decay=decay, grid_chunks=max_chunks):
-        num_segments = segments.shape[0] - 1
+    def intra(starts=segments[:-1], ends=segments[1:], chunk_offsets=chunk_offsets, decay=decay,
+              grid_chunks=max_chunks):
+        num_segments = starts.shape[0]
         _kda_chunk_intra_kernel[(grid_chunks, heads)](
-            q, k, v, f, beta_logits, a_log, dt_bias, segments, chunk_offsets,
+            q, k, v, f, beta_logits, a_log, dt_bias, starts, ends, chunk_offsets,
             w, u, qg, kg, aqk, decay,
             q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta_logits.stride(0),
             num_segments, dk**-0.5, lb,
@@ -491,9 +506,10 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
             PRECISION=dot_precision(v.dtype), REF_MODE=ref_mode, num_warps=intra_warps, num_stages=intra_stages,
         )
 
-    def state(segments=segments, chunk_offsets=chunk_offsets, decay=decay):
+    def state(starts=segments[:-1], ends=segments[1:], chunk_offsets=chunk_offsets, decay=decay):
         _kda_chunk_state_kernel[(triton.cdiv(dv, bv), n * heads)](
-            w, u, qg, kg, aqk, decay, o, state_pool, slots, segments, chunk_offsets, sequence_segments, segment_slots,
+            w, u, qg, kg, aqk, decay, o, state_pool, slots, starts, ends, chunk_offsets, sequence_segments,
+            segment_slots,
             state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
             H=heads, K=dk, V=dv, BK=bk, BV=bv, BT=chunk, DOT_FP32=interpreting(),
             PRECISION=dot_precision(v.dtype), SEGMENTED=snapshots is not None,
@@ -508,40 +524,50 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
                 snapshots: StateSnapshots | None = None, pieces: int | None = None, **layout) -> torch.Tensor:
     """Same contract as `ops.kda.eager.kda_prefill`; returns o [T, H, V] in v's dtype.
 
-    `pieces` > 1 (default: one per PIECE_TOKENS, at most MAX_PIECES) cuts a lone sequence into that many token ranges
-    on the chunk grid and pipelines them: the state walk of one range runs on a high-priority side stream while the
-    intra kernel of the next fills the SMs the walk leaves idle (it holds one program per head and V-block). Each
-    range's walk starts from the state the previous one left in the slot, so the result is bit for bit the one-piece
-    result. Validation, buffers and every range's bounds are set up once for the call. Packed sequences and passes
-    with snapshot points run as one piece (their walks already hold more programs).
+    `pieces` > 1 (default for a lone sequence: one per PIECE_TOKENS, at most MAX_PIECES; for packed ones 1, which
+    timed faster: kda_prefill_stages) cuts the pass into that many token ranges and pipelines them: the state walk
+    of one range runs on a high-priority side stream while the intra kernel of the next fills the SMs the walk
+    leaves idle (it holds one program per sequence, head and V-block). A range holds each
+    sequence's part between two global token edges, both moved up to the sequence's own chunk grid, so every
+    sequence is chunked as in one piece; each part's walk starts from the state the previous range left in the
+    slot, so the result is bit for bit the one-piece result. Validation, buffers and every range's bounds are set up
+    once for the call, on the device. Passes with snapshot points run as one piece.
     """
     t = q.shape[0]
     if pieces is None:
-        pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS))
+        pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS)) if slots.shape[0] == 1 else 1
     if pieces < 1:
         raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
-    o, intra, state, chunk, decay_all = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool,
-                                                slots, cu_seqlens, snapshots, **layout)
+    o, intra, state, chunk, _ = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                                        cu_seqlens, snapshots, **layout)
     length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
-    if pieces == 1 or slots.shape[0] != 1 or snapshots is not None or length >= t:
+    if pieces == 1 or snapshots is not None or length >= t:
         intra()
         state()
         return o
-    # Range r is the lone sequence clamped to tokens [r * length, (r + 1) * length): its segment bounds stay absolute
-    # rows, its chunks count from 0 in its own view of the decay buffer (length is a multiple of the chunk). Built
-    # for every range at once, on the device.
-    ranges = triton.cdiv(t, length)
-    edges = (torch.arange(ranges + 1, device=q.device, dtype=cu_seqlens.dtype) * length).clamp_(max=t)
-    segments = torch.minimum(torch.maximum(cu_seqlens[None, :], edges[:-1, None]), edges[1:, None])
-    chunk_offsets = torch.zeros_like(segments)
-    chunk_offsets[:, 1] = (segments[:, 1] - segments[:, 0] + chunk - 1) // chunk
     launches = []
-    for r in range(ranges):
-        decay = decay_all[r * (length // chunk):]
-        launches.append((functools.partial(intra, segments[r], chunk_offsets[r], decay, length // chunk + 1),
-                         functools.partial(state, segments[r], chunk_offsets[r], decay)))
+    for starts, ends, chunk_offsets, decay, grid in _ranges(cu_seqlens, t, length, chunk, q.shape[1], q.shape[2]):
+        launches.append((functools.partial(intra, starts, ends, chunk_offsets, decay, grid),
+                         functools.partial(state, starts, ends, chunk_offsets, decay)))
     _run_pipelined(launches, q.device)
     return o
+
+
+def _ranges(cu_seqlens: torch.Tensor, t: int, length: int, chunk: int, heads: int, dk: int) -> list[tuple]:
+    """(starts, ends, chunk offsets, decay buffer, grid of chunks) of each token range [r * length, (r + 1) *
+    length), built on the device: sequence s's part is cut at the first point of its own chunk grid at or past each
+    edge. Only the sequence holding an edge crosses it, by less than a chunk, so a range holds at most
+    length / chunk + 1 + (sequences) chunks: each range's decay rows are a block of that size."""
+    ranges = triton.cdiv(t, length)
+    seq_starts, seq_ends = cu_seqlens[:-1], cu_seqlens[1:]
+    edges = torch.arange(ranges + 1, device=cu_seqlens.device, dtype=cu_seqlens.dtype)[:, None] * length
+    past = (edges - seq_starts).clamp_(min=0)
+    cuts = torch.minimum(seq_starts + (past + chunk - 1) // chunk * chunk, seq_ends)  # [ranges + 1, n]
+    offsets = torch.zeros(ranges, cuts.shape[1] + 1, dtype=torch.int64, device=cu_seqlens.device)
+    torch.cumsum((cuts[1:] - cuts[:-1] + chunk - 1) // chunk, 1, out=offsets[:, 1:])
+    grid = length // chunk + 1 + cuts.shape[1]
+    decay = torch.empty(ranges, grid, heads, dk, dtype=torch.float32, device=cu_seqlens.device)
+    return [(cuts[r], cuts[r + 1], offsets[r], decay[r], grid) for r in range(ranges)]
 
 
 _WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
