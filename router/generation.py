@@ -286,7 +286,7 @@ class Generation:
         request_id, first = legs.request_id, legs.first
         prompt, s = list(first.prompt_token_ids), first.sampling
         detok = self.tokenizer.detokenizer(keep_special, stream.metadata())
-        stops = StopStringFilter(list(s.stop))
+        stops = StopStringFilter(list(s.stop), s.include_stop_str_in_output)
         generated: list[int] = []  # every token id passed on, across legs (out.generated counts them too)
         cached = 0
         finished = False

@@ -19,7 +19,7 @@ from router import openai_fields
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "response_format", "logit_bias"}
+                   "response_format", "logit_bias", "include_stop_str_in_output"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
@@ -239,6 +239,7 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
         raise BodyError(f"stop_token_ids must be a list of token ids, got {describe(ids)}", "stop_token_ids")
     s.stop_token_ids.extend(_int(t, "stop_token_ids[]", 0, (1 << 32) - 1) for t in ids)
     s.ignore_eos = _bool(body, "ignore_eos")
+    s.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # ranges: checked when it runs
         if name in body:
             if not _is_number(body[name]):

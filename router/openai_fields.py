@@ -30,6 +30,8 @@ EXTENSIONS: dict[str, str] = {
     "repetition_penalty": "vLLM's: HF transformers' repetition penalty (SamplingParams.repetition_penalty)",
     "stop_token_ids": "vLLM's: token ids that end the sequence (SamplingParams.stop_token_ids)",
     "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",
+    "include_stop_str_in_output": "vLLM's: the stop string that ended the text is kept at its end "
+                                  "(SamplingParams.include_stop_str_in_output)",
 }
 
 # Honoured on /v1/chat/completions only (completions and responses refuse them, as they render no chat turns):

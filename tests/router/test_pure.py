@@ -7,8 +7,8 @@ from router.prefix_index import PrefixIndex, block_names
 from router.stop_strings import StopStringFilter
 
 
-def run(stops, deltas):
-    f = StopStringFilter(stops)
+def run(stops, deltas, include=False):
+    f = StopStringFilter(stops, include)
     out = "".join(f.feed(d) for d in deltas)
     return out + f.flush(), f.stopped
 
@@ -24,6 +24,21 @@ def run(stops, deltas):
 ])
 def test_stop_strings_cut_before_first_stop(stops, deltas, expected, stopped):
     assert run(stops, deltas) == (expected, stopped)
+
+
+@pytest.mark.parametrize("stops, whole, kept, cut", [
+    (["END"], "abc END tail", "abc END", "abc "),
+    (["\n\n", "###"], "a\nb###c", "a\nb###", "a\nb"),
+    (["ab", "b"], "xab yz", "xab", "x"),  # ending together: the longer
+    (["b", "ab"], "xab yz", "xab", "x"),
+    (["bcd", "abcde"], "abcdef", "abcd", "a"),  # complete first: the shorter, though the other starts earlier
+])
+def test_the_first_stop_string_complete_ends_the_text_whatever_the_deltas(stops, whole, kept, cut):
+    for at in range(len(whole) + 1):
+        deltas = [whole[:at], whole[at:]]
+        assert run(stops, deltas, include=True) == (kept, True), deltas
+        assert run(stops, deltas) == (cut, True), deltas
+    assert run(stops, list(whole), include=True) == (kept, True)
 
 
 def test_held_back_text_is_never_emitted_early():

@@ -93,6 +93,11 @@ def test_stop_strings_cut_the_text(http_stack):
     streamed = list(http_stack.client.completions.create(**kw, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == cut.text
     assert streamed[-1].choices[0].finish_reason == "stop"
+    kw["extra_body"] = {"ignore_eos": True, "include_stop_str_in_output": True}
+    kept = http_stack.client.completions.create(**kw, stop=[stop, "never-appears"]).choices[0]
+    assert kept.text == full[:full.find(stop) + len(stop)] and kept.finish_reason == "stop"
+    streamed = list(http_stack.client.completions.create(**kw, stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == kept.text
 
 
 def test_legacy_top_logprobs(http_stack):
