@@ -68,8 +68,8 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"messages must be a non-empty list, got {describe(messages)}", "messages")
-    req = router_pb2.ChatRequest(model=_str(body, "model"), sampling=sampling_params(body),
-                                 cache_salt=_str(body, "cache_salt"))
+    req = router_pb2.ChatRequest(model=str_field(body, "model"), sampling=sampling_params(body),
+                                 cache_salt=str_field(body, "cache_salt"))
     req.messages.extend(_message(m, i) for i, m in enumerate(messages))
     tools = body.get("tools", [])
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
@@ -77,16 +77,16 @@ def chat_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Options]
     req.tools.extend(common_pb2.Tool(json=json.dumps(t)) for t in tools)
     req.tool_choice.CopyFrom(_tool_choice(body.get("tool_choice", "auto")))
     if "parallel_tool_calls" in body:
-        req.parallel_tool_calls = _bool(body, "parallel_tool_calls")
+        req.parallel_tool_calls = bool_field(body, "parallel_tool_calls")
     if "add_generation_prompt" in body:
-        req.add_generation_prompt = _bool(body, "add_generation_prompt")
-    req.continue_final_message = _bool(body, "continue_final_message")
+        req.add_generation_prompt = bool_field(body, "add_generation_prompt")
+    req.continue_final_message = bool_field(body, "continue_final_message")
     last = messages[-1]  # an object: _message checked it
     if req.continue_final_message and last.get("content") is None and not last.get("tool_calls"):
         # The rest of the rule is the router's, for gRPC too (router/prompts.py); only JSON tells null from "".
         raise BodyError(f"continue_final_message: the final message (messages[{len(messages) - 1}]) has no content "
                         "to continue", "continue_final_message")
-    logprobs = _bool(body, "logprobs")
+    logprobs = bool_field(body, "logprobs")
     top = _int(body.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not logprobs:
         raise BodyError("top_logprobs needs logprobs: true", "top_logprobs")
@@ -100,7 +100,7 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
     _check_fields(body, {"model", "prompt", "echo"} | SAMPLING_FIELDS | OPTION_FIELDS | set(openai_fields.EXTENSIONS)
                   | set(openai_fields.COMPLETIONS_EXTENSIONS))
     sampling = sampling_params(body)
-    echo = _bool(body, "echo")
+    echo = bool_field(body, "echo")
     top = body.get("logprobs")
     if top is not None:  # the legacy API's logprobs is the number of alternatives per token
         top = _int(top, "logprobs", 0, 5)
@@ -120,8 +120,8 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
         sampling.max_tokens = 1
     requests = []
     for prompt in _prompts(body.get("prompt")):
-        req = router_pb2.GenerateRequest(model=_str(body, "model"), sampling=sampling,
-                                         cache_salt=_str(body, "cache_salt"))
+        req = router_pb2.GenerateRequest(model=str_field(body, "model"), sampling=sampling,
+                                         cache_salt=str_field(body, "cache_salt"))
         if isinstance(prompt, str):
             req.text = prompt
         else:
@@ -134,10 +134,10 @@ def completion_requests(body: dict[str, Any]) -> tuple[list[router_pb2.GenerateR
 def _prompts(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str) and prompt:
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+    if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
         return [prompt]
     if (isinstance(prompt, list) and prompt and len(prompt) <= MAX_PROMPTS
-            and all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p))
+            and all((isinstance(p, str) and p) or (isinstance(p, list) and p and all(is_int(t) and t >= 0 for t in p))
                     for p in prompt)):
         return list(prompt)
     raise BodyError("prompt must be a non-empty string, a list of token ids, or a list of at most "
@@ -146,16 +146,16 @@ def _prompts(prompt: Any) -> list[str | list[int]]:
 
 def _options(body: dict[str, Any], **kw) -> Options:
     n = _int(body.get("n", 1), "n", 1, MAX_N)
-    stream = _bool(body, "stream")
+    stream = bool_field(body, "stream")
     raw = body.get("stream_options", {})
     stream_options = present(raw) if isinstance(raw, dict) else None
     if stream_options is None or set(stream_options) - STREAM_OPTIONS:
         raise BodyError(f"stream_options may hold {sorted(STREAM_OPTIONS)}, got {describe(raw)}", "stream_options")
     # include_obfuscation pads OpenAI's chunks against size side channels: no padding is sent, the text is the same.
-    _bool(stream_options, "include_obfuscation")
+    bool_field(stream_options, "include_obfuscation")
     # Without stream, stream_options changes nothing: a whole response always carries usage.
-    include_usage = _bool(stream_options, "include_usage") and stream
-    continuous = _bool(stream_options, "continuous_usage_stats") and stream
+    include_usage = bool_field(stream_options, "include_usage") and stream
+    continuous = bool_field(stream_options, "continuous_usage_stats") and stream
     return Options(n=n, stream=stream, include_usage=include_usage, continuous_usage=continuous, **kw)
 
 
@@ -178,10 +178,10 @@ def _message(m: Any, i: int) -> common_pb2.ChatMessage:
     unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
-    role = _str(m, "role", f"{param}.role")
+    role = str_field(m, "role", f"{param}.role")
     out = common_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=_content(m.get("content"), i),
-                                 name=_str(m, "name", f"{param}.name"),
-                                 tool_call_id=_str(m, "tool_call_id", f"{param}.tool_call_id"))
+                                 name=str_field(m, "name", f"{param}.name"),
+                                 tool_call_id=str_field(m, "tool_call_id", f"{param}.tool_call_id"))
     calls = m.get("tool_calls", [])
     if not isinstance(calls, list):
         raise BodyError(f"{param}.tool_calls must be a list", f"{param}.tool_calls")
@@ -212,7 +212,7 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     when the request runs (so the error is the same one a single request gets)."""
     s = common_pb2.SamplingParams()
     if "max_tokens" in body and "max_completion_tokens" in body and not (
-            _is_int(body["max_tokens"]) and body["max_tokens"] == body["max_completion_tokens"]):
+            is_int(body["max_tokens"]) and body["max_tokens"] == body["max_completion_tokens"]):
         raise BodyError(f"max_tokens ({describe(body['max_tokens'])}) and max_completion_tokens "
                         f"({describe(body['max_completion_tokens'])}) differ; give one of them", "max_tokens")
     name = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
@@ -238,8 +238,8 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
     if not isinstance(ids, list):
         raise BodyError(f"stop_token_ids must be a list of token ids, got {describe(ids)}", "stop_token_ids")
     s.stop_token_ids.extend(_int(t, "stop_token_ids[]", 0, (1 << 32) - 1) for t in ids)
-    s.ignore_eos = _bool(body, "ignore_eos")
-    s.include_stop_str_in_output = _bool(body, "include_stop_str_in_output")
+    s.ignore_eos = bool_field(body, "ignore_eos")
+    s.include_stop_str_in_output = bool_field(body, "include_stop_str_in_output")
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):  # ranges: checked when it runs
         if name in body:
             if not _is_number(body[name]):
@@ -274,9 +274,9 @@ def _response_format(v: Any, s: common_pb2.SamplingParams) -> None:
     spec = v.get("json_schema") if kind == "json_schema" and set(v) == {"type", "json_schema"} else None
     if isinstance(spec, dict) and isinstance(spec.get("schema"), dict) and set(spec) <= {"name", "schema", "strict"}:
         js = s.response_format.json_schema
-        js.name = _str(spec, "name", "response_format.json_schema.name")
+        js.name = str_field(spec, "name", "response_format.json_schema.name")
         js.schema = json.dumps(spec["schema"])
-        js.strict = _bool(spec, "strict")
+        js.strict = bool_field(spec, "strict")
         return
     raise BodyError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": "
                     "\"json_schema\", \"json_schema\": {\"name\", \"schema\": {...}, \"strict\"}}, got "
@@ -297,7 +297,7 @@ def _check_fields(body: dict[str, Any], honoured: set[str]) -> None:
         raise BodyError(str(e), e.field) from None
 
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -306,19 +306,19 @@ def _is_number(v: Any) -> bool:
 
 
 def _int(v: Any, name: str, lo: int, hi: int) -> int:
-    if not _is_int(v) or not lo <= v <= hi:
+    if not is_int(v) or not lo <= v <= hi:
         raise BodyError(f"{name} must be an integer in [{lo}, {hi}], got {describe(v)}", name.rstrip("[]"))
     return v
 
 
-def _bool(d: dict[str, Any], key: str) -> bool:
+def bool_field(d: dict[str, Any], key: str) -> bool:
     v = d.get(key, False)
     if not isinstance(v, bool):
         raise BodyError(f"{key} must be true or false, got {describe(v)}", key)
     return v
 
 
-def _str(d: dict[str, Any], key: str, name: str | None = None) -> str:
+def str_field(d: dict[str, Any], key: str, name: str | None = None) -> str:
     v = d.get(key, "")
     if not isinstance(v, str):
         raise BodyError(f"{name or key} must be a string, got {describe(v)}", name or key)

@@ -19,7 +19,7 @@ from kimiserve.limits import JsonTooDeep, loads_json
 from kimiserve.tenants import http_tenant
 from kimiserve.text import encodable_json
 from router.generation import Generation
-from router.http import chat, completions, responses, schemas
+from router.http import chat, completions, responses, schemas, tokens
 from router.http.batches import Batches
 from router.errors import error_body
 from router.http.errors import HttpError, describe
@@ -75,20 +75,23 @@ def build_app(gen: Generation, batches: Batches | None, api_keys: security.ApiKe
             raise HttpError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
         return body
 
-    def generation_route(path: str, endpoint) -> None:
-        """POST `path`, answered by `endpoint` (router/http/chat.py, completions.py, responses.py: METHOD, handle)."""
+    def json_route(path: str, method: str, handle) -> None:
+        """POST `path` with a JSON body, answered by `handle` (router/http/chat.py, completions.py, responses.py,
+        tokens.py) and counted under `method`."""
 
         async def route(request: Request) -> Response:
             async def work():
-                return await endpoint.handle(gen, await json_body(request), request_id(request),
-                                             http_tenant(request), request.receive)
-            return await answer(request, endpoint.METHOD, work)
+                return await handle(gen, await json_body(request), request_id(request), http_tenant(request),
+                                    request.receive)
+            return await answer(request, method, work)
 
-        app.add_api_route(path, route, methods=["POST"], name=endpoint.METHOD)
+        app.add_api_route(path, route, methods=["POST"], name=method)
 
-    generation_route("/v1/chat/completions", chat)
-    generation_route("/v1/completions", completions)
-    generation_route("/v1/responses", responses)
+    for path, endpoint in (("/v1/chat/completions", chat), ("/v1/completions", completions),
+                           ("/v1/responses", responses)):
+        json_route(path, endpoint.METHOD, endpoint.handle)
+    json_route("/tokenize", tokens.TOKENIZE_METHOD, tokens.tokenize)  # vLLM's, at the root as vLLM serves them
+    json_route("/detokenize", tokens.DETOKENIZE_METHOD, tokens.detokenize)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

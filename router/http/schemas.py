@@ -137,6 +137,19 @@ class ModelCard(BaseModel):
     vocab_size: int
 
 
+class TokenizeResponse(BaseModel):
+    """vLLM's /tokenize reply."""
+
+    count: int
+    max_model_len: int  # as /v1/models reports it: a client compares count against it
+    tokens: list[int]
+    token_strs: list[str] | None = None  # asked with return_token_strs; left out of the reply otherwise
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ListOf(BaseModel, Generic[Item]):
     """OpenAI's list object."""
 
