@@ -335,6 +335,6 @@ def test_from_proto_unset_fields_take_the_engine_defaults_and_set_ones_carry_ove
         response_format=common_pb2.ResponseFormat(regex="[ab]+"), logit_bias={9: -1.5, 2: 3.0})
     got = SamplingParams.from_proto(wire, max_tokens=3)
     assert got == SamplingParams(max_tokens=3, temperature=0.0, top_p=0.5, top_k=3, min_p=0.25, seed=11,
-                                 stop_token_ids=(4, 5), ignore_eos=True, logprobs=True, presence_penalty=0.5, frequency_penalty=-0.5,
-                                 repetition_penalty=1.25, top_logprobs=2,
+                                 stop_token_ids=(4, 5), ignore_eos=True, logprobs=True, presence_penalty=0.5,
+                                 frequency_penalty=-0.5, repetition_penalty=1.25, top_logprobs=2,
                                  response_format=ResponseFormat("regex", "[ab]+"), logit_bias=((2, 3.0), (9, -1.5)))

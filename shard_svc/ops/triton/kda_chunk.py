@@ -435,10 +435,10 @@ def kda_prefill_stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, sta
 def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots, cu_seqlens, snapshots,
             block_v: int | None = None, state_warps: int | None = None, state_stages: int | None = None,
             intra_warps: int | None = None, intra_slice: int | None = None, intra_stages: int = 3,
-            block_ref: bool = True, chunk: int | None = None):
+            block_ref: bool = True, chunk: int | None = None, decay_rows: int | None = None):
     """kda_prefill_stages with launches that take other segments (starts, ends) and chunk offsets (token ranges of
     the same call: rows are absolute, chunks count from the decay buffer passed), the chunk size it chose and its
-    decay buffer."""
+    decay buffer (`decay_rows` rows of chunks when given: the pipelined ranges' blocks)."""
     op = "kda_prefill"
     _check_inputs(op, q, k, v, f, beta_logits, a_log, dt_bias, state_pool, slots, cu_seqlens)
     chunk = chunk or CHUNK
@@ -473,7 +473,7 @@ def _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, sl
     kg = torch.empty_like(w)
     u = torch.empty(t, heads, dv, dtype=inter, device=q.device)
     aqk = torch.empty(t, heads, chunk, dtype=inter, device=q.device)
-    decay = torch.empty(max_chunks, heads, dk, dtype=torch.float32, device=q.device)
+    decay = torch.empty(decay_rows or max_chunks, heads, dk, dtype=torch.float32, device=q.device)
     bk, bvp = pow2_at_least(dk, 16), pow2_at_least(dv, 16)
     lb = float(lower_bound) if lower_bound is not None else 0.0
     # Pairs inside a 16-row block: one-reference products always (a bounded gate within REF_SPAN_LOG2: 1) or in
@@ -538,26 +538,31 @@ def kda_prefill(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool
         pieces = min(MAX_PIECES, max(1, t // PIECE_TOKENS)) if slots.shape[0] == 1 else 1
     if pieces < 1:
         raise TritonKernelError(f"kda_prefill: pieces {pieces} must be at least 1")
-    o, intra, state, chunk, _ = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
-                                        cu_seqlens, snapshots, **layout)
+    chunk = layout.get("chunk") or CHUNK  # _stages refuses one not in CHUNKS
     length = triton.cdiv(triton.cdiv(t, pieces), chunk) * chunk
-    if pieces == 1 or snapshots is not None or length >= t:
+    piped = pieces > 1 and snapshots is None and length < t
+    grid = length // chunk + 1 + slots.shape[0]  # a range's chunks at most (_ranges)
+    rows = triton.cdiv(t, length) * grid if piped else None
+    o, intra, state, chunk, decay = _stages(q, k, v, f, beta_logits, a_log, dt_bias, lower_bound, state_pool, slots,
+                                            cu_seqlens, snapshots, decay_rows=rows, **layout)
+    if not piped:
         intra()
         state()
         return o
     launches = []
-    for starts, ends, chunk_offsets, decay, grid in _ranges(cu_seqlens, t, length, chunk, q.shape[1], q.shape[2]):
-        launches.append((functools.partial(intra, starts, ends, chunk_offsets, decay, grid),
-                         functools.partial(state, starts, ends, chunk_offsets, decay)))
+    for starts, ends, chunk_offsets, block, grid in _ranges(cu_seqlens, t, length, chunk, decay, grid):
+        launches.append((functools.partial(intra, starts, ends, chunk_offsets, block, grid),
+                         functools.partial(state, starts, ends, chunk_offsets, block)))
     _run_pipelined(launches, q.device)
     return o
 
 
-def _ranges(cu_seqlens: torch.Tensor, t: int, length: int, chunk: int, heads: int, dk: int) -> list[tuple]:
-    """(starts, ends, chunk offsets, decay buffer, grid of chunks) of each token range [r * length, (r + 1) *
+def _ranges(cu_seqlens: torch.Tensor, t: int, length: int, chunk: int, decay: torch.Tensor,
+            grid: int) -> list[tuple]:
+    """(starts, ends, chunk offsets, decay rows, grid of chunks) of each token range [r * length, (r + 1) *
     length), built on the device: sequence s's part is cut at the first point of its own chunk grid at or past each
-    edge. Only the sequence holding an edge crosses it, by less than a chunk, so a range holds at most
-    length / chunk + 1 + (sequences) chunks: each range's decay rows are a block of that size."""
+    edge. Only the sequence holding an edge crosses it, by less than a chunk, so a range holds at most `grid` =
+    length / chunk + 1 + (sequences) chunks: range r's decay rows are block r of that size in `decay`."""
     ranges = triton.cdiv(t, length)
     seq_starts, seq_ends = cu_seqlens[:-1], cu_seqlens[1:]
     edges = torch.arange(ranges + 1, device=cu_seqlens.device, dtype=cu_seqlens.dtype)[:, None] * length
@@ -565,9 +570,7 @@ def _ranges(cu_seqlens: torch.Tensor, t: int, length: int, chunk: int, heads: in
     cuts = torch.minimum(seq_starts + (past + chunk - 1) // chunk * chunk, seq_ends)  # [ranges + 1, n]
     offsets = torch.zeros(ranges, cuts.shape[1] + 1, dtype=torch.int64, device=cu_seqlens.device)
     torch.cumsum((cuts[1:] - cuts[:-1] + chunk - 1) // chunk, 1, out=offsets[:, 1:])
-    grid = length // chunk + 1 + cuts.shape[1]
-    decay = torch.empty(ranges, grid, heads, dk, dtype=torch.float32, device=cu_seqlens.device)
-    return [(cuts[r], cuts[r + 1], offsets[r], decay[r], grid) for r in range(ranges)]
+    return [(cuts[r], cuts[r + 1], offsets[r], decay[r * grid:(r + 1) * grid], grid) for r in range(ranges)]
 
 
 _WALK_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
