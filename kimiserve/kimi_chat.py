@@ -7,6 +7,9 @@ A reply, special tokens kept as text, looks like
 
 with each call `<|tool_call_begin|>ID<|tool_call_argument_begin|>ARGS<|tool_call_end|>`. Every marker is a single
 special token, so a marker's text always arrives whole in one detokenized delta.
+
+A reply is read by one scan (`_read`) whether it arrives whole or in deltas: streamed, the scan of the text so far
+shows only what no later text can change, so the deltas of a stream add up to the whole reply's parse exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 THINK_BEGIN, THINK_END = "<think>", "</think>"
+_MARKERS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
 
 
 @dataclass(frozen=True)
@@ -30,54 +34,96 @@ class ToolCall:
     cut: bool = False
 
 
-_CALL_RE = re.compile(
-    re.escape(CALL_BEGIN) + r"((?:(?!" + re.escape(CALL_BEGIN) + r").)*?)" + re.escape(ARG_BEGIN)
-    + r"((?:(?!" + re.escape(CALL_BEGIN) + r").)*?)" + re.escape(CALL_END),
-    re.DOTALL,
-)
-_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$", re.DOTALL)
-_CUT_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>[^:]+):\d*$", re.DOTALL)  # the name written, its index maybe not
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """What a streamed piece adds to call `index` of its reply: the call's id and name on its first delta (None on
+    the later ones), then text to append to its arguments."""
+
+    index: int
+    arguments: str
+    id: str | None = None
+    name: str | None = None
+
+
+# Inside a section: the markers that structure it (a second SECTION_BEGIN there is text).
+_SECTION_RE = re.compile("(" + "|".join(re.escape(m) for m in (SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)) + ")")
+_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+?)(?::\d+)?$")  # functions.NAME:INDEX, prefix and index optional
+_CUT_ID_RE = re.compile(r"^(?:functions\.)?(?P<name>\S+?):\d*$")  # the name written (its colon), the index maybe not
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     """Split model output (special tokens kept as text) into content and the calls of its tool-calls section.
 
-    Content is the text outside the section. Arguments are returned verbatim, not validated. A last call cut (by
-    max_tokens) once its function's name was written (`functions.NAME:`) is a call with the id and arguments
-    generated so far, as OpenAI's API returns a call cut by the token limit (finish reason length, its arguments
-    unterminated JSON). Anything else the section holds that is not a call (cut inside the name, or malformed) is
-    kept as raw text at the end of the content, never dropped.
+    Content is the text outside the section plus whatever the section holds that is not a call (a stray marker, text
+    between calls, a call whose id is not `[functions.]NAME[:INDEX]`), in reply order, never dropped. Arguments are
+    returned verbatim less surrounding whitespace, not validated. A call ends at its CALL_END, or at the next call or
+    the section's end if the model left CALL_END out. A last call cut (by max_tokens) once its function's name was
+    written (`functions.NAME:`) is a call with the id and arguments generated so far, as OpenAI's API returns a call
+    cut by the token limit (finish reason length, its arguments unterminated JSON).
     """
+    content, calls = _read(text, final=True)
+    return content, [ToolCall(c.id, c.name, c.arguments.strip(), c.cut) for c in calls]
+
+
+@dataclass
+class _Call:
+    id: str
+    name: str
+    arguments: str = ""  # verbatim, whitespace included
+    cut: bool = False
+
+
+def _read(text: str, final: bool) -> tuple[str, list[_Call]]:
+    """(content, calls) of a reply after its thinking block. Not final (more text may follow): only what no later text
+    can change, i.e. without a tail that could start a marker, a call's id not yet followed by ARG_BEGIN, and text
+    between calls that is whitespace so far."""
+    if not final:
+        text = _without_partial(text, _MARKERS)
     head, found, rest = text.partition(SECTION_BEGIN)
-    if not found:
-        return text, []
-    section, _, tail = rest.partition(SECTION_END)
-    calls: list[ToolCall] = []
-    consumed = 0
-    for match in _CALL_RE.finditer(section):
-        call_id = match.group(1).strip()
-        name_match = _ID_RE.match(call_id)
-        calls.append(ToolCall(id=call_id, name=name_match.group("name") if name_match else call_id,
-                              arguments=match.group(2).strip()))
-        consumed = match.end()
-    leftover = section[consumed:]
-    cut = _cut_call(leftover)
-    if cut is not None:
-        calls.append(cut)
-        leftover = ""
-    return head + tail + (leftover if leftover.strip() else ""), calls
-
-
-def _cut_call(text: str) -> ToolCall | None:
-    """The call in `text` if it is exactly one call's start, cut after its name: CALL_BEGIN NAME:[INDEX [ARG_BEGIN
-    ARGS...]] (the id's `functions.` prefix optional, as for a whole call)."""
-    begin, found, rest = text.strip().partition(CALL_BEGIN)
-    call_id, has_args, arguments = rest.partition(ARG_BEGIN)
-    markers = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
-    name = _CUT_ID_RE.match(call_id.strip())
-    if begin or not found or name is None or any(m in call_id + arguments for m in markers):
-        return None
-    return ToolCall(id=call_id.strip(), name=name.group("name"), arguments=arguments.strip(), cut=True)
+    content, calls = [head], []
+    state, call_id = "between", ""
+    parts = _SECTION_RE.split(rest) if found else []
+    for i, part in enumerate(parts):
+        marker = i % 2 == 1
+        if state == "after":
+            content.append(part)
+        elif state == "args" and not marker:
+            calls[-1].arguments += part
+        elif state == "args":  # the call ends at any marker; one other than CALL_END is read again below
+            state = "between"
+            if part == CALL_END:
+                continue
+        elif state == "id" and not marker:
+            call_id += part
+        elif state == "id":
+            name = _ID_RE.match(call_id.strip())
+            if part == ARG_BEGIN and name is not None:
+                calls.append(_Call(call_id.strip(), name.group("name")))
+                state = "args"
+                continue
+            content.append(CALL_BEGIN + call_id + (part if part == ARG_BEGIN else ""))
+            state = "between"
+            if part == ARG_BEGIN:
+                continue
+        if state != "between":
+            continue
+        if not marker:
+            content.append(part if part.strip() else "")  # whitespace between calls is the format's, not content
+        elif part == CALL_BEGIN:
+            state, call_id = "id", ""
+        elif part == SECTION_END:
+            state = "after"
+        else:
+            content.append(part)  # a stray ARG_BEGIN or CALL_END
+    if final and state == "args":
+        calls[-1].cut = True
+    if final and state == "id":
+        name = _CUT_ID_RE.match(call_id.strip())
+        if name is None:
+            content.append(CALL_BEGIN + call_id)
+        else:
+            calls.append(_Call(call_id.strip(), name.group("name"), cut=True))
+    return "".join(content), calls
 
 
 def split_reasoning(text: str) -> tuple[str, str]:
@@ -90,55 +136,66 @@ def split_reasoning(text: str) -> tuple[str, str]:
 
 
 class ReplySplitter:
-    """Splits a streamed reply into reasoning and content deltas as it arrives; `finish` parses the tool calls.
+    """Splits a streamed reply into reasoning, content and tool-call deltas as it arrives.
 
-    Content is streamed only up to a tool-calls section (the section becomes structured calls at the end), and the
-    text after the section (and an unfinished call's raw text) arrives with `finish`. Concatenating every delta gives
-    exactly split_reasoning + parse_tool_calls of the whole reply.
+    A call is streamed from the moment its id is complete (its ARG_BEGIN): the first delta names it, the next ones
+    extend its arguments. Concatenating every delta gives exactly split_reasoning + parse_tool_calls of the whole
+    reply; `finish` also returns the calls whole.
     """
 
     def __init__(self) -> None:
         self._raw = ""
         self._reasoning_shown = 0
         self._content_shown = 0
+        self._arguments_shown: list[int] = []  # per call streamed so far: how much of its arguments
         self._tokens_before_close = 0  # tokens fed while no THINK_END had arrived
 
-    def feed(self, delta: str, tokens: int = 0) -> tuple[str, str]:
-        """(reasoning delta, content delta) that are safe to show now; `tokens`: how many generated tokens made
-        `delta` (for reasoning_tokens)."""
+    def feed(self, delta: str, tokens: int = 0) -> tuple[str, str, list[ToolCallDelta]]:
+        """(reasoning delta, content delta, call deltas) that are safe to show now; `tokens`: how many generated
+        tokens made `delta` (for reasoning_tokens)."""
         if THINK_END not in self._raw:  # the token that completes THINK_END still belongs to the block
             self._tokens_before_close += tokens
         self._raw += delta
         if THINK_BEGIN.startswith(self._raw):  # undecided: the reply may yet open a thinking block
-            return "", ""
+            return "", "", []
         reasoning, rest = split_reasoning(self._raw)
         if self._raw.startswith(THINK_BEGIN) and THINK_END not in self._raw:
-            reasoning = _without_partial(reasoning, THINK_END)
-        content = _without_partial(rest.split(SECTION_BEGIN, 1)[0], SECTION_BEGIN)
-        return self._take(reasoning, content)
+            reasoning = _without_partial(reasoning, (THINK_END,))
+        content, calls = _read(rest, final=False)
+        return self._take(reasoning, content, calls)
 
-    def finish(self) -> tuple[str, str, list[ToolCall]]:
-        """(reasoning delta, content delta, tool calls) at the end of the reply."""
+    def finish(self) -> tuple[str, str, list[ToolCallDelta], list[ToolCall]]:
+        """(reasoning delta, content delta, call deltas, the calls whole) at the end of the reply."""
         reasoning, rest = split_reasoning(self._raw)
-        content, calls = parse_tool_calls(rest)
-        r, c = self._take(reasoning, content)
-        return r, c, calls
+        content, calls = _read(rest, final=True)
+        return (*self._take(reasoning, content, calls),
+                [ToolCall(c.id, c.name, c.arguments.strip(), c.cut) for c in calls])
 
     @property
     def reasoning_tokens(self) -> int:
         """How many of the tokens fed so far made the leading thinking block, markers included (0: no block)."""
         return self._tokens_before_close if self._raw.startswith(THINK_BEGIN) else 0
 
-    def _take(self, reasoning: str, content: str) -> tuple[str, str]:
+    def _take(self, reasoning: str, content: str, calls: list[_Call]) -> tuple[str, str, list[ToolCallDelta]]:
         r, c = reasoning[self._reasoning_shown:], content[self._content_shown:]
         self._reasoning_shown = max(self._reasoning_shown, len(reasoning))
         self._content_shown = max(self._content_shown, len(content))
-        return r, c
+        deltas = []
+        for k, call in enumerate(calls):
+            # Surrounding whitespace is not part of the arguments; trailing whitespace may yet be followed by more.
+            arguments = call.arguments.strip()
+            if k == len(self._arguments_shown):
+                self._arguments_shown.append(0)
+                deltas.append(ToolCallDelta(k, arguments, call.id, call.name))
+            elif len(arguments) > self._arguments_shown[k]:
+                deltas.append(ToolCallDelta(k, arguments[self._arguments_shown[k]:]))
+            self._arguments_shown[k] = max(self._arguments_shown[k], len(arguments))
+        return r, c, deltas
 
 
-def _without_partial(text: str, marker: str) -> str:
-    """`text` less a tail that could be the start of `marker` (held back until the next delta decides)."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
+def _without_partial(text: str, markers: tuple[str, ...]) -> str:
+    """`text` less a tail that could be the start of one of `markers` (held back until the next delta decides)."""
+    for n in range(min(max(map(len, markers)) - 1, len(text)), 0, -1):
+        if any(m.startswith(text[-n:]) and len(m) > n for m in markers):
             return text[:-n]
     return text

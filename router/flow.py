@@ -126,11 +126,12 @@ async def run(gen: Generation, method: str, request_id: str, prompt: Prompt,
     async for piece in gen.run(method, request_id, prompt.ids, sampling, tenant, keep_special_tokens=True,
                                hidden_ids=prompts.chat_hidden_ids(gen.tokenizer.info), cache_salt=prompt.cache_salt,
                                message_ends=prompt.message_ends):
-        piece.reasoning, piece.text = splitter.feed(piece.text, len(piece.token_ids))
+        piece.reasoning, piece.text, piece.tool_call_deltas = splitter.feed(piece.text, len(piece.token_ids))
         piece.reasoning_tokens = splitter.reasoning_tokens
         if piece.final:
-            r, c, piece.tool_calls = splitter.finish()
-            piece.reasoning, piece.text = piece.reasoning + r, piece.text + c
+            r, c, deltas, piece.tool_calls = splitter.finish()
+            piece.reasoning, piece.text, piece.tool_call_deltas = (piece.reasoning + r, piece.text + c,
+                                                                   piece.tool_call_deltas + deltas)
             if piece.usage is not None:  # the shard's counts, plus what only the split knows
                 usage = common_pb2.Usage()
                 usage.CopyFrom(piece.usage)

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 import grpc
 
 from kimiserve import sampling_rules, tracing
-from kimiserve.kimi_chat import ToolCall
+from kimiserve.kimi_chat import ToolCall, ToolCallDelta
 from kimiserve.seeds import draw_seed
 from kimiserve.tenants import Tenant
 from kimiserve.v1 import common_pb2, shard_pb2
@@ -84,7 +84,8 @@ class Piece:
     text: str = ""  # completion text, or chat content, since the previous piece
     reasoning: str = ""  # chat: <think> text since the previous piece
     reasoning_tokens: int = 0  # chat: of the sequence's tokens so far, how many made its leading <think> block
-    tool_calls: list[ToolCall] = field(default_factory=list)  # chat, last piece only
+    tool_call_deltas: list[ToolCallDelta] = field(default_factory=list)  # chat: the calls as they are written
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat, last piece only: the calls whole
     finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED
     usage: common_pb2.Usage | None = None
     error_message: str = ""

@@ -134,7 +134,10 @@ class RouterService(BatchRpcs, router_pb2_grpc.RouterServicer):
         async with aclosing(self._answer("Chat", request, context)) as replies:
             async for request_id, i, p, total in replies:
                 yield router_pb2.ChatResponse(**_common_fields(request_id, i, p, total), reasoning_text=p.reasoning,
-                                              tool_calls=p.tool_call_protos())
+                                              tool_calls=p.tool_call_protos(),
+                                              tool_call_deltas=[router_pb2.ToolCallDelta(
+                                                  index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                                                  for d in p.tool_call_deltas])
 
     async def ListModels(self, request, context):
         try:

@@ -49,6 +49,10 @@ class Chunks:
         out = schemas.ChatCompletionChunk(**self.head, choices=choices, **kw).model_dump()
         for choice in out["choices"]:  # a delta carries only what changed; finish_reason and logprobs stay (null)
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            for call in choice["delta"].get("tool_calls", []):
+                for fields in (call, call["function"]):
+                    for k in [k for k, v in fields.items() if v is None]:
+                        del fields[k]
         return event(out)
 
     def start(self) -> list[str]:
@@ -64,13 +68,12 @@ class Chunks:
             delta.content = p.text
         if p.reasoning:
             delta.reasoning_content = p.reasoning
-        if p.tool_calls:
-            delta.tool_calls = [schemas.ToolCallDelta(index=k, **c.model_dump())
-                                for k, c in enumerate(replies.tool_calls(p.tool_calls))]
+        if p.tool_call_deltas:
+            delta.tool_calls = [replies.tool_call_delta(d) for d in p.tool_call_deltas]
         reason = replies.finish_reason(p, request_id) if p.final else None
         if p.final:
             self.finals[i] = p
-        if not (p.text or p.reasoning or p.tool_calls or p.final or (self.logprobs and p.token_ids)):
+        if not (p.text or p.reasoning or p.tool_call_deltas or p.final or (self.logprobs and p.token_ids)):
             return None  # e.g. a token whose text is held back (a possible stop string, a partial character)
         usage = (replies.usage_so_far(p, self.prompt_tokens, self.generated[i]) if self.prompt_tokens is not None
                  else None)

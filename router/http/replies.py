@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kimiserve.kimi_chat import ToolCall
+from kimiserve.kimi_chat import ToolCall, ToolCallDelta
 from kimiserve.v1 import common_pb2
 from router.errors import RouterError
 from router.flow import Piece, Reply, total_usage
@@ -181,6 +181,11 @@ def _scored(p: Piece, ids: list[int]) -> common_pb2.PromptLogprobs:
 
 def tool_calls(calls: list[ToolCall]) -> list[schemas.ToolCall]:
     return [schemas.ToolCall(id=c.id, function=schemas.Function(name=c.name, arguments=c.arguments)) for c in calls]
+
+
+def tool_call_delta(d: ToolCallDelta) -> schemas.ToolCallDelta:
+    return schemas.ToolCallDelta(index=d.index, id=d.id, type="function" if d.id is not None else None,
+                                 function=schemas.FunctionDelta(name=d.name, arguments=d.arguments))
 
 
 def chat_completion(completion_id: str, created: int, model: str, replies: list[Reply], logprobs: bool,

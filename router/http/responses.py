@@ -1,8 +1,9 @@
 """POST /v1/responses: OpenAI's Responses API over the chat flow (router/openai_responses.py translates the body).
 
 A reply becomes output items in the order the model wrote them: a `reasoning` item (a reply opening with
-<think>...</think>), a `message` item with one output_text part, a `function_call` item per tool call. Streamed, each
-item is opened, filled by deltas and closed with OpenAI's typed events (`response.created`, `...output_item.added`,
+<think>...</think>), a `message` item with one output_text part, a `function_call` item per tool call (its arguments
+streamed as they are written), and another `message` for text after the calls. Streamed, each item is opened, filled
+by deltas and closed with OpenAI's typed events (`response.created`, `...output_item.added`,
 `...output_text.delta`, ..., `response.completed` or `response.incomplete` when max_output_tokens cut it), each with
 its sequence_number; a failure after the stream began is a `response.failed` event. The whole response is built by
 the same state machine with its events dropped, so both answers hold the same items.
@@ -17,7 +18,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi.responses import JSONResponse
 
-from kimiserve.kimi_chat import ToolCall
+from kimiserve.kimi_chat import ToolCallDelta
 from kimiserve.tenants import Tenant
 from router import flow, openai_responses
 from router.generation import Generation
@@ -89,7 +90,8 @@ class Items:
     """The output items of one reply, fed piece by piece; each call returns the SSE events it makes.
 
     With logprobs, the message's output_text carries an entry for every token after the thinking block (as chat's
-    logprobs do: tool-call markers and the end of turn included). Each text delta carries the entries of the tokens
+    logprobs do: the end of turn included) up to the first tool call; a function_call item has no logprobs, so the
+    tokens written while one is open have none (text after the calls carries its own). Each text delta carries the entries of the tokens
     that arrived since the previous one (a token whose text is held back waits for the next delta), and closing the
     message sends the rest in a delta with no text, so the deltas' entries add up to the part's."""
 
@@ -99,9 +101,10 @@ class Items:
         self.entries_sent = 0  # how many of them text deltas have carried (or the thinking block held)
         self.reply = flow.Reply()
         self.output: list[dict[str, Any]] = []  # closed items
-        self.open: dict[str, Any] | None = None  # the reasoning or message item being streamed
-        self.open_text = ""
-        self.calls = 0
+        self.open: dict[str, Any] | None = None  # the reasoning, message or function_call item being streamed
+        self.open_text = ""  # its text, or its arguments
+        self.open_entries: list[dict[str, Any]] = []  # the open message's logprob entries sent so far
+        self.opened: dict[str, int] = {}  # items of each type opened so far, for their ids
         self.sequence = 0
         self.final: dict[str, Any] | None = None  # the whole response, once the reply ended
 
@@ -120,8 +123,12 @@ class Items:
             out += self._text("reasoning", p.reasoning)
         if p.text:
             out += self._text("message", p.text)
-        for call in p.tool_calls:
-            out += self._close("completed") + self._function_call(call)
+        for d in p.tool_call_deltas:
+            if d.id is not None:
+                out += self._close("completed") + self._open_call(d)
+            if d.arguments:
+                self.open_text += d.arguments
+                out.append(self.event("response.function_call_arguments.delta", **self._where(), delta=d.arguments))
         if p.final:
             out += self._finish()
         return out
@@ -139,7 +146,8 @@ class Items:
     def _finish(self) -> list[str]:
         reason = replies.finish_reason(self.reply, self.request_id)  # raises for a failed or cancelled sequence
         status = "incomplete" if reason == "length" else "completed"
-        out = self._close(status)
+        cut = self.open is not None and self.open["type"] == "function_call" and self.reply.tool_calls[-1].cut
+        out = self._close("incomplete" if cut else status)
         if not any(item["type"] in ("message", "function_call") for item in self.output):
             out += self._open("message") + self._close(status)  # a reply with no text still has its message
         u = replies.usage([self.reply], 1)
@@ -159,31 +167,55 @@ class Items:
             out += self._close("completed") + self._open(kind)
         self.open_text += text
         if kind == "message":
-            out.append(self.event("response.output_text.delta", **self._where(), delta=text,
-                                  logprobs=self._unsent()))
+            entries = self._unsent()
+            self.open_entries += entries
+            out.append(self.event("response.output_text.delta", **self._where(), delta=text, logprobs=entries))
         else:
             out.append(self.event("response.reasoning_text.delta", **self._where(), delta=text))
         return out
 
+    def _item_id(self, prefix: str) -> str:
+        """The first item of a type is PREFIX_REQUESTID, later ones (text after tool calls) _1, _2, ..."""
+        n = self.opened.get(prefix, 0)
+        self.opened[prefix] = n + 1
+        return f"{prefix}_{self.request_id}" + (f"_{n}" if n or prefix == "fc" else "")
+
     def _open(self, kind: str) -> list[str]:
         if kind == "message":
-            self.open = {"id": f"msg_{self.request_id}", "type": "message", "status": "in_progress",
+            self.open = {"id": self._item_id("msg"), "type": "message", "status": "in_progress",
                          "role": "assistant", "content": []}
         else:
-            self.open = {"id": f"rs_{self.request_id}", "type": "reasoning", "status": "in_progress", "summary": [],
+            self.open = {"id": self._item_id("rs"), "type": "reasoning", "status": "in_progress", "summary": [],
                          "content": []}
-        self.open_text = ""
+        self.open_text, self.open_entries = "", []
         return [self.event("response.output_item.added", output_index=len(self.output), item=dict(self.open)),
                 self.event("response.content_part.added", **self._where(), part=self._part(""))]
+
+    def _open_call(self, d: ToolCallDelta) -> list[str]:
+        self.open = {"id": self._item_id("fc"), "type": "function_call", "status": "in_progress",
+                     "call_id": d.id, "name": d.name, "arguments": ""}
+        self.open_text = ""
+        return [self.event("response.output_item.added", output_index=len(self.output), item=dict(self.open))]
 
     def _close(self, status: str) -> list[str]:
         if self.open is None:
             return []
-        part = self._part(self.open_text, self.entries[self.reply.reasoning_tokens:])
+        if self.open["type"] == "function_call":
+            item = self.open | {"status": status, "arguments": self.open_text}
+            out = [self.event("response.function_call_arguments.done", **self._where(), name=item["name"],
+                              arguments=self.open_text),
+                   self.event("response.output_item.done", output_index=len(self.output), item=item)]
+            self.output.append(item)
+            self.open = None
+            self.entries_sent = len(self.entries)  # a function_call item has no logprobs: its tokens' are dropped
+            return out
         out = []
         if self.open["type"] == "message":
             if rest := self._unsent():
+                self.open_entries += rest
                 out.append(self.event("response.output_text.delta", **self._where(), delta="", logprobs=rest))
+        part = self._part(self.open_text, self.open_entries)
+        if self.open["type"] == "message":
             out.append(self.event("response.output_text.done", **self._where(), text=self.open_text,
                                   logprobs=part["logprobs"]))
         else:
@@ -195,22 +227,9 @@ class Items:
         self.open = None
         return out
 
-    def _function_call(self, call: ToolCall) -> list[str]:
-        item = {"id": f"fc_{self.request_id}_{self.calls}", "type": "function_call", "status": "in_progress",
-                "call_id": call.id, "name": call.name, "arguments": ""}
-        self.calls += 1
-        where = {"item_id": item["id"], "output_index": len(self.output)}
-        done = item | {"status": "incomplete" if call.cut else "completed", "arguments": call.arguments}
-        out = [self.event("response.output_item.added", output_index=len(self.output), item=item),
-               self.event("response.function_call_arguments.delta", **where, delta=call.arguments),
-               self.event("response.function_call_arguments.done", **where, name=call.name,
-                          arguments=call.arguments),
-               self.event("response.output_item.done", output_index=len(self.output), item=done)]
-        self.output.append(done)
-        return out
-
     def _where(self) -> dict[str, Any]:
-        return {"item_id": self.open["id"], "output_index": len(self.output), "content_index": 0}
+        where = {"item_id": self.open["id"], "output_index": len(self.output)}
+        return where if self.open["type"] == "function_call" else where | {"content_index": 0}
 
     def _part(self, text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.open is not None and self.open["type"] == "reasoning":

@@ -52,8 +52,19 @@ class ToolCall(BaseModel):
     function: Function
 
 
-class ToolCallDelta(ToolCall):
+class FunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of a streamed call, as OpenAI streams them: id, type and name on the call's first chunk only, then
+    arguments text to append (null fields are left out of the chunk)."""
+
     index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
 
 
 class Message(BaseModel):

@@ -1,8 +1,10 @@
 """Parsing a Kimi reply: tool-call sections, thinking blocks, and the streamed split (no network)."""
 
+import random
+
 import pytest
 
-from kimiserve.kimi_chat import ReplySplitter, ToolCall, parse_tool_calls, split_reasoning
+from kimiserve.kimi_chat import ReplySplitter, ToolCall, ToolCallDelta, parse_tool_calls, split_reasoning
 
 CALLS = ('<|tool_calls_section_begin|>'
          '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
@@ -41,10 +43,26 @@ def test_a_call_cut_after_its_name_is_a_call(cut, call) -> None:
     "<|tool_call_begin|>functions.get_wea",  # cut inside the name: no name to report
     "<|tool_call_begin|>functions.f:0<|tool_call_end|>",  # no arguments marker
     "<|tool_call_begin|>functions.f:0 x<|tool_call_argument_begin|>{",  # not an id
-    "stray text<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{",  # not a call's start
+    "<|tool_call_argument_begin|>{}<|tool_call_end|>",  # stray markers
 ])
 def test_parse_tool_calls_keeps_what_is_not_a_call_as_text(section) -> None:
     assert parse_tool_calls("<|tool_calls_section_begin|>" + section) == (section, [])
+
+
+def test_content_keeps_reply_order_around_calls() -> None:
+    """Text in the section that is not a call stays where the model wrote it: before the tail, between the calls."""
+    call = "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    text = "Head.<|tool_calls_section_begin|>stray " + call + " \n " + call + "<|tool_calls_section_end|> tail"
+    assert parse_tool_calls(text) == ("Head.stray  tail", [ToolCall("functions.f:0", "f", "{}")] * 2)
+
+
+@pytest.mark.parametrize("section", [
+    '<|tool_call_begin|>f:0<|tool_call_argument_begin|>{"a": 1}<|tool_call_begin|>g:1<|tool_call_argument_begin|>{}',
+    '<|tool_call_begin|>f:0<|tool_call_argument_begin|>{"a": 1}<|tool_calls_section_end|>',
+])
+def test_a_call_without_its_end_marker_ends_at_the_next_marker(section) -> None:
+    _, calls = parse_tool_calls("<|tool_calls_section_begin|>" + section)
+    assert calls[0] == ToolCall("f:0", "f", '{"a": 1}')
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -58,14 +76,26 @@ def test_split_reasoning(text, expected) -> None:
 
 
 def stream(deltas):
+    """(reasoning, content, calls rebuilt from the call deltas, (reasoning, content) delta of each feed), asserting
+    that `finish` returns the same calls whole."""
     s = ReplySplitter()
-    reasoning, content, steps = "", "", []
-    for d in deltas:
-        r, c = s.feed(d)
-        steps.append((r, c))
+    reasoning, content, steps, built = "", "", [], []
+    for d in [*deltas, None]:
+        if d is None:
+            r, c, call_deltas, calls = s.finish()
+        else:
+            (r, c, call_deltas), calls = s.feed(d), None
+            steps.append((r, c))
         reasoning, content = reasoning + r, content + c
-    r, c, calls = s.finish()
-    return reasoning + r, content + c, calls, steps
+        for cd in call_deltas:
+            if cd.index == len(built):
+                assert cd.id is not None and cd.name is not None, "a call's first delta names it"
+                built.append([cd.id, cd.name, ""])
+            else:
+                assert cd.id is None and cd.name is None and cd.index < len(built)
+            built[cd.index][2] += cd.arguments
+    assert [[c.id, c.name, c.arguments] for c in calls] == built, "streamed calls differ from the whole ones"
+    return reasoning, content, calls, steps
 
 
 @pytest.mark.parametrize("deltas", [
@@ -80,6 +110,37 @@ def test_streamed_split_equals_the_whole_reply_parsed(deltas) -> None:
     reasoning, rest = split_reasoning(whole)
     content, calls = parse_tool_calls(rest)
     assert stream(deltas)[:3] == (reasoning, content, calls)
+
+
+REPLIES = [
+    "<think>plan</think>Let me check." + CALLS + " tail",
+    "Sure." + CALLS[:-len("<|tool_calls_section_end|>")] + "<|tool_call_begin|>functions.f:2<|tool_call_argument_begin|>{",
+    '<|tool_calls_section_begin|>x <|tool_call_begin|>bad id<|tool_call_argument_begin|>{} <|tool_call_end|> '
+    '<|tool_call_begin|>functions.g:0<|tool_call_argument_begin|> {"k": " v "} <|tool_calls_section_end|>after',
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.ping:",
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_wea",
+    "a <|tool_call_begin|> not a section <|tool_calls_section_end|>",
+]
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+@pytest.mark.parametrize("seed", range(20))
+def test_any_split_into_deltas_streams_the_whole_parse(reply, seed) -> None:
+    """Cut anywhere (inside markers too), the deltas add up to the whole reply's parse, calls included."""
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(reply)), min(len(reply) - 1, rng.randint(1, 12))))
+    deltas = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
+    reasoning, rest = split_reasoning(reply)
+    content, calls = parse_tool_calls(rest)
+    assert stream(deltas)[:3] == (reasoning, content, calls)
+
+
+def test_a_call_streams_as_its_arguments_arrive() -> None:
+    s = ReplySplitter()
+    got = [s.feed(d)[2] for d in ["Ok.<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.f:0",
+                                  "<|tool_call_argument_begin|>", '{"a"', ": 1} ", "}", "<|tool_call_end|>"]]
+    assert got == [[], [], [], [ToolCallDelta(0, "", "functions.f:0", "f")], [ToolCallDelta(0, '{"a"')],
+                   [ToolCallDelta(0, ": 1}")], [ToolCallDelta(0, " }")], []]
 
 
 def test_no_marker_text_is_streamed_early() -> None:

@@ -128,12 +128,27 @@ BOUNDED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "param
                  {"type": "function", "function": {"name": "ping", "parameters": PING}}]
 
 
-def check_tool_calls(calls, names: set[str]) -> None:
+def triples(calls) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of the SDK's tool calls."""
+    return [(c.id, c.function.name, c.function.arguments) for c in calls]
+
+
+def check_tool_calls(calls: list[tuple[str, str, str]], names: set[str]) -> None:
     assert calls
-    for i, call in enumerate(calls):
-        assert call.function.name in names and call.id == f"functions.{call.function.name}:{i}"
-        jsonschema.validate(json.loads(call.function.arguments),
-                            {"get_weather": CITY, "ping": PING}[call.function.name])
+    for i, (call_id, name, arguments) in enumerate(calls):
+        assert name in names and call_id == f"functions.{name}:{i}"
+        jsonschema.validate(json.loads(arguments), {"get_weather": CITY, "ping": PING}[name])
+
+
+def streamed_calls(chunks) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) of each call in a chat stream's tool-call deltas, put together by index as a client
+    does (tests/router/http/test_tool_call_streaming.py checks the delta shapes)."""
+    calls: dict[int, list[str]] = {}
+    for c in chunks:
+        for d in c.choices[0].delta.tool_calls or []:
+            call = calls.setdefault(d.index, [d.id, d.function.name, ""])
+            call[2] += d.function.arguments
+    return [tuple(calls[k]) for k in sorted(calls)]
 
 
 def test_tool_choice_required_is_enforced_while_decoding(http_stack):
@@ -145,7 +160,7 @@ def test_tool_choice_required_is_enforced_while_decoding(http_stack):
     assert [c.index for c in reply.choices] == [0, 1]
     for choice in reply.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
-        check_tool_calls(choice.message.tool_calls, {"get_weather", "ping"})
+        check_tool_calls(triples(choice.message.tool_calls), {"get_weather", "ping"})
 
 
 def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
@@ -163,7 +178,7 @@ def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
         calls = reply.choices[0].message.tool_calls
         assert calls, "a cut reply with no whole call would not test the rule"
         assert reply.choices[0].message.content is None
-        check_tool_calls(calls[:-1] if cut else calls, {"get_weather", "ping"})
+        check_tool_calls(triples(calls[:-1] if cut else calls), {"get_weather", "ping"})
         if cut:
             assert len(calls) >= 2 and calls[-1].id.startswith(f"functions.{calls[-1].function.name}:")
             with pytest.raises(json.JSONDecodeError):
@@ -173,9 +188,7 @@ def test_a_tool_call_reply_cut_by_max_tokens_finishes_with_length(http_stack):
                 temperature=1.0, seed=seed, stream=True)
             chunks = [c for c in stream if c.choices]
             assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
-            streamed = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
-            assert [(c.id, c.function.name, c.function.arguments) for c in streamed] == [
-                (c.id, c.function.name, c.function.arguments) for c in calls]
+            assert streamed_calls(chunks) == triples(calls)
         seen.add(cut)
     assert seen == {True, False}, "the seeds no longer give one cut and one closed reply: pick others"
 
@@ -185,11 +198,11 @@ def test_a_named_tool_choice_streams_exactly_one_call_to_it(http_stack):
         model="", messages=HELLO, tools=BOUNDED_TOOLS, max_tokens=300, temperature=0, stream=True,
         tool_choice={"type": "function", "function": {"name": "get_weather"}})
     chunks = [c for c in stream if c.choices]
-    calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+    calls = streamed_calls(chunks)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
-    check_tool_calls(calls, {"get_weather"})
     assert len(calls) == 1
+    check_tool_calls(calls, {"get_weather"})
 
 
 def named_by_bytes(t) -> bool:
