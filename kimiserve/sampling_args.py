@@ -15,6 +15,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--prompt-ids", type=_ids, help="comma-separated prompt token ids")
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop ids cannot end the output before this "
+                                                              "many tokens; 0 = off")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")

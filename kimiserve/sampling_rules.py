@@ -37,6 +37,8 @@ def sampling_problems(values: Mapping[str, object]) -> list[Problem]:
             problems.append(Problem(name, f"{name} must be {rule}, got {values[name]}"))
 
     check("max_tokens", lambda v: v >= 1, ">= 1")
+    if values.get("min_tokens", 0) and values.get("max_tokens") is not None:
+        check("min_tokens", lambda v: v <= values["max_tokens"], f"<= max_tokens ({values['max_tokens']})")
     check("temperature", lambda v: 0 <= v <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE}]")
     check("top_p", lambda v: 0 < v <= 1, "in (0, 1]")
     check("top_k", lambda v: v >= 0, ">= 0")
@@ -73,13 +75,14 @@ def logit_bias_problems(bias: Mapping[int, float]) -> list[Problem]:
 
 
 def response_format_problems(kind: str | None, ignore_eos: bool, schema_name: str = "", schema: str = "",
-                             regex: str = "") -> list[Problem]:
+                             regex: str = "", min_tokens: int = 0) -> list[Problem]:
     """What needs no vocabulary: the shard compiles the grammar and refuses what its grammar engine cannot enforce.
     `kind`: the ResponseFormat's set kind (None: a ResponseFormat with none set)."""
     if kind is None:
         return [Problem("response_format", "response_format must set json_object, json_schema or regex")]
-    problems = [Problem("response_format", "ignore_eos cannot be combined with response_format: the format "
-                                           "decides where the output ends")] if ignore_eos else []
+    problems = [Problem("response_format", f"{name} cannot be combined with response_format: the format decides "
+                                           f"where the output ends")
+                for name, on in (("ignore_eos", ignore_eos), ("min_tokens", min_tokens > 0)) if on]
     if kind == "json_schema":  # its size was checked with the request's other sizes (kimiserve/limits.py)
         if len(schema_name) > MAX_SCHEMA_NAME_CHARS or not SCHEMA_NAME.fullmatch(schema_name):
             problems.append(Problem("response_format", f"response_format json_schema.name must match "

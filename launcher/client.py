@@ -21,7 +21,8 @@ Reply = TypeVar("Reply", router_pb2.GenerateResponse, router_pb2.ChatResponse)
 def _sampling(args: argparse.Namespace) -> common_pb2.SamplingParams:
     s = common_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                   top_k=args.top_k, min_p=args.min_p, stop=[encodable(stop) for stop in args.stop],
-                                  stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+                                  stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+                                  min_tokens=args.min_tokens)
     if args.seed is not None:
         s.seed = args.seed
     s.presence_penalty, s.frequency_penalty = args.presence_penalty, args.frequency_penalty

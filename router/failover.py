@@ -104,6 +104,7 @@ class Legs:
         sub.prompt_token_ids.extend(generated)
         sub.max_tokens = left
         sub.prior_output_tokens = len(generated)
+        sub.sampling.min_tokens = max(0, self.first.sampling.min_tokens - len(generated))  # the first leg's count
         sub.sampling.ClearField("prompt_logprobs")  # the first leg sent the scored prompt
         if not isinstance(lost, ShardMoved):
             self.failovers += 1

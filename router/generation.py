@@ -108,12 +108,13 @@ def validate_sampling(s: common_pb2.SamplingParams) -> None:
     """Raises InvalidArgument naming every problem (kimiserve/sampling_rules.py, the shard's rules too); its param
     is the first field at fault."""
     values = {name: getattr(s, name) for name in _OPTIONAL if s.HasField(name)}
-    values.update(top_logprobs=s.top_logprobs, logprobs=s.logprobs, logit_bias=dict(s.logit_bias))
+    values.update(top_logprobs=s.top_logprobs, logprobs=s.logprobs, logit_bias=dict(s.logit_bias),
+                  min_tokens=s.min_tokens)
     problems = sampling_rules.sampling_problems(values)
     if s.HasField("response_format"):
         f = s.response_format
         problems += sampling_rules.response_format_problems(f.WhichOneof("kind"), s.ignore_eos, f.json_schema.name,
-                                                            f.json_schema.schema, f.regex)
+                                                            f.json_schema.schema, f.regex, s.min_tokens)
     if problems:
         raise InvalidArgument(*sampling_rules.describe(problems))
 
@@ -160,7 +161,15 @@ class Generation:
             raise InvalidArgument(f"prompt of {len(prompt)} tokens leaves no room in the maximum context of "
                                   f"{context} tokens this deployment can hold", "prompt")
         wanted = s.max_tokens if s.HasField("max_tokens") else self.default_max_tokens
-        return min(wanted, room)
+        budget = min(wanted, room)
+        if s.min_tokens > budget:
+            why = (f"max_tokens {wanted}" if s.HasField("max_tokens") else
+                   f"this deployment's default max_tokens {wanted} (max_tokens unset)")
+            if room < wanted:
+                why += f", clamped to the {room} tokens the prompt of {len(prompt)} leaves in the context of {context}"
+            raise InvalidArgument(f"min_tokens {s.min_tokens} exceeds the sequence's budget of {budget} tokens: "
+                                  f"{why}", "min_tokens")
+        return budget
 
     async def run(self, method: str, request_id: str, prompt: list[int], s: common_pb2.SamplingParams,
                   tenant: Tenant, keep_special_tokens: bool = False, hidden_ids: frozenset[int] = frozenset(),
@@ -287,7 +296,7 @@ class Generation:
         request_id, first = legs.request_id, legs.first
         prompt, s = list(first.prompt_token_ids), first.sampling
         detok = self.tokenizer.detokenizer(keep_special, stream.metadata())
-        stops = StopStringFilter(list(s.stop), s.include_stop_str_in_output)
+        stops = StopStringFilter(list(s.stop), s.include_stop_str_in_output)  # armed from token min_tokens on
         generated: list[int] = []  # every token id passed on, across legs (out.generated counts them too)
         cached = 0
         finished = False
@@ -333,7 +342,7 @@ class Generation:
                     if gap is not None:
                         self.metrics.itl.labels(method).observe(gap)
                     delta = "" if token in hidden_ids else await detok.add([token])
-                    text = stops.feed(delta)
+                    text = stops.feed(delta, armed=len(generated) >= s.min_tokens)
                     top = ([common_pb2.TopLogprobs(candidates=event.token.top_logprobs)] if s.top_logprobs
                            else [])
                     per_token = {"logprobs": [event.token.logprob] if event.token.HasField("logprob") else [],

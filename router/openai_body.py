@@ -19,7 +19,7 @@ from router import openai_fields
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "response_format", "logit_bias", "include_stop_str_in_output"}
+                   "response_format", "logit_bias", "min_tokens", "include_stop_str_in_output"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
@@ -225,6 +225,8 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
             setattr(s, name, float(body[name]))
     if "top_k" in body:
         s.top_k = _int(body["top_k"], "top_k", -(1 << 31), (1 << 31) - 1)
+    if "min_tokens" in body:
+        s.min_tokens = _int(body["min_tokens"], "min_tokens", 0, (1 << 32) - 1)
     if "seed" in body:
         # OpenAI documents an int64 seed and clients send -1; the wire's seed is uint64: a negative seed is its
         # two's complement there (-1 and 2**64 - 1 are one seed), so every int64 and every uint64 is a seed.

@@ -30,6 +30,9 @@ EXTENSIONS: dict[str, str] = {
     "repetition_penalty": "vLLM's: HF transformers' repetition penalty (SamplingParams.repetition_penalty)",
     "stop_token_ids": "vLLM's: token ids that end the sequence (SamplingParams.stop_token_ids)",
     "ignore_eos": "vLLM's: EOS does not end the sequence (SamplingParams.ignore_eos)",
+    "min_tokens": "vLLM's: neither EOS, stop_token_ids nor a stop string ends the sequence before it has this many "
+                  "tokens; at most max_tokens, not with response_format or a tool_choice that constrains the reply "
+                  "(SamplingParams.min_tokens)",
     "include_stop_str_in_output": "vLLM's: the stop string that ended the text is kept at its end "
                                   "(SamplingParams.include_stop_str_in_output)",
 }

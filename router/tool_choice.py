@@ -69,22 +69,24 @@ def constraint(offered: list[common_pb2.Tool], choice: router_pb2.ToolChoice, sa
     if choice.mode not in CONSTRAINED:
         if parallel or not offered or sampling.HasField("response_format"):
             return None
-        _no_ignore_eos(sampling, "parallel_tool_calls false", "parallel_tool_calls")
+        _no_end_override(sampling, "parallel_tool_calls false", "parallel_tool_calls")
         return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=_functions(offered), max_calls=1,
                                                               text_first=True))
     if sampling.HasField("response_format"):
         raise InvalidArgument(f"tool_choice {_describe(choice)} and sampling.response_format both constrain the "
                               "reply; set one of them", "tool_choice")
-    _no_ignore_eos(sampling, f"tool_choice {_describe(choice)}", "tool_choice")
+    _no_end_override(sampling, f"tool_choice {_describe(choice)}", "tool_choice")
     max_calls = 1 if choice.mode == ToolChoice.MODE_FUNCTION or not parallel else MAX_TOOL_CALLS
     return common_pb2.ResponseFormat(tool_calls=ToolCalls(functions=_functions(offered), max_calls=max_calls))
 
 
-def _no_ignore_eos(sampling: common_pb2.SamplingParams, what: str, param: str) -> None:
-    """Named for what the client set: the grammar behind `what` is a response_format it never sent."""
-    if sampling.ignore_eos:
-        raise InvalidArgument(f"ignore_eos cannot be combined with {what}: the tool-call grammar decides where the "
-                              "reply ends", param)
+def _no_end_override(sampling: common_pb2.SamplingParams, what: str, param: str) -> None:
+    """Named for what the client set: the grammar behind `what` is a response_format it never sent (ignore_eos and
+    min_tokens would overrule where it ends the reply)."""
+    for name, on in (("ignore_eos", sampling.ignore_eos), ("min_tokens", sampling.min_tokens > 0)):
+        if on:
+            raise InvalidArgument(f"{name} cannot be combined with {what}: the tool-call grammar decides where the "
+                                  "reply ends", param)
 
 
 def _functions(offered: list[common_pb2.Tool]) -> list[common_pb2.ResponseFormat.ToolCalls.Function]:

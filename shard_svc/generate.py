@@ -36,7 +36,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop_token_ids=tuple(args.stop_token_ids),
                           ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                          response_format=fmt)
+                          response_format=fmt, min_tokens=args.min_tokens)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -381,7 +381,7 @@ class Engine:
         # Each sampled row draws with its generator seeded for the position of the token it draws (num_tokens:
         # prompt + output so far), so a continuation of the sequence draws what it would have.
         return sample_all([SampleRow(row, seq.params, seq.draws.at(seq.num_tokens) if seq.draws else None, seq.slot,
-                                     next(masks) if seq.matcher is not None else None)
+                                     next(masks) if seq.matcher is not None else None, seq.banned_ids)
                            for seq, row in emitting], self.token_counts)
 
     def _emit_all(self, kind: str, emitting: list[tuple[Sequence, torch.Tensor]], drawn: list[Drawn],

@@ -2,6 +2,7 @@
 seeded temperature / top-k / top-p draws, with logprobs and top alternatives.
 
 Each row's distribution is built in this order (the proto's SamplingParams documents the same):
+  0. min_tokens: until the sequence has that many tokens, its stop ids (EOS, stop_token_ids) get -inf;
   1. penalties (shard_svc/engine/penalties.py): repetition over prompt + output, then presence and frequency over
      the output, from per-slot token counts kept on the device;
   2. logit_bias: each listed token's value added to its logit;
@@ -60,6 +61,7 @@ class SamplingParams:
     response_format: ResponseFormat | None = None
     prompt_logprobs: int | None = None  # score the prompt with this many alternatives per position (None: do not)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit), ids ascending
+    min_tokens: int = 0  # the stop ids cannot be drawn before this many tokens are generated
 
     @classmethod
     def from_proto(cls, s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
@@ -70,7 +72,7 @@ class SamplingParams:
                    logprobs=s.logprobs, top_logprobs=s.top_logprobs,
                    prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
                    response_format=_response_format_from_proto(s.response_format),
-                   logit_bias=tuple(sorted(s.logit_bias.items())), **optional)
+                   logit_bias=tuple(sorted(s.logit_bias.items())), min_tokens=s.min_tokens, **optional)
 
     @property
     def penalties(self) -> Penalties:
@@ -84,11 +86,12 @@ class SamplingParams:
         """The router's rules (kimiserve/sampling_rules.py), applied again for callers other than our router;
         InvalidRequest names every problem and, as `param`, the first field at fault."""
         values = {f: getattr(self, f) for f in (*OPTIONAL_WIRE_FIELDS, "max_tokens", "top_logprobs", "logprobs",
-                                               "prompt_logprobs")}
+                                               "prompt_logprobs", "min_tokens")}
         problems = sampling_rules.sampling_problems(values | {"logit_bias": dict(self.logit_bias)})
         f = self.response_format
         if f is not None:
-            problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text)
+            problems += sampling_rules.response_format_problems(f.kind, self.ignore_eos, f.name, f.text, f.text,
+                                                                self.min_tokens)
         problems += sampling_rules.token_id_problems("stop_token_ids", self.stop_token_ids, vocab_size)
         problems += sampling_rules.token_id_problems("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
         if problems:  # the rest of a response_format is checked when it is compiled (Grammars.compile)
@@ -145,6 +148,7 @@ class SampleRow:
     generator: torch.Generator | None = None  # sampled rows: seeded for this draw (SeededDraws.at)
     slot: int | None = None  # the sequence's state slot: its row of TokenCounts (needed when it has penalties)
     allowed: torch.Tensor | None = None  # response_format bitmask, int32 [ceil(vocab / 32)] on the host; None: all
+    banned: tuple[int, ...] = ()  # ids that cannot be drawn now (its stop ids, before min_tokens)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,10 @@ def sample_all(rows: list[SampleRow], counts: TokenCounts | None = None) -> list
     if penalised and (counts is None or any(rows[i].slot is None for i in penalised)):
         raise ValueError(f"rows {penalised} have penalties: they need TokenCounts and each its state slot")
     device = stacked.device
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned]
+    if banned:
+        at = torch.tensor(banned, device=device).t()
+        stacked[at[0], at[1]] = float("-inf")
     if penalised:
         pen_index = torch.tensor(penalised, device=device)
         slots = torch.tensor([rows[i].slot for i in penalised], device=device)

@@ -99,6 +99,11 @@ class Sequence:
         return len(self.prompt) + len(self.output)
 
     @property
+    def banned_ids(self) -> tuple[int, ...]:
+        """The ids its next draw may not take: its stop ids while it has fewer than min_tokens tokens of its own."""
+        return tuple(sorted(self.stop_ids)) if len(self.output) < self.params.min_tokens else ()
+
+    @property
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold: what its buffers and KV promise are sized by."""
         return len(self.prompt) + self.params.max_tokens

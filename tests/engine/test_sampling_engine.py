@@ -4,6 +4,7 @@ batch independence, and structured output with the tiny tokenizer's vocabulary o
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -107,6 +108,33 @@ def test_a_reused_slot_starts_with_fresh_counts():
     engine = make_engine(CONFIG, num_state_slots=1)
     run(engine, {"a": ([3, 4], p)})
     assert run(engine, {"b": (PROMPT, p)})["b"][0].output == fresh
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_keeps_the_stop_ids_out_until_then(temperature):
+    """EOS biased to all but certain, and a stop id likewise: the sequence ends on the first token after min_tokens
+    that may end it. Until then the stop ids have logprob -inf, every other token its renormalised share."""
+    stop = 77
+    bias = ((stop, 100.0), (EOS, 100.0))
+    base = SamplingParams(temperature=temperature, seed=3, max_tokens=20, stop_token_ids=(stop,), logit_bias=bias,
+                          logprobs=True, top_logprobs=3)
+    free = run(make_engine(CONFIG), {"a": (PROMPT, base)})["a"][0]
+    assert len(free.output) == 1 and free.output[0] in (stop, EOS), "the bias no longer ends it at once"
+    seq, events = run(make_engine(CONFIG), {"a": (PROMPT, replace(base, min_tokens=5))}, keep_logits=True)["a"]
+    assert len(seq.output) == 6 and seq.output[-1] in (stop, EOS) and seq.finish_reason == "stop"
+    assert not {stop, EOS} & set(seq.output[:5])
+    for e in events[:5]:
+        assert {t for t, _ in e.top_logprobs}.isdisjoint({stop, EOS})
+    back = sum(math.exp(lp) for t, lp in events[5].top_logprobs if t in (stop, EOS))
+    assert back > 0.999, "after min_tokens the biased stop ids take the mass again"
+
+
+def test_min_tokens_is_at_most_max_tokens_and_not_with_a_format(grammars):
+    with pytest.raises(InvalidRequest, match=r"min_tokens must be <= max_tokens \(4\)"):
+        make_engine(CONFIG).check_request("r", PROMPT, SamplingParams(max_tokens=4, min_tokens=5))
+    with pytest.raises(InvalidRequest, match="min_tokens cannot be combined with response_format"):
+        make_engine(CONFIG, grammars=grammars).check_request(
+            "r", PROMPT, SamplingParams(temperature=0.0, min_tokens=2, response_format=ResponseFormat("json_object")))
 
 
 SCHEMAS = [

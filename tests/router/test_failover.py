@@ -26,7 +26,8 @@ from router.failover import FailoverRefused, Legs
 from router.shard_client import PROBES_TO_FAIL, ShardClient
 
 FIRST = shard_pb2.ShardRequest.Submit(request_id="req-1", prompt_token_ids=[5, 6, 7], max_tokens=10,
-                                      sampling=common_pb2.SamplingParams(temperature=1.0, seed=9, prompt_logprobs=2))
+                                      sampling=common_pb2.SamplingParams(temperature=1.0, seed=9, prompt_logprobs=2,
+                                                                         min_tokens=5))
 LOST = ShardLost("10.0.0.1:7000", "stream broke: UNAVAILABLE", "stream_broke")
 
 
@@ -35,6 +36,8 @@ def test_a_continuation_resends_the_tokens_passed_on_as_continued_output():
     sub = legs.continuation(LOST, [40, 41, 42], max_context=64)
     assert list(sub.prompt_token_ids) == [5, 6, 7, 40, 41, 42]
     assert (sub.prior_output_tokens, sub.max_tokens, sub.sampling.seed) == (3, 7, 9)
+    assert sub.sampling.min_tokens == 2, "the tokens passed on count toward min_tokens"
+    assert legs.continuation(LOST, list(range(40, 47)), max_context=64).sampling.min_tokens == 0
     assert not sub.sampling.HasField("prompt_logprobs"), "the first leg sent the scored prompt"
     assert list(FIRST.prompt_token_ids) == [5, 6, 7], "the first Submit is left as it was"
     legs.shards.append("b:1")

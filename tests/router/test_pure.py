@@ -41,6 +41,19 @@ def test_the_first_stop_string_complete_ends_the_text_whatever_the_deltas(stops,
     assert run(stops, list(whole), include=True) == (kept, True)
 
 
+@pytest.mark.parametrize("unarmed, rest, expected", [
+    (["a", "a"], ["a", "a"], "aa"),  # vLLM's min_tokens 3 over "aaaa", stop "a": the 3rd token's "a" stops it
+    (["xEN"], ["D tail"], "x"),  # begun while unarmed, ended after: a stop
+    (["xEND", "y"], ["z"], "xENDyz"),  # ended while unarmed: text
+    (["xEND"], ["yEND"], "xENDy"),  # the next one counts
+])
+def test_text_fed_unarmed_cannot_end_a_stop_string(unarmed, rest, expected):
+    stops = ["a"] if unarmed[0] == "a" else ["END"]
+    f = StopStringFilter(stops)
+    out = "".join(f.feed(d, armed=False) for d in unarmed) + "".join(f.feed(d) for d in rest)
+    assert out + f.flush() == expected and f.stopped == (expected != "xENDyz")
+
+
 def test_held_back_text_is_never_emitted_early():
     f = StopStringFilter(["STOP"])
     assert f.feed("ST") == ""

@@ -44,6 +44,15 @@ def test_response_format_rules_are_shared_and_blame_response_format():
         assert "ignore_eos cannot be combined" in text and "regex is empty" in text
 
 
+def test_min_tokens_over_max_tokens_is_refused_on_both_sides_with_the_same_words():
+    with pytest.raises(InvalidArgument) as routed:
+        validate_sampling(common_pb2.SamplingParams(max_tokens=4, min_tokens=5))
+    with pytest.raises(InvalidRequest) as on_shard:
+        SamplingParams(max_tokens=4, min_tokens=5).validate(VOCAB)
+    assert routed.value.param == on_shard.value.param == "min_tokens"
+    assert str(routed.value) == str(on_shard.value) == "min_tokens must be <= max_tokens (4), got 5"
+
+
 def test_stop_token_ids_outside_the_vocabulary_are_refused_by_the_shard_with_their_field():
     with pytest.raises(InvalidRequest, match=r"stop_token_ids: 1 token ids outside \[0, vocab size 100\)") as e:
         SamplingParams(stop_token_ids=(3, 100)).validate(VOCAB)

@@ -158,6 +158,7 @@ def test_tool_choice_naming_a_function_makes_exactly_one_call_to_it(stack):
     (common_pb2.SamplingParams(response_format=common_pb2.ResponseFormat(
         tool_calls=common_pb2.ResponseFormat.ToolCalls(max_calls=1))), "set by the router"),
     (common_pb2.SamplingParams(ignore_eos=True), "ignore_eos cannot be combined with tool_choice 'required'"),
+    (common_pb2.SamplingParams(min_tokens=3), "min_tokens cannot be combined with tool_choice 'required'"),
 ])
 def test_tool_choice_constraints_cannot_be_mixed_or_forged(stack, sampling, needle):
     req = router_pb2.ChatRequest(messages=USER, tools=TOOLS, tool_choice=ToolChoice(mode=ToolChoice.MODE_REQUIRED),

@@ -7,13 +7,16 @@ import json
 import subprocess
 import sys
 
+import openai
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from kimiserve.v1 import common_pb2, router_pb2
+from shard_svc.make_tiny import IM_END
 
 IDS = [1, 2, 3, 4, 5]
+A = 14  # the tiny tokenizer's "a"
 
 
 def test_text_and_token_id_prompts(http_stack):
@@ -98,6 +101,34 @@ def test_stop_strings_cut_the_text(http_stack):
     assert kept.text == full[:full.find(stop) + len(stop)] and kept.finish_reason == "stop"
     streamed = list(http_stack.client.completions.create(**kw, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == kept.text
+
+
+def test_min_tokens_holds_off_eos_stop_ids_and_stop_strings(http_stack):
+    """vLLM's min_tokens: EOS biased to all but certain ends the reply at once, or on the first token after
+    min_tokens; a stop string ending in the text of the first min_tokens - 1 tokens is passed over (the 3rd `a` of
+    `aaaa` stops min_tokens 3), streamed or not."""
+    kw = dict(model="", prompt=IDS, max_tokens=10, temperature=0)
+    c = http_stack.client.completions
+    eos = {"logit_bias": {str(IM_END): 100}}
+    assert c.create(**kw, extra_body=eos).usage.completion_tokens == 1
+    held = c.create(**kw, extra_body=eos | {"min_tokens": 4})
+    assert held.usage.completion_tokens == 5 and held.choices[0].finish_reason == "stop"
+    a = {"logit_bias": {str(A): 100}, "min_tokens": 3}
+    cut = c.create(**kw, stop=["a"], extra_body=a).choices[0]
+    assert (cut.text, cut.finish_reason) == ("aa", "stop")
+    streamed = list(c.create(**kw, stop=["a"], extra_body=a, stream=True))
+    assert "".join(x.choices[0].text for x in streamed) == "aa"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"min_tokens": 11}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 2, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_min_tokens_out_of_bounds_is_refused(http_stack, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        http_stack.client.completions.create(model="", prompt=IDS, max_tokens=10, extra_body=extra)
+    assert e.value.body["param"] == param and "min_tokens" in e.value.body["message"]
 
 
 def test_legacy_top_logprobs(http_stack):
