@@ -15,11 +15,13 @@ from typing import Any
 
 from kimiserve.limits import MAX_N
 from kimiserve.v1 import common_pb2, router_pb2
-from router import openai_fields
+from router import openai_fields, structured_outputs
+from router.openai_fields import describe
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                   "response_format", "logit_bias", "min_tokens", "include_stop_str_in_output"}
+                   "response_format", "logit_bias", "min_tokens", structured_outputs.FIELD,
+                   *structured_outputs.LEGACY, "include_stop_str_in_output"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
@@ -249,6 +251,10 @@ def sampling_params(body: dict[str, Any]) -> common_pb2.SamplingParams:
             setattr(s, name, float(body[name]))
     if "response_format" in body:
         _response_format(body["response_format"], s)
+    try:
+        structured_outputs.apply(body, s)
+    except openai_fields.FieldError as e:
+        raise BodyError(str(e), e.field) from None
     _logit_bias(body.get("logit_bias", {}), s)
     return s
 
@@ -326,8 +332,3 @@ def str_field(d: dict[str, Any], key: str, name: str | None = None) -> str:
         raise BodyError(f"{name or key} must be a string, got {describe(v)}", name or key)
     return v
 
-
-def describe(v: Any) -> str:
-    """A client's value as an error message shows it: its JSON, cut to 60 characters."""
-    text = json.dumps(v) if not isinstance(v, (bytes, set)) else repr(v)
-    return text if len(text) <= 60 else text[:57] + "..."

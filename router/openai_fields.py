@@ -16,6 +16,7 @@ unknown ones. A field set to null counts as absent (openai_body.present). /v1/re
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,12 @@ EXTENSIONS: dict[str, str] = {
                   "(SamplingParams.min_tokens)",
     "include_stop_str_in_output": "vLLM's: the stop string that ended the text is kept at its end "
                                   "(SamplingParams.include_stop_str_in_output)",
+    "structured_outputs": "vLLM's: one of json (a JSON Schema), regex, choice (the reply is exactly one of the "
+                          "strings) or json_object: true, enforced by constrained decoding as response_format is "
+                          "(SamplingParams.response_format; router/structured_outputs.py)",
+    "guided_json": "vLLM's before 0.12: structured_outputs.json",
+    "guided_regex": "vLLM's before 0.12: structured_outputs.regex",
+    "guided_choice": "vLLM's before 0.12: structured_outputs.choice",
 }
 
 # Honoured on /v1/chat/completions only (completions and responses refuse them, as they render no chat turns):
@@ -131,6 +138,12 @@ class Rules:
 
 CHAT_RULES = Rules(IGNORED, NO_OP_VALUES, REFUSED)  # /v1/chat/completions and /v1/completions
 RESPONSES_RULES = Rules(RESPONSES_IGNORED, RESPONSES_NO_OP_VALUES, RESPONSES_REFUSED)
+
+
+def describe(v: Any) -> str:
+    """A client's value as an error message shows it: its JSON, cut to 60 characters."""
+    text = json.dumps(v) if not isinstance(v, (bytes, set)) else repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class FieldError(ValueError):

@@ -4,8 +4,10 @@ the gRPC Chat stream (one flow), with OpenAI's shapes, usage, request ids and n 
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
+import openai
 import pytest
 
 from kimiserve.v1 import common_pb2, router_pb2
@@ -247,6 +249,43 @@ def test_json_schema_reply_parses_and_validates(http_stack):
                                                           response_format=fmt, **kw)
         assert reply.choices[0].finish_reason == "stop", reply
         jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+CHOICES = ["a.b (c)", "x-y|z", "plain", "[0-9]+"]  # regex meta characters: each choice is its text, literally
+
+
+@pytest.mark.parametrize("extra", [{"structured_outputs": {"choice": CHOICES}}, {"guided_choice": CHOICES}])
+def test_vllm_choice_gives_exactly_one_of_the_strings(http_stack, extra):
+    texts = {http_stack.client.chat.completions.create(model="", messages=HELLO, max_tokens=24, temperature=1.0,
+                                                       seed=seed, extra_body=extra).choices[0].message.content
+             for seed in range(6)}
+    assert texts <= set(CHOICES), texts
+
+
+def test_vllm_regex_and_json_constrain_chat_and_completions(http_stack):
+    pattern = "[0-9]{3}-[a-z]{2}"
+    for extra in ({"structured_outputs": {"regex": pattern}}, {"guided_regex": pattern}):
+        reply = http_stack.client.completions.create(model="", prompt="Code:", max_tokens=24, temperature=0.8,
+                                                     seed=2, extra_body=extra).choices[0]
+        assert re.fullmatch(pattern, reply.text) and reply.finish_reason == "stop", reply
+    for schema in (SCHEMA, json.dumps(SCHEMA)):  # vLLM takes the schema as an object or as JSON text
+        reply = http_stack.client.chat.completions.create(model="", messages=HELLO, max_tokens=48, temperature=0,
+                                                          extra_body={"structured_outputs": {"json": schema}})
+        jsonschema.validate(json.loads(reply.choices[0].message.content), SCHEMA)
+
+
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs", "grammar is not supported"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "set one of them"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs", "non-empty list of strings"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex", "both constrain the reply"),
+    ({"structured_outputs": {"regex": "a"}, "tools": [{"type": "function", "function": {"name": "ping"}}],
+      "tool_choice": "required"}, "tool_choice", "both constrain the reply"),
+])
+def test_vllm_structured_outputs_refusals_name_the_field(http_stack, extra, param, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        http_stack.client.chat.completions.create(model="", messages=HELLO, max_tokens=8, extra_body=extra)
+    assert e.value.body["param"] == param and needle in e.value.body["message"]
 
 
 def test_penalties_pass_through_and_change_the_output(http_stack):
