@@ -11,12 +11,22 @@ says it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
+import grpc
 import torch
+from openai import OpenAI
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
+from kimiserve.ports import free_port
+from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
+from kimiserve.v1 import router_pb2_grpc
+from launcher.up import start_stack, stop_stack
 from shard_svc.make_tiny import make_tiny
 
 ZEROED = ("o_proj.weight", "down_proj.weight", ".w2.weight")  # every write back into the residual stream
@@ -51,3 +61,28 @@ def write_scripted_model(out: Path, chain: list[int | str], seed: int = 0) -> Pa
     tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])
     save_file(tensors, path, metadata={"format": "pt"})
     return out
+
+
+def tiny_ids(out: Path) -> Callable[[str], list[int]]:
+    """Text -> the ids of the tokenizer a scripted model gets (written to `out`), to script a reply in words."""
+    write_tiny_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+@contextmanager
+def scripted_stack(model: Path) -> Iterator[dict[str, Any]]:
+    """`kimiserve up` of a scripted checkpoint on the CPU, as a client meets it: "openai" (the SDK on its HTTP API),
+    "grpc" (a Router stub), "router" (its gRPC address) and "model" (the served name)."""
+    http_port = free_port()
+    children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
+                           router_args=("--http-port", str(http_port)))
+    router = {c.name: c for c in children}["router"].address
+    channel = grpc.insecure_channel(router)
+    try:
+        yield {"openai": OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0,
+                                timeout=60),
+               "grpc": router_pb2_grpc.RouterStub(channel), "router": router, "model": model.name}
+    finally:
+        channel.close()
+        stop_stack(children, grace_s=20)

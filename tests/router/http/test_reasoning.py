@@ -9,15 +9,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import grpc
 import pytest
-from openai import OpenAI
 from tokenizers import Tokenizer
 
-from kimiserve.ports import free_port
-from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from launcher.up import start_stack, stop_stack
-from tests.scripted_model import write_scripted_model
+from kimiserve.v1 import common_pb2, router_pb2
+from tests.scripted_model import scripted_stack, write_scripted_model
 
 WORDS = (300, 301, 302)  # ordinary tokens of the tiny tokenizer: two thought, one said
 USER = [{"role": "user", "content": "Hello"}]
@@ -30,17 +26,9 @@ def thinking(tmp_path_factory):
     model = tmp_path_factory.mktemp("scripted") / "thinker"
     # A chat prompt ends with <|im_middle|> (the assistant's turn opens); from there the reply is fixed.
     write_scripted_model(model, ["<|im_middle|>", "<think>", *WORDS[:2], "</think>", WORDS[2], "<|im_end|>"])
-    http_port = free_port()
-    children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
-                           router_args=("--http-port", str(http_port)))
-    router = {c.name: c for c in children}["router"].address
-    channel = grpc.insecure_channel(router)
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
-    yield {"openai": OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60),
-           "grpc": router_pb2_grpc.RouterStub(channel), "model": model.name, "router": router,
-           "thought": tok.decode(list(WORDS[:2])), "said": tok.decode([WORDS[2]])}
-    channel.close()
-    stop_stack(children, grace_s=20)
+    with scripted_stack(model) as stack:
+        yield stack | {"thought": tok.decode(list(WORDS[:2])), "said": tok.decode([WORDS[2]])}
 
 
 def test_chat_splits_the_thinking_and_counts_its_tokens(thinking):

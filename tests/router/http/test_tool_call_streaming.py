@@ -4,17 +4,11 @@ tokens) and closes with ` Bye`. Each streamed form adds up to the whole reply.""
 
 from __future__ import annotations
 
-import grpc
 import pytest
-from openai import OpenAI
-from tokenizers import Tokenizer
 
 from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
-from kimiserve.ports import free_port
-from kimiserve.tokenizer_files.tiny import write_tiny_tokenizer
-from kimiserve.v1 import common_pb2, router_pb2, router_pb2_grpc
-from launcher.up import start_stack, stop_stack
-from tests.scripted_model import write_scripted_model
+from kimiserve.v1 import common_pb2, router_pb2
+from tests.scripted_model import scripted_stack, tiny_ids, write_scripted_model
 
 ZAP = {"type": "function", "function": {"name": "zap", "description": "zap w times",
                                         "parameters": {"type": "object", "properties": {"w": {"type": "integer"}}}}}
@@ -26,23 +20,12 @@ HEAD, TAIL = "Ok", " Bye"
 
 @pytest.fixture(scope="module")
 def zapper(tmp_path_factory):
-    ids_dir = tmp_path_factory.mktemp("ids")
-    write_tiny_tokenizer(ids_dir)  # the tokenizer the scripted model gets: its ids script the reply
-    tok = Tokenizer.from_file(str(ids_dir / "tokenizer.json"))
-
-    def ids(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False).ids
+    ids = tiny_ids(tmp_path_factory.mktemp("ids"))  # its ids script the reply
     model = tmp_path_factory.mktemp("scripted") / "zapper"
     write_scripted_model(model, ["<|im_middle|>", *ids(HEAD), SECTION_BEGIN, CALL_BEGIN, *ids(CALL_ID), ARG_BEGIN,
                                  *ids(ARGUMENTS), CALL_END, SECTION_END, *ids(TAIL), "<|im_end|>"])
-    http_port = free_port()
-    children = start_stack(model, 1, "cpu", "127.0.0.1", free_port(), timeout=180,
-                           router_args=("--http-port", str(http_port)))
-    channel = grpc.insecure_channel({c.name: c for c in children}["router"].address)
-    yield {"openai": OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none", max_retries=0, timeout=60),
-           "grpc": router_pb2_grpc.RouterStub(channel), "model": model.name}
-    channel.close()
-    stop_stack(children, grace_s=20)
+    with scripted_stack(model) as stack:
+        yield stack
 
 
 KW = dict(model="", messages=USER, tools=[ZAP], max_tokens=60, temperature=0)
