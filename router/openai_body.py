@@ -23,6 +23,7 @@ SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p"
                    "response_format", "logit_bias", "min_tokens", structured_outputs.FIELD,
                    *structured_outputs.LEGACY, "include_stop_str_in_output"}
 OPTION_FIELDS = {"n", "stream", "stream_options", "logprobs"}
+REASONING_FIELDS = ("reasoning_content", "reasoning")  # an assistant message's thinking, under either name
 # OpenAI's `developer` role is its `system` role under the name newer models use ("developer messages replace the
 # previous system messages"); the chat template knows `system`.
 ROLE_ALIASES = {"developer": "system"}
@@ -177,13 +178,14 @@ def _message(m: Any, i: int) -> common_pb2.ChatMessage:
     if not isinstance(m, dict):
         raise BodyError(f"{param} must be an object, got {describe(m)}", param)
     m = present(m)
-    unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+    unknown = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", *REASONING_FIELDS})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
     role = str_field(m, "role", f"{param}.role")
     out = common_pb2.ChatMessage(role=ROLE_ALIASES.get(role, role), content=_content(m.get("content"), i),
                                  name=str_field(m, "name", f"{param}.name"),
-                                 tool_call_id=str_field(m, "tool_call_id", f"{param}.tool_call_id"))
+                                 tool_call_id=str_field(m, "tool_call_id", f"{param}.tool_call_id"),
+                                 reasoning_content=_reasoning(m, param))
     calls = m.get("tool_calls", [])
     if not isinstance(calls, list):
         raise BodyError(f"{param}.tool_calls must be a list", f"{param}.tool_calls")
@@ -196,6 +198,15 @@ def _message(m: Any, i: int) -> common_pb2.ChatMessage:
             arguments = json.dumps(arguments)
         out.tool_calls.append(common_pb2.ToolCall(id=str(call.get("id") or ""), name=fn["name"], arguments=arguments))
     return out
+
+
+def _reasoning(m: dict[str, Any], param: str) -> str:
+    """An assistant message's reasoning as a reply gave it (reasoning_content; vLLM's newer name: reasoning), sent
+    back by clients that keep the model's thinking in the conversation."""
+    given = {k: str_field(m, k, f"{param}.{k}") for k in REASONING_FIELDS if k in m}
+    if len(set(given.values())) > 1:
+        raise BodyError(f"{param} has reasoning_content and reasoning that differ; send one", param)
+    return next(iter(given.values()), "")
 
 
 def _content(content: Any, i: int) -> str:

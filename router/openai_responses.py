@@ -105,8 +105,9 @@ def _instructions(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _messages(items: Any) -> list[dict[str, Any]]:
-    """`input` as chat messages: consecutive function calls join the assistant turn before them (a reply that said
-    something and called tools is one turn, as the model wrote it)."""
+    """`input` as chat messages: a reply's items make one assistant turn, as the model wrote it: a reasoning item
+    opens it (its text is the turn's reasoning_content), and the assistant message and function calls after it join
+    it."""
     if isinstance(items, str) and items:
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -118,12 +119,19 @@ def _messages(items: Any) -> list[dict[str, Any]]:
         if not isinstance(item, dict):
             raise BodyError(f"{param} must be an object, got {describe(item)}", param)
         kind = item.get("type", "message")
+        last = messages[-1] if messages else None
         if kind == "message":
-            messages.append(_message(item, param))
+            message = _message(item, param)
+            if (last is not None and message["role"] == "assistant" and last.get("reasoning_content")
+                    and not last["content"] and "tool_calls" not in last):
+                last["content"] = message["content"]  # the reasoning item before it opened this turn
+            else:
+                messages.append(message)
+        elif kind == "reasoning":
+            messages.append({"role": "assistant", "content": "", "reasoning_content": _reasoning_text(item, param)})
         elif kind == "function_call":
             call = {"id": _field(item, "call_id", param), "type": "function",
                     "function": {"name": _field(item, "name", param), "arguments": _field(item, "arguments", param)}}
-            last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
             else:
@@ -132,9 +140,8 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": _field(item, "call_id", param),
                              "content": _text_content(item.get("output"), f"{param}.output")})
         else:
-            raise BodyError(f"{param} is a {describe(kind)} item; input takes message, function_call and "
-                            "function_call_output items (nothing is stored here to refer to, and earlier reasoning "
-                            "is not sent back to the model)", f"{param}.type")
+            raise BodyError(f"{param} is a {describe(kind)} item; input takes message, reasoning, function_call "
+                            "and function_call_output items (nothing is stored here to refer to)", f"{param}.type")
     return messages
 
 
@@ -146,6 +153,22 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
     if role not in MESSAGE_ROLES:
         raise BodyError(f"{param}.role must be one of {sorted(MESSAGE_ROLES)}, got {describe(role)}", f"{param}.role")
     return {"role": role, "content": _text_content(item.get("content"), f"{param}.content")}
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its reasoning_text parts (this server's reasoning items carry them). Another
+    server's encrypted_content cannot be read here, and a summary is not what the model wrote: refused."""
+    unknown = sorted(set(item) - {"type", "id", "status", "summary", "content", "encrypted_content"})
+    if unknown:
+        raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
+    parts = item.get("content") or []
+    if not (isinstance(parts, list) and parts and all(
+            isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
+            for p in parts)):
+        raise BodyError(f"{param}: a reasoning item is read from its content's reasoning_text parts (a summary or "
+                        f"encrypted_content alone is not the model's text), got content {describe(parts)}",
+                        f"{param}.content")
+    return "".join(p["text"] for p in parts)
 
 
 def _text_content(content: Any, param: str) -> str:

@@ -22,6 +22,7 @@ class ChatMessage:
     name: str = ""
     tool_calls: tuple[ToolCall, ...] = field(default_factory=tuple)
     tool_call_id: str = ""
+    reasoning_content: str = ""  # assistant only: the thinking before its content
 
     def as_openai(self) -> dict[str, Any]:
         """The OpenAI-style dict chat templates expect (empty optional fields left out)."""
@@ -35,6 +36,8 @@ class ChatMessage:
             ]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -45,11 +48,12 @@ def validate_messages(messages: Sequence[ChatMessage], max_message_chars: int) -
     for i, msg in enumerate(messages):
         if msg.role not in ROLES:
             raise RenderError(f"messages[{i}]: unknown role {clip(msg.role)} (expected one of {sorted(ROLES)})")
-        size = len(msg.content) + sum(len(c.arguments) for c in msg.tool_calls)
+        size = len(msg.content) + len(msg.reasoning_content) + sum(len(c.arguments) for c in msg.tool_calls)
         if size > max_message_chars:
             raise RenderError(f"messages[{i}]: {size} characters is over the limit of {max_message_chars}")
-        if msg.tool_calls and msg.role != "assistant":
-            raise RenderError(f"messages[{i}]: role {clip(msg.role)} cannot carry tool_calls (assistant only)")
+        for name, value in (("tool_calls", msg.tool_calls), ("reasoning_content", msg.reasoning_content)):
+            if value and msg.role != "assistant":
+                raise RenderError(f"messages[{i}]: role {clip(msg.role)} cannot carry {name} (assistant only)")
         if msg.role == "tool" and not msg.tool_call_id:
             raise RenderError(f"messages[{i}]: a tool message needs the tool_call_id it answers")
         for j, call in enumerate(msg.tool_calls):

@@ -18,6 +18,7 @@ def messages_from_pb(messages: Iterable[common_pb2.ChatMessage]) -> list[ChatMes
             name=m.name,
             tool_calls=tuple(ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls),
             tool_call_id=m.tool_call_id,
+            reasoning_content=m.reasoning_content,
         )
         for m in messages
     ]

@@ -11,8 +11,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kimiserve.kimi_chat import (  # the tool-call markers: one definition, shared with the router
-    ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END)
+from kimiserve.kimi_chat import (  # the markers: one definition, shared with the router
+    ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, THINK_BEGIN, THINK_END)
 from tokenizer_svc.chat_types import ChatMessage
 
 KIMI_DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
@@ -47,7 +47,11 @@ class BuiltinKimiTemplate:
         prompt): where each ends is where a prefix cache may snapshot (tokenizer_svc/message_ends.py).
 
         continue_final_message: the last turn stays open (no end-of-turn marker, no generation prompt after it), for
-        the model to continue; the caller has checked it is an assistant's text (kimiserve/chat_continuation.py)."""
+        the model to continue; the caller has checked it is an assistant's text (kimiserve/chat_continuation.py).
+
+        An assistant turn's reasoning is written back as the model wrote it (<think>...</think> before the content)
+        only after the last user message, in the exchange still going on (a tool-call loop); earlier turns lose it,
+        as Kimi's thinking models' own template does, so old thinking does not fill the context."""
         parts: list[str] = []
         if tools:
             declared = json.dumps(list(tools), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
@@ -55,12 +59,15 @@ class BuiltinKimiTemplate:
         if messages[0].role != "system":
             parts.append(_turn(ROLE_TOKENS["system"], "system", KIMI_DEFAULT_SYSTEM_PROMPT))
         call_names: dict[str, str] = {}  # tool_call_id -> function name, so a tool result without a name gets one
-        for msg in messages:
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+        for i, msg in enumerate(messages):
             if msg.role == "tool":
                 name = msg.name or call_names.get(msg.tool_call_id, "tool")
                 parts.append(_turn(ROLE_TOKENS["tool"], name, f"## Return of {msg.tool_call_id}\n{msg.content}"))
                 continue
             body = msg.content
+            if msg.reasoning_content and i > last_user:
+                body = f"{THINK_BEGIN}{msg.reasoning_content}{THINK_END}{body}"
             if msg.tool_calls:
                 calls = []
                 for j, call in enumerate(msg.tool_calls):

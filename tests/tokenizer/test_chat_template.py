@@ -117,15 +117,42 @@ def test_unknown_tool_result_name_falls_back_to_tool() -> None:
         ([ChatMessage("assistant", "", tool_calls=(ToolCall("", "f", "[1]"),))], r"messages\[0\].*JSON object"),
         ([ChatMessage("user", "a"), ChatMessage("tool", "r")], r"messages\[1\]: a tool message needs the tool_call_id"),
         ([ChatMessage("user", "a", tool_calls=(ToolCall("", "f", "{}"),))], r"messages\[0\]: role 'user' cannot carry"),
+        ([ChatMessage("user", "a"), ChatMessage("tool", "r", tool_call_id="c", reasoning_content="t")],
+         r"messages\[1\]: role 'tool' cannot carry reasoning_content"),
+        ([ChatMessage("user", "a"), ChatMessage("assistant", "b", reasoning_content="t" * LIMIT)],
+         r"messages\[1\]: 10001 characters"),
         ([], r"messages: the conversation is empty"),
     ],
     ids=[
-        "unknown-role", "oversized", "args-not-json", "args-not-object", "tool-without-id", "user-tool-calls", "empty",
+        "unknown-role", "oversized", "args-not-json", "args-not-object", "tool-without-id", "user-tool-calls",
+        "tool-reasoning", "oversized-with-reasoning", "empty",
     ],
 )
 def test_render_errors_name_the_message(messages: list[ChatMessage], match: str) -> None:
     with pytest.raises(RenderError, match=match):
         render(messages)
+
+
+def test_reasoning_is_rendered_back_only_in_the_exchange_still_going_on() -> None:
+    """After the last user message (a tool-call loop) an assistant turn's reasoning is written back as the model
+    wrote it, <think>...</think> before the content; in an earlier exchange it is left out."""
+    call = ToolCall("functions.f:0", "f", "{}")
+    got = render([ChatMessage("user", "q1"), ChatMessage("assistant", "a1", reasoning_content="old"),
+                  ChatMessage("user", "q2"), ChatMessage("assistant", "", tool_calls=(call,), reasoning_content="new"),
+                  ChatMessage("tool", "r", tool_call_id="functions.f:0")])
+    assert "old" not in got and "<|im_assistant|>assistant<|im_middle|>a1<|im_end|>" in got
+    assert ("<|im_assistant|>assistant<|im_middle|><think>new</think><|tool_calls_section_begin|>"
+            "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
+            "<|tool_calls_section_end|><|im_end|>") in got
+
+
+def test_a_checkpoint_template_reads_reasoning_content(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{% if m.reasoning_content %}<{{ m.reasoning_content }}>{% endif %}" \
+               "{{ m.content }}|{% endfor %}"
+    loaded = load_chat_template(tmp_path, write_config(tmp_path, chat_template=template))
+    got = render_chat(loaded, [ChatMessage("user", "q"), ChatMessage("assistant", "a", reasoning_content="t")], [],
+                      False, LIMIT)
+    assert got == "q|<t>a|"
 
 
 def write_config(model_dir: Path, **extra: object) -> dict:

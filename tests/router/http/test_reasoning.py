@@ -2,13 +2,14 @@
 <think>, two tokens, </think>, one token and end-of-turn, so what each API must report is known before it runs:
 reasoning and content split apart, and usage counting the thinking block's tokens (markers included) as
 reasoning_tokens, in chat (whole, streamed, n > 1), Responses (whose logprobs leave the block out), gRPC Chat and a
-reply cut inside the block."""
+reply cut inside the block; and the reply sent back in the conversation with its reasoning, as agents do."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import openai
 import pytest
 from tokenizers import Tokenizer
 
@@ -28,7 +29,9 @@ def thinking(tmp_path_factory):
     write_scripted_model(model, ["<|im_middle|>", "<think>", *WORDS[:2], "</think>", WORDS[2], "<|im_end|>"])
     tok = Tokenizer.from_file(str(model / "tokenizer.json"))
     with scripted_stack(model) as stack:
-        yield stack | {"thought": tok.decode(list(WORDS[:2])), "said": tok.decode([WORDS[2]])}
+        thought = tok.decode(list(WORDS[:2]))
+        yield stack | {"thought": thought, "said": tok.decode([WORDS[2]]),
+                       "block_tokens": len(tok.encode(f"<think>{thought}</think>", add_special_tokens=False).ids)}
 
 
 def test_chat_splits_the_thinking_and_counts_its_tokens(thinking):
@@ -102,3 +105,60 @@ def test_a_completion_has_no_reasoning_tokens(thinking):
     said = thinking["openai"].completions.create(model="", prompt=[WORDS[2]], max_tokens=4, temperature=0)
     assert said.usage.completion_tokens == 1  # <|im_end|> follows the last word
     assert said.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+CALL = {"id": "functions.ping:0", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+RESULT = {"role": "tool", "tool_call_id": "functions.ping:0", "content": "pong"}
+LATER = {"role": "user", "content": "And then?"}
+
+
+def prompt_tokens(thinking, messages) -> int:
+    return thinking["openai"].chat.completions.create(model="", messages=messages, max_tokens=1,
+                                                      temperature=0).usage.prompt_tokens
+
+
+def test_a_reply_sent_back_with_its_reasoning_is_read_as_the_model_wrote_it(thinking):
+    """The SDK's message, dumped as agents append it (reasoning_content included), is accepted. In the exchange
+    still going on (after the last user message: a tool-call loop) its thinking is rendered back, block and all;
+    before a later user message it is left out. vLLM's newer name, reasoning, reads the same."""
+    reply = thinking["openai"].chat.completions.create(model="", messages=USER, max_tokens=16,
+                                                       temperature=0).choices[0].message
+    echoed = reply.model_dump(exclude_none=True)
+    assert echoed == {"role": "assistant", "content": thinking["said"], "reasoning_content": thinking["thought"]}
+    plain = {"role": "assistant", "content": reply.content}
+    assert prompt_tokens(thinking, USER + [echoed, LATER]) == prompt_tokens(thinking, USER + [plain, LATER])
+    loop = prompt_tokens(thinking, USER + [echoed | {"tool_calls": [CALL]}, RESULT])
+    assert loop - prompt_tokens(thinking, USER + [plain | {"tool_calls": [CALL]}, RESULT]) == thinking["block_tokens"]
+    vllm = plain | {"tool_calls": [CALL], "reasoning": thinking["thought"]}
+    assert prompt_tokens(thinking, USER + [vllm, RESULT]) == loop
+
+
+@pytest.mark.parametrize("message, param, needle", [
+    ({"role": "user", "content": "x", "reasoning_content": "y"}, "messages", "cannot carry reasoning_content"),
+    ({"role": "assistant", "content": "x", "reasoning_content": "a", "reasoning": "b"}, "messages[1]", "differ"),
+])
+def test_reasoning_where_it_cannot_be_is_refused(thinking, message, param, needle):
+    with pytest.raises(openai.BadRequestError) as e:
+        prompt_tokens(thinking, USER + [message])
+    assert e.value.body["param"] == param and needle in e.value.body["message"]
+
+
+def test_responses_take_their_own_output_items_back_as_input(thinking):
+    """A response's items replayed as input (reasoning, then the message) make one assistant turn, read as chat
+    reads the same conversation; a reasoning item before a function call keeps its thinking in the loop."""
+    client, model = thinking["openai"], thinking["model"]
+    first = client.responses.create(model=model, input="Hello", max_output_tokens=16, temperature=0)
+    items = [item.model_dump(exclude_none=True) for item in first.output]
+    assert [item["type"] for item in items] == ["reasoning", "message"]
+    user = {"role": "user", "content": "Hello"}
+    later = client.responses.create(model=model, input=[user, *items, LATER], max_output_tokens=1, temperature=0)
+    plain = {"role": "assistant", "content": thinking["said"]}
+    assert later.usage.input_tokens == prompt_tokens(thinking, USER + [plain, LATER])
+    call = {"type": "function_call", "call_id": CALL["id"], "name": "ping", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": CALL["id"], "output": "pong"}
+    loop = client.responses.create(model=model, input=[user, items[0], call, output], max_output_tokens=1,
+                                   temperature=0, tools=[{"type": "function", "name": "ping", "parameters": {}}])
+    bare = thinking["openai"].chat.completions.create(
+        model="", messages=USER + [{"role": "assistant", "content": "", "tool_calls": [CALL]}, RESULT], max_tokens=1,
+        temperature=0, tools=[{"type": "function", "function": {"name": "ping", "parameters": {}}}])
+    assert loop.usage.input_tokens - bare.usage.prompt_tokens == thinking["block_tokens"] > 0
