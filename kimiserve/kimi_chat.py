@@ -82,39 +82,40 @@ def _read(text: str, final: bool) -> tuple[str, list[_Call]]:
     head, found, rest = text.partition(SECTION_BEGIN)
     content, calls = [head], []
     state, call_id = "between", ""
-    parts = _SECTION_RE.split(rest) if found else []
-    for i, part in enumerate(parts):
+
+    def between(part: str, marker: bool) -> str:
+        """Reads `part` between calls; returns the state after it."""
+        nonlocal call_id
+        if not marker:
+            content.append(part if part.strip() else "")  # whitespace between calls is the format's, not content
+            return "between"
+        if part == CALL_BEGIN:
+            call_id = ""
+            return "id"
+        if part == SECTION_END:
+            return "after"
+        content.append(part)  # a stray ARG_BEGIN or CALL_END
+        return "between"
+
+    for i, part in enumerate(_SECTION_RE.split(rest) if found else []):
         marker = i % 2 == 1
         if state == "after":
             content.append(part)
-        elif state == "args" and not marker:
-            calls[-1].arguments += part
-        elif state == "args":  # the call ends at any marker; one other than CALL_END is read again below
-            state = "between"
-            if part == CALL_END:
-                continue
-        elif state == "id" and not marker:
-            call_id += part
-        elif state == "id":
-            name = _ID_RE.match(call_id.strip())
-            if part == ARG_BEGIN and name is not None:
-                calls.append(_Call(call_id.strip(), name.group("name")))
-                state = "args"
-                continue
+        elif state == "between":
+            state = between(part, marker)
+        elif not marker:  # text inside a call: its id, or its arguments
+            if state == "id":
+                call_id += part
+            else:
+                calls[-1].arguments += part
+        elif state == "args":  # a call ends at any marker; one other than CALL_END is read again, between calls
+            state = "between" if part == CALL_END else between(part, True)
+        elif part == ARG_BEGIN and (name := _ID_RE.match(call_id.strip())):
+            calls.append(_Call(call_id.strip(), name.group("name")))
+            state = "args"
+        else:  # not a call after all: its text is content; a marker other than ARG_BEGIN is read again
             content.append(CALL_BEGIN + call_id + (part if part == ARG_BEGIN else ""))
-            state = "between"
-            if part == ARG_BEGIN:
-                continue
-        if state != "between":
-            continue
-        if not marker:
-            content.append(part if part.strip() else "")  # whitespace between calls is the format's, not content
-        elif part == CALL_BEGIN:
-            state, call_id = "id", ""
-        elif part == SECTION_END:
-            state = "after"
-        else:
-            content.append(part)  # a stray ARG_BEGIN or CALL_END
+            state = "between" if part == ARG_BEGIN else between(part, True)
     if final and state == "args":
         calls[-1].cut = True
     if final and state == "id":

@@ -49,6 +49,12 @@ def test_parse_tool_calls_keeps_what_is_not_a_call_as_text(section) -> None:
     assert parse_tool_calls("<|tool_calls_section_begin|>" + section) == (section, [])
 
 
+def test_an_id_cut_short_by_the_next_call_is_text_and_the_next_call_a_call() -> None:
+    text = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0<|tool_call_begin|>functions.b:1"
+            "<|tool_call_argument_begin|>{}<|tool_call_end|>")
+    assert parse_tool_calls(text) == ("<|tool_call_begin|>functions.a:0", [ToolCall("functions.b:1", "b", "{}")])
+
+
 def test_content_keeps_reply_order_around_calls() -> None:
     """Text in the section that is not a call stays where the model wrote it: before the tail, between the calls."""
     call = "<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|>"
@@ -120,6 +126,8 @@ REPLIES = [
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.ping:",
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_wea",
     "a <|tool_call_begin|> not a section <|tool_calls_section_end|>",
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.a:0<|tool_call_begin|>functions.b:1"
+    "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_call_end|>",  # an id cut short by the next call
 ]
 
 
