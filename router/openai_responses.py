@@ -11,6 +11,7 @@ fields are honoured, ignored or refused: router/openai_fields.py (RESPONSES_*).
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,12 @@ from router.openai_body import BodyError, describe, present
 HONOURED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "tools", "tool_choice",
             "text", "stream", "stream_options", "include", "top_logprobs", "parallel_tool_calls"
             } | set(openai_fields.EXTENSIONS)
-LOGPROBS = "message.output_text.logprobs"  # the one `include` value: each output_text's tokens with logprobs
+LOGPROBS = "message.output_text.logprobs"  # `include`: each output_text's tokens with logprobs
+# `include`: reasoning items carry their text sealed in encrypted_content, so a client that keeps nothing but the
+# items (store: false, as agent SDKs send it) can hand them back; this server reads its own seal (not encrypted:
+# the text is in the item's content anyway), no other server's.
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+SEAL = "kimiserve-reasoning-v1."
 MESSAGE_ROLES = {"user", "system", "developer", "assistant"}
 TEXT_PARTS = {"input_text", "output_text"}  # a text part from the client, or one of the model's earlier replies
 
@@ -46,6 +52,7 @@ class ResponsesOptions:
     stream: bool
     echo: Echo
     logprobs: bool = False  # include names LOGPROBS
+    encrypted_reasoning: bool = False  # include names ENCRYPTED_REASONING
 
 
 def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, ResponsesOptions]:
@@ -71,22 +78,43 @@ def responses_request(body: dict[str, Any]) -> tuple[router_pb2.ChatRequest, Res
     if not isinstance(raw_options, dict) or set(raw_options) - {"include_obfuscation"}:
         raise BodyError(f"stream_options may hold ['include_obfuscation'], got {describe(raw_options)}",
                         "stream_options")
-    chat.update(_logprobs(body))
+    include = _include(body)
+    chat.update(_logprobs(body, include))
     req, options = openai_body.chat_request(chat)
     metadata = body.get("metadata", {})
     echo = Echo(instructions=body.get("instructions"), max_output_tokens=chat.get("max_tokens"),
                 temperature=float(body.get("temperature", 1.0)), top_p=float(body.get("top_p", 1.0)),
                 tools=[_flat_tool(t) for t in chat["tools"]], tool_choice=choice, text_format=text_format,
                 metadata=metadata, parallel_tool_calls=chat.get("parallel_tool_calls", True))
-    return req, ResponsesOptions(stream=options.stream, echo=echo, logprobs=options.logprobs)
+    return req, ResponsesOptions(stream=options.stream, echo=echo, logprobs=options.logprobs,
+                                 encrypted_reasoning=ENCRYPTED_REASONING in include)
 
 
-def _logprobs(body: dict[str, Any]) -> dict[str, Any]:
-    """`include` and `top_logprobs` as the chat body's logprobs fields."""
+def seal_reasoning(text: str) -> str:
+    """A reasoning item's encrypted_content: its text, read back by open_reasoning."""
+    return SEAL + base64.urlsafe_b64encode(text.encode()).decode()
+
+
+def open_reasoning(sealed: str) -> str | None:
+    """The text seal_reasoning sealed; None for what it did not seal (another server's encrypted_content)."""
+    if not sealed.startswith(SEAL):
+        return None
+    try:
+        return base64.urlsafe_b64decode(sealed[len(SEAL):].encode()).decode()
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _include(body: dict[str, Any]) -> list[str]:
     include = body.get("include", [])
-    if not isinstance(include, list) or any(v != LOGPROBS for v in include):
-        raise BodyError(f"include may hold only {LOGPROBS!r} (no stored, encrypted or tool output here), got "
-                        f"{describe(include)}", "include")
+    if not isinstance(include, list) or any(v not in (LOGPROBS, ENCRYPTED_REASONING) for v in include):
+        raise BodyError(f"include may hold {LOGPROBS!r} and {ENCRYPTED_REASONING!r} (no stored or tool output "
+                        f"here), got {describe(include)}", "include")
+    return include
+
+
+def _logprobs(body: dict[str, Any], include: list[str]) -> dict[str, Any]:
+    """`include` and `top_logprobs` as the chat body's logprobs fields."""
     top = body.get("top_logprobs", 0)
     if LOGPROBS not in include:
         if top:
@@ -156,18 +184,21 @@ def _message(item: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:
-    """A reasoning item's text: its reasoning_text parts (this server's reasoning items carry them). Another
+    """A reasoning item's text: its reasoning_text parts, or this server's sealed encrypted_content. Another
     server's encrypted_content cannot be read here, and a summary is not what the model wrote: refused."""
     unknown = sorted(set(item) - {"type", "id", "status", "summary", "content", "encrypted_content"})
     if unknown:
         raise BodyError(f"{param} has unsupported field(s) {unknown}", param)
     parts = item.get("content") or []
+    sealed = item.get("encrypted_content")
+    if not parts and isinstance(sealed, str) and (text := open_reasoning(sealed)) is not None:
+        return text
     if not (isinstance(parts, list) and parts and all(
             isinstance(p, dict) and p.get("type") == "reasoning_text" and isinstance(p.get("text"), str)
             for p in parts)):
-        raise BodyError(f"{param}: a reasoning item is read from its content's reasoning_text parts (a summary or "
-                        f"encrypted_content alone is not the model's text), got content {describe(parts)}",
-                        f"{param}.content")
+        raise BodyError(f"{param}: a reasoning item is read from its content's reasoning_text parts or this "
+                        f"server's encrypted_content (a summary, or another server's encrypted_content, is not the "
+                        f"model's text here), got content {describe(parts)}", f"{param}.content")
     return "".join(p["text"] for p in parts)
 
 

@@ -25,7 +25,7 @@ from router.errors import InvalidArgument, PermissionDenied, error_body, http_st
 from router.flow import Reply
 from router.http import replies, responses, schemas
 from router.openai_body import BodyError
-from router.openai_responses import Echo, responses_request
+from router.openai_responses import ResponsesOptions, responses_request
 
 NON_HTTP_ERRORS = ("batch_cancelled", "batch_expired")  # OpenAI's `error` field: failures that are not an HTTP answer
 OUTPUT, ERRORS = "output", "errors"
@@ -174,9 +174,10 @@ class Batches:
     # ---- output files -----------------------------------------------------------------------------------------
     def _render(self, row: BatchRow, which: str) -> bytes:
         kinds = self.files.request_kinds(row.id)
-        # A Responses line's response repeats fields of its body (instructions, tools, ...): parsed again here.
-        echoes = {custom_id: responses_request(json.loads(body))[1].echo
-                  for custom_id, body in self.files.request_payloads(row.id, RESPONSES).items()}
+        # A Responses line's response repeats fields of its body (instructions, tools, ...) and follows its include:
+        # parsed again here.
+        options = {custom_id: responses_request(json.loads(body))[1]
+                   for custom_id, body in self.files.request_payloads(row.id, RESPONSES).items()}
         lines = []
         for result in _results(self.runner, row.id):
             ok = result.WhichOneof("outcome") == "response"
@@ -187,7 +188,7 @@ class Batches:
             if ok:
                 line["response"] = {"status_code": 200, "request_id": result.request_id,
                                     "body": self._body(kinds.get(result.custom_id), result, row,
-                                                       echoes.get(result.custom_id))}
+                                                       options.get(result.custom_id))}
             elif result.error.code in NON_HTTP_ERRORS:
                 line["error"] = {"code": result.error.code, "message": result.error.message}
             else:
@@ -197,15 +198,16 @@ class Batches:
             lines.append(json.dumps(line, ensure_ascii=False))
         return "".join(line + "\n" for line in lines).encode("utf-8")
 
-    def _body(self, kind: str | None, result: router_pb2.BatchResult, row: BatchRow, echo: Echo | None) -> dict:
+    def _body(self, kind: str | None, result: router_pb2.BatchResult, row: BatchRow,
+              opts: ResponsesOptions | None) -> dict:
         r = result.response
         reply = Reply(token_ids=list(r.token_ids), text=r.text, reasoning=r.reasoning_text,
                       tool_calls=[ToolCall(c.id, c.name, c.arguments) for c in r.tool_calls],
                       finish_reason=r.finish_reason, usage=r.usage)
         if kind == RESPONSES:
             return responses.finished_response(
-                responses.Head(f"resp_{result.request_id}", _s(row.created_at_ms), self.model(), echo), reply,
-                result.request_id)
+                responses.Head(f"resp_{result.request_id}", _s(row.created_at_ms), self.model(), opts.echo,
+                               opts.encrypted_reasoning), reply, result.request_id)
         head = dict(created=_s(row.created_at_ms), model=self.model(), request_id=result.request_id)
         if kind == CHAT:
             return replies.chat_completion(f"chatcmpl-{result.request_id}", replies=[reply], logprobs=False,

@@ -34,7 +34,7 @@ async def handle(gen: Generation, body: dict, request_id: str, tenant: Tenant, r
     prompt = await flow.chat_prompt(gen, req, tenant)
     merged = flow.choices(gen, METHOD, request_id, [(prompt, req.sampling)], 1, tenant)
     head = Head(id=f"resp_{request_id}", created_at=int(time.time()), model=gen.model_info().model_name,
-                echo=opts.echo)
+                echo=opts.echo, encrypted_reasoning=opts.encrypted_reasoning)
     async def names(p: flow.Piece) -> dict[int, bytes]:
         """The bytes of p's tokens and candidates, fetched only when logprobs are asked for."""
         return await replies.token_bytes(gen, [p]) if opts.logprobs and p.token_ids else {}
@@ -72,8 +72,9 @@ async def _events(items: Items, names: Callable[[flow.Piece], Awaitable[dict[int
 
 
 def finished_response(head: Head, reply: flow.Reply, request_id: str) -> dict[str, Any]:
-    """The response object of a reply that ended (a batch result): what the endpoint answers for it."""
+    """The response object of a reply that ended (a batch result, its calls whole): what the endpoint answers."""
     items = Items(head, request_id)
+    reply.tool_call_deltas = [ToolCallDelta(k, c.arguments, c.id, c.name) for k, c in enumerate(reply.tool_calls)]
     items.piece(reply, {})
     return items.final
 
@@ -84,6 +85,7 @@ class Head:
     created_at: int
     model: str
     echo: Echo
+    encrypted_reasoning: bool = False  # include names reasoning.encrypted_content
 
 
 class Items:
@@ -221,6 +223,8 @@ class Items:
         else:
             out.append(self.event("response.reasoning_text.done", **self._where(), text=self.open_text))
         item = self.open | {"status": status, "content": [part]}
+        if self.open["type"] == "reasoning" and self.head.encrypted_reasoning:
+            item["encrypted_content"] = openai_responses.seal_reasoning(self.open_text)
         out += [self.event("response.content_part.done", **self._where(), part=part),
                 self.event("response.output_item.done", output_index=len(self.output), item=item)]
         self.output.append(item)

@@ -162,3 +162,30 @@ def test_responses_take_their_own_output_items_back_as_input(thinking):
         model="", messages=USER + [{"role": "assistant", "content": "", "tool_calls": [CALL]}, RESULT], max_tokens=1,
         temperature=0, tools=[{"type": "function", "function": {"name": "ping", "parameters": {}}}])
     assert loop.usage.input_tokens - bare.usage.prompt_tokens == thinking["block_tokens"] > 0
+
+
+def test_sealed_reasoning_alone_comes_back_as_the_turns_thinking(thinking):
+    """include reasoning.encrypted_content (what agent SDKs add with store: false): the reasoning item carries its
+    text sealed, streamed or not, and an item holding only that seal is read back as its thinking; another
+    server's encrypted_content alone is refused naming the item."""
+    client, model = thinking["openai"], thinking["model"]
+    kw = dict(model=model, input="Hello", max_output_tokens=16, temperature=0, include=["reasoning.encrypted_content"])
+    sealed = client.responses.create(**kw).output[0].encrypted_content
+    assert sealed
+    with client.responses.stream(**kw) as stream:
+        done = [e.item for e in stream if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert [item.encrypted_content for item in done] == [sealed]
+    call = {"type": "function_call", "call_id": CALL["id"], "name": "ping", "arguments": "{}"}
+    output = {"type": "function_call_output", "call_id": CALL["id"], "output": "pong"}
+    tools = [{"type": "function", "name": "ping", "parameters": {}}]
+
+    def input_tokens(reasoning: dict) -> int:
+        return client.responses.create(model=model, input=[{"role": "user", "content": "Hello"}, reasoning, call,
+                                                           output], max_output_tokens=1, temperature=0,
+                                       tools=tools).usage.input_tokens
+    with_text = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text",
+                                                                   "text": thinking["thought"]}]}
+    assert input_tokens({"type": "reasoning", "summary": [], "encrypted_content": sealed}) == input_tokens(with_text)
+    with pytest.raises(openai.BadRequestError) as e:
+        input_tokens({"type": "reasoning", "summary": [], "encrypted_content": "gAAAAB-someone-elses"})
+    assert e.value.body["param"] == "input[1].content"

@@ -159,7 +159,7 @@ REFUSED = {
     "input[0].content[0]": dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
     "input[1].type": dict(input=[{"role": "user", "content": "Hi"}, {"type": "item_reference", "id": "msg_1"}]),
     "text.format": dict(text={"format": {"type": "json_schema", "name": "x"}}),
-    "include": dict(include=["reasoning.encrypted_content"]),
+    "include": dict(include=["file_search_call.results"]),
     "top_logprobs": dict(top_logprobs=3),  # alternatives of logprobs not asked for (include)
 }
 

@@ -4,10 +4,14 @@ tokens) and closes with ` Bye`. Each streamed form adds up to the whole reply.""
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 
 from kimiserve.kimi_chat import ARG_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END
 from kimiserve.v1 import common_pb2, router_pb2
+from tests.router.http.test_batches import wait_terminal
 from tests.scripted_model import scripted_stack, tiny_ids, write_scripted_model
 
 ZAP = {"type": "function", "function": {"name": "zap", "description": "zap w times",
@@ -99,3 +103,21 @@ def test_grpc_chat_streams_deltas_that_add_up_to_the_last_chunks_calls(zapper):
     assert [(c.id, c.name, c.arguments) for c in chunks[-1].tool_calls] == [(CALL_ID, "zap", ARGUMENTS)]
     assert "".join(c.text for c in chunks) == HEAD + TAIL
     assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_a_batch_responses_line_keeps_its_function_call(zapper):
+    """A batch result is stored whole (its text and its calls, not where the text stood): its response holds the
+    reply's text as one message, then the same call."""
+    client = zapper["openai"]
+    body = {"model": zapper["model"], "input": "Zap it.", "max_output_tokens": 60, "temperature": 0,
+            "tools": [{"type": "function", **ZAP["function"]}]}
+    direct = client.responses.create(**body)
+    line = {"custom_id": "zap", "method": "POST", "url": "/v1/responses", "body": body}
+    uploaded = client.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/responses", completion_window="24h")
+    done = wait_terminal(client, batch.id)
+    [out] = [json.loads(x) for x in client.files.content(done.output_file_id).text.splitlines()]
+    items = out["response"]["body"]["output"]
+    assert [(i["type"], i.get("call_id"), i.get("name"), i.get("arguments")) for i in items[1:]] == [
+        ("function_call", CALL_ID, "zap", ARGUMENTS)]
+    assert items[0]["content"][0]["text"] == direct.output_text == HEAD + TAIL
