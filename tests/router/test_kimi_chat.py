@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kimiserve.kimi_chat import ReplySplitter, ToolCall, ToolCallDelta, parse_tool_calls, split_reasoning
+from kimiserve.kimi_chat import THINK_END, ReplySplitter, ToolCall, ToolCallDelta, parse_tool_calls, split_reasoning
 
 CALLS = ('<|tool_calls_section_begin|>'
          '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
@@ -171,3 +171,13 @@ def test_reasoning_tokens_are_the_tokens_up_to_the_end_of_the_leading_block(toke
         s.feed(t, tokens=1)
     s.finish()
     assert s.reasoning_tokens == expected
+
+
+def test_the_splitter_holds_back_only_a_markers_length():
+    """Each delta is read once: what a streamed reply keeps unread is never more than a marker's start (or a call's
+    id, or whitespace), however long the thinking, content or arguments grow, so a reply costs linear time."""
+    s = ReplySplitter()
+    longest = max(map(len, (THINK_END, "<|tool_calls_section_begin|>", "<|tool_call_argument_begin|>")))
+    for d in ["<think>", *[" thought"] * 500, "</think>", *[" said"] * 500, CALLS[:60], *[' "x",'] * 500]:
+        s.feed(d)
+        assert len(s._held) < longest and len(s._scanner._pending) < longest
