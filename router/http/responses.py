@@ -93,9 +93,10 @@ class Items:
 
     With logprobs, the message's output_text carries an entry for every token after the thinking block (as chat's
     logprobs do: the end of turn included) up to the first tool call; a function_call item has no logprobs, so the
-    tokens written while one is open have none (text after the calls carries its own). Each text delta carries the entries of the tokens
-    that arrived since the previous one (a token whose text is held back waits for the next delta), and closing the
-    message sends the rest in a delta with no text, so the deltas' entries add up to the part's."""
+    tokens written while one is open have none (text after the calls carries its own). Each text delta carries the
+    entries of the tokens that arrived since the previous one (a token whose text is held back waits for the next
+    delta), and closing the message sends the rest in a delta with no text, so the deltas' entries add up to the
+    part's."""
 
     def __init__(self, head: Head, request_id: str, logprobs: bool = False):
         self.head, self.request_id, self.logprobs = head, request_id, logprobs

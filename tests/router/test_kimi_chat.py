@@ -120,7 +120,8 @@ def test_streamed_split_equals_the_whole_reply_parsed(deltas) -> None:
 
 REPLIES = [
     "<think>plan</think>Let me check." + CALLS + " tail",
-    "Sure." + CALLS[:-len("<|tool_calls_section_end|>")] + "<|tool_call_begin|>functions.f:2<|tool_call_argument_begin|>{",
+    "Sure." + CALLS[:-len("<|tool_calls_section_end|>")]
+    + "<|tool_call_begin|>functions.f:2<|tool_call_argument_begin|>{",
     '<|tool_calls_section_begin|>x <|tool_call_begin|>bad id<|tool_call_argument_begin|>{} <|tool_call_end|> '
     '<|tool_call_begin|>functions.g:0<|tool_call_argument_begin|> {"k": " v "} <|tool_calls_section_end|>after',
     "<|tool_calls_section_begin|><|tool_call_begin|>functions.ping:",
