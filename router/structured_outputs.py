@@ -4,7 +4,8 @@ also becomes (enforced on the shard by constrained decoding, shard_svc/engine/gr
 vLLM's `structured_outputs` object sets one of `json` (a JSON Schema, as an object or JSON text), `regex`, `choice`
 (the reply is exactly one of the strings) or `json_object: true`; its names before vLLM 0.12, `guided_json`,
 `guided_regex` and `guided_choice`, are taken as the same. A context-free `grammar`, `structural_tag` and the
-options that retune vLLM's own grammar engines are refused by name, as is a request that sets two constraints.
+options that retune vLLM's own grammar engines are refused by name (at their defaults, false or empty, they change
+nothing and are accepted), as is a request that sets two constraints.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def _requested(body: dict[str, Any]) -> tuple[str | None, Any, str]:
             raise FieldError(f"{FIELD} must be a JSON object, got {describe(spec)}", FIELD)
         spec = {k: v for k, v in spec.items() if v is not None}  # null: unset, as at the top level
         for key in sorted(spec):
+            if key in REFUSED and spec[key] in (False, "", {}, []):
+                continue  # its default, as a client that sends every field of vLLM's params object sets it
             if key in REFUSED:
                 raise FieldError(f"{FIELD}.{key} is not supported: {REFUSED[key]}", FIELD)
             if key not in KINDS:
