@@ -49,6 +49,8 @@ from shard_svc.ops.mla.long_context import Attend, expand, gather_latents, math_
 
 PROMPT, MLA_LAYERS = 1_048_576, 7
 LAYOUTS = [dict(block_m=m, block_n=n, num_stages=s) for m in (64, 128) for n in (32, 64, 128) for s in (2, 3)]
+SWEEP_LAYOUTS = [dict(block_m=128, block_n=64, num_stages=3), dict(block_m=128, block_n=128, num_stages=2),
+                 dict(block_m=64, block_n=64, num_stages=2)]
 NEW_SHAPES = ((8191, 8191, True), (5003, 21011, False), (777, 32768, False), (3001, 3001, True), (1500, 2500, False))
 
 
@@ -277,6 +279,8 @@ def main() -> None:
     p.add_argument("--crossover-chunks", default="256,1024,2048,4096,8192")
     p.add_argument("--crossover-contexts", default="32768,131072")
     p.add_argument("--new-shapes-only", action="store_true", help="only the library's new-shape rows")
+    p.add_argument("--layouts-at", default="", help="only the kernel's layouts (the default, 3 stages, 128-key "
+                   "tiles, 64-query blocks) at these CONTEXT:CHUNK points, e.g. 0:2048,32768:8192 (layouts.json)")
     args = p.parse_args()
     from shard_svc.ops import select_ops
     from shard_svc.ops.mla.cudnn import cudnn_attend
@@ -287,6 +291,16 @@ def main() -> None:
         gen = torch.Generator(device="cuda").manual_seed(0)
         rows = [new_shape_row(Shape(), m, n, c, cudnn_attend, timer, "cuda", gen) for m, n, c in NEW_SHAPES]
         (args.out / "new_shapes.json").write_text(json.dumps(rows, indent=1))
+        return
+    if args.layouts_at:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        prefill = select_ops(torch.device("cuda"), "triton").mla_prefill
+        rows = [row for point in args.layouts_at.split(",") for row in layout_rows(
+            Shape(), *map(int, point.split(":")), prefill, SWEEP_LAYOUTS, timer, "cuda", gen)]
+        (args.out / "layouts.json").write_text(json.dumps(rows, indent=1))
+        for r in rows:
+            print(f"C {r['context']:>7,} M {r['chunk']:>5} {json.dumps(r['layout']):<48} "
+                  + (f"{r['ms']:8.3f} ms  err {r['err_vs_default']:.1e}" if "ms" in r else r["error"]))
         return
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     result = run(Shape(), ints(args.contexts), args.chunk, ints(args.crossover_chunks), ints(args.crossover_contexts),

@@ -130,6 +130,22 @@ def test_layout_longest_blocks_first_and_blocks_before_a_piece_left_out():
     assert starts == [0] and rows == [(19, 21, 16, 0, 20, 30), (35, 5, 32, 0, 20, 30)]
 
 
+def test_a_segment_pipelines_three_key_tiles_once_a_sequence_has_enough_keys_in_it():
+    mod = prefill_module()
+    deep = mod.DEEP_PIPELINE_KEYS
+    assert mod.pipeline_stages([(0, 0, deep - 1), (1, 0, 8)]) == 2
+    assert mod.pipeline_stages([(0, 0, 8), (1, 100, 100 + deep)]) == 3
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_either_pipeline_depth_gives_the_same_output(stages):
+    """The depth only changes how far ahead key tiles load: the launch's result is the default one's."""
+    mod = prefill_module()
+    args = make_prefill_batch([9, 0, 23], [12, 20, 3], 2, 16, 8, 16, 32, 4, torch.float32, seed=5)
+    kw = dict(block_m=16, block_n=16)
+    assert torch.equal(mod.mla_prefill(*args, 0.3, num_stages=stages, **kw), mod.mla_prefill(*args, 0.3, **kw))
+
+
 def test_op_seam_serves_triton_mla_prefill():
     from shard_svc.ops import select_ops
 

@@ -95,8 +95,9 @@ def decode_48b_launches() -> None:
     kernel_module("mla_cache", "_mla_cache_write_kernel").mla_cache_write(
         args[2], torch.empty(2, 512, dtype=BF16), torch.empty(2, 64, dtype=BF16), torch.empty(512, dtype=BF16), 1e-6,
         torch.tensor([0, 1]))
-    args = make_prefill_batch([4096], [512], 32, 128, 64, 128, 512, 64, BF16)
-    prefill_module().mla_prefill(*args, 0.1)
+    for ctx in (0, 4096):  # a prompt's first chunk pipelines two key tiles, a pass over a context three
+        args = make_prefill_batch([ctx], [512], 32, 128, 64, 128, 512, 64, BF16)
+        prefill_module().mla_prefill(*args, 0.1)
     inv = invariant_module()  # batch-invariant mode's linear, on the GPU's tiling, at a prefill's rows
     for n, k in ((12288, D), (D, 4096)):
         inv.invariant_linear(torch.empty(3712, k, dtype=BF16), torch.empty(1, k, dtype=BF16).expand(n, k),

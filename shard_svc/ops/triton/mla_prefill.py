@@ -53,6 +53,10 @@ CONTEXT_WORKSPACE_TOKENS = 32768
 # (1.8x) pays for its fixed costs (expansion, layout copies, merge, a plan per new shape) several times over.
 LONG_PAIRS = 1 << 30
 BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
+# Keys of one sequence in a segment from which the kernel pipelines three key tiles instead of two. Measured on an
+# H100 (bench/results/mla_prefill_layouts_h100_2026-12-07.json, one sequence, 48B heads): three stages were 18-23%
+# faster from 8,192 to 131,072 keys and 6-9% at 4,608-8,192, but 76% slower at 2,048 keys (a prompt's first chunk).
+DEEP_PIPELINE_KEYS = 4096
 
 
 @triton.jit
@@ -186,6 +190,11 @@ def _layout(pieces: list[tuple[int, int, int]], ctx: list[int], bounds: list[int
     return [v for blk in blocks for v in blk], starts
 
 
+def pipeline_stages(pieces: list[tuple[int, int, int]]) -> int:
+    """Key tiles in flight for one segment: 3 where a sequence has DEEP_PIPELINE_KEYS keys in it, else 2."""
+    return 3 if max(hi - lo for _, lo, hi in pieces) >= DEEP_PIPELINE_KEYS else 2
+
+
 def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
             block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The segment's keys gathered from the paged cache, packed: (k_nope | v per head [L, nh * (nope + v)],
@@ -207,12 +216,13 @@ def _expand(pieces: list[tuple[int, int, int]], starts: list[int], kv_cache: tor
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, w_kv_b: torch.Tensor,
                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, cu_seqlens: torch.Tensor, scale: float,
                 block_m: int = 128, block_n: int = 64, workspace_tokens: int = CONTEXT_WORKSPACE_TOKENS,
-                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS, num_stages: int = 2,
+                long_attend: Attend | None = None, long_pairs: int = LONG_PAIRS, num_stages: int | None = None,
                 lengths: HostLengths | None = None) -> torch.Tensor:
     """Same contract as `ops.mla.eager.mla_attention`; returns o [T, nh, v] in q's dtype. workspace_tokens: the most
     keys expanded at once; long_attend: the library attention for sequences whose new tokens times cached tokens
     reach long_pairs (None: every sequence in this kernel); block_m, block_n, num_stages: the kernel's tiles and
-    pipeline depth (bench/mla_prefill_long.py sweeps them). Module docstring."""
+    pipeline depth (bench/mla_prefill_long.py sweeps them; num_stages None: 3 for a segment where a sequence has
+    DEEP_PIPELINE_KEYS keys or more, else 2). Module docstring."""
     op = "mla_prefill"
     t, nh, nope, rope, _, v_dim, bs, _ = check_mla_layer(
         op, q_nope, q_pe, kv_cache, w_kv_b, block_tables, ctx_lens, cu_seqlens)
@@ -251,7 +261,7 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor
 
 def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nope: torch.Tensor, q_pe: torch.Tensor,
             kv_cache: torch.Tensor, w_kv_b: torch.Tensor, block_tables: torch.Tensor, ctx: list[int],
-            bounds: list[int], scale: float, block_m: int, block_n: int, num_stages: int) -> None:
+            bounds: list[int], scale: float, block_m: int, block_n: int, num_stages: int | None) -> None:
     """This kernel over the segments' sequences, writing their rows of `out` (and, with several segments, zeros on
     the rest)."""
     t, nh, v_dim = out.shape
@@ -270,7 +280,7 @@ def _packed(segments: list[list[tuple[int, int, int]]], out: torch.Tensor, q_nop
             NOPE=nope, ROPE=rope, V=v_dim, NOPE_P=pow2_at_least(nope, 16), ROPE_P=pow2_at_least(rope, 16),
             V_P=pow2_at_least(v_dim, 16), BM=block_m, BN=block_n, FIELDS=BLOCK_FIELDS, MERGE=merge,
             DOT_FP32=interpreting(), PRECISION=dot_precision(q_nope.dtype), num_warps=8 if block_m >= 128 else 4,
-            num_stages=num_stages)
+            num_stages=num_stages or pipeline_stages(pieces))
     if merge:
         out.copy_(target)  # the library's sequences' rows too: they are written after this
 
