@@ -16,8 +16,8 @@ def test_a_choice_pattern_matches_its_text_alone(text):
 
 
 def test_vllm_options_at_their_defaults_change_nothing_and_are_accepted():
-    spec = {"choice": ["a", "b"], "disable_any_whitespace": False, "disable_fallback": False, "whitespace_pattern": None,
-            "grammar": None, "structural_tag": None}
+    spec = {"choice": ["a", "b"], "disable_any_whitespace": False, "disable_fallback": False,
+            "whitespace_pattern": None, "grammar": None, "structural_tag": None}
     assert sampling_params({"structured_outputs": spec}).response_format.regex == "(?:a|b)"
     with pytest.raises(BodyError, match="disable_fallback is not supported"):
         sampling_params({"structured_outputs": {"choice": ["a"], "disable_fallback": True}})
