@@ -19,10 +19,11 @@ launches. A pass whose keys fit in one segment (every pass of a prompt shorter t
 that writes the output directly.
 
 Long sequences go to a fused attention library instead (`shard_svc/ops/mla/long_context.py`; cuDNN on CUDA, which
-ran 1.8x this kernel at the 48B shape on the H200): a sequence whose new queries times cached keys reach
-`long_pairs`, with the same bounded workspace. The rest (prompts without a long context, decodes folded into the
-pass) stay packed in this kernel: per-sequence library calls would cost more than they save there, and cuDNN builds
-an execution plan for every new shape, which only a pass over a long context repays.
+ran 1.8x this kernel at the 48B shape on the H200, 1.3x on an H100 once the kernel pipelined three key tiles): a
+sequence whose new queries times cached keys reach `long_pairs`, with the same bounded workspace. The rest (prompts
+without a long context, decodes folded into the pass) stay packed in this kernel: per-sequence library calls would
+cost more than they save there, and cuDNN builds an execution plan for every new shape, which only a pass over a long
+context repays.
 
 One program per (query block of one sequence, head) and segment: first the key tiles that every query of the block
 sees (positions before its first query: no mask), then the tiles at the causal edge. The segments and blocks are
@@ -49,8 +50,9 @@ from shard_svc.ops.triton.jit_helpers import LOG2E, online_softmax_step
 # context. A multiple of the key tile, and well above the prefill budget so that ordinary prompts take one launch.
 CONTEXT_WORKSPACE_TOKENS = 32768
 # New queries x cached keys of one sequence's pass from which it goes to `long_attend`: an 8,192-token chunk at 128k
-# of context, or 4,096 at 256k. Such a pass's attention takes ~60 ms a layer in this kernel, so the library's rate
-# (1.8x) pays for its fixed costs (expansion, layout copies, merge, a plan per new shape) several times over.
+# of context, or 4,096 at 256k. Such a pass's attention takes ~50 ms a layer in this kernel, so the library's rate
+# (1.1-1.3x there) pays for its fixed costs (expansion, layout copies, merge, a plan per new shape: 70-94 ms the
+# first time) over the passes of a long prompt.
 LONG_PAIRS = 1 << 30
 BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
 # Keys of one sequence in a segment from which the kernel pipelines three key tiles instead of two. Measured on an
