@@ -56,8 +56,9 @@ CONTEXT_WORKSPACE_TOKENS = 32768
 LONG_PAIRS = 1 << 30
 BLOCK_FIELDS = 6  # a query block's entries in the layout (`_layout`)
 # Keys of one sequence in a segment from which the kernel pipelines three key tiles instead of two. Measured on an
-# H100 (bench/results/mla_prefill_layouts_h100_2026-12-07.json, one sequence, 48B heads): three stages were 18-23%
-# faster from 8,192 to 131,072 keys and 6-9% at 4,608-8,192, but 76% slower at 2,048 keys (a prompt's first chunk).
+# H100 (bench/results/mla_prefill_layouts_h100_2026-12-07{,b}.json, one sequence, 48B heads): three stages were
+# 18-23% faster from 8,192 to 131,072 keys and 6-9% at 4,608-8,192; at 2,048 keys (a prompt's first chunk) one run
+# had them 76% slower and the other 5% faster, so below this they stay at two, as before.
 DEEP_PIPELINE_KEYS = 4096
 
 
