@@ -159,8 +159,7 @@ class _Scanner:
             if marker != CALL_END:
                 self._marker(marker)
         elif self._state == "id" and marker == ARG_BEGIN and (name := _ID_RE.match(self._call_id.strip())):
-            self._calls.append((self._call_id.strip(), name.group("name"), []))
-            self._deltas.append(ToolCallDelta(len(self._calls) - 1, "", self._calls[-1][0], self._calls[-1][1]))
+            self._open_call(name.group("name"))
             self._state, self._args_begun, self._args_space = "args", False, ""
         elif self._state == "id":  # not a call after all: its text is content; a marker but ARG_BEGIN is read again
             self._content.append(CALL_BEGIN + self._call_id + (marker if marker == ARG_BEGIN else ""))
@@ -186,9 +185,13 @@ class _Scanner:
             if name is None:
                 self._content.append(CALL_BEGIN + self._call_id)
             else:
-                self._calls.append((self._call_id.strip(), name.group("name"), []))
-                self._deltas.append(ToolCallDelta(len(self._calls) - 1, "", self._calls[-1][0], self._calls[-1][1]))
+                self._open_call(name.group("name"))
                 self._cut = True
+
+    def _open_call(self, name: str) -> None:
+        """A call begins: the id read so far is its id, and its first delta names it."""
+        self._calls.append((self._call_id.strip(), name, []))
+        self._deltas.append(ToolCallDelta(len(self._calls) - 1, "", self._calls[-1][0], name))
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

@@ -47,12 +47,8 @@ class Chunks:
 
     def chunk(self, choices: list[schemas.ChunkChoice], **kw) -> str:
         out = schemas.ChatCompletionChunk(**self.head, choices=choices, **kw).model_dump()
-        for choice in out["choices"]:  # a delta carries only what changed; finish_reason and logprobs stay (null)
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-            for call in choice["delta"].get("tool_calls", []):
-                for fields in (call, call["function"]):
-                    for k in [k for k, v in fields.items() if v is None]:
-                        del fields[k]
+        for choice, given in zip(out["choices"], choices):  # a delta (its calls too) carries only what changed;
+            choice["delta"] = given.delta.model_dump(exclude_none=True)  # finish_reason and logprobs stay (null)
         return event(out)
 
     def start(self) -> list[str]:
